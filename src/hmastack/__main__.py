@@ -1,0 +1,3 @@
+from hmastack.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,21 @@
+"""Errors are values with a message a user can act on."""
+
+from __future__ import annotations
+
+
+class HmastackError(Exception):
+    """A failure the user can act on.
+
+    ``message`` says what went wrong, ``hint`` what to do about it. The CLI
+    prints both and exits with status 2 (status 1 is kept for "tests failed").
+    """
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        if self.hint:
+            return f"{self.message}\n  hint: {self.hint}"
+        return self.message

@@ -1,0 +1,124 @@
+"""Progress output for long steps: what runs, for how long, and how it ended.
+
+On a terminal a live spinner shows the elapsed time; elsewhere (CI logs) a
+heartbeat line is printed every ``HEARTBEAT_SECONDS`` so a silent step is never
+mistaken for a hung one. Every step ends with one line carrying its wall time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from hmastack.errors import HmastackError
+
+console = Console(stderr=True, highlight=False)
+HEARTBEAT_SECONDS = 30.0
+
+
+def _format_seconds(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, rest = divmod(int(seconds), 60)
+    return f"{minutes} min {rest:02d} s"
+
+
+@contextlib.contextmanager
+def step(title: str) -> Iterator[None]:
+    """Run a block as a named step with elapsed time.
+
+    Prints ``title ... done (12.3 s)`` or ``... failed`` when the block raises;
+    the exception propagates unchanged.
+    """
+    start = time.monotonic()
+    stop = threading.Event()
+    if console.is_terminal:
+        progress = Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+        )
+        progress.add_task(title)
+        progress.start()
+    else:
+        progress = None
+        console.print(f"[bold]>[/bold] {title} ...")
+
+        def heartbeat() -> None:
+            while not stop.wait(HEARTBEAT_SECONDS):
+                elapsed = _format_seconds(time.monotonic() - start)
+                console.print(f"  ... {title}: still running ({elapsed})")
+
+        threading.Thread(target=heartbeat, daemon=True).start()
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        stop.set()
+        if progress is not None:
+            progress.stop()
+        elapsed = _format_seconds(time.monotonic() - start)
+        if ok:
+            console.print(f"[green]✓[/green] {title} ({elapsed})")
+        else:
+            console.print(f"[red]✗[/red] {title} failed ({elapsed})")
+
+
+class CommandError(HmastackError):
+    """A subprocess failed; carries its exit code and the tail of its output."""
+
+    def __init__(self, cmd: Sequence[str], returncode: int, output: str, hint=None):
+        tail = "\n".join(output.strip().splitlines()[-25:])
+        super().__init__(
+            f"command failed with exit code {returncode}: {' '.join(map(str, cmd))}"
+            + (f"\n--- last lines of its output ---\n{tail}" if tail else ""),
+            hint,
+        )
+        self.cmd = list(cmd)
+        self.returncode = returncode
+        self.output = output
+
+
+def run(
+    cmd: Sequence[str | os.PathLike],
+    *,
+    cwd: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    log: Path | None = None,
+    check: bool = True,
+    hint: str | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` with stdout and stderr captured together.
+
+    The output is also written to ``log`` when given. Raises
+    :class:`CommandError` when ``check`` and the command exits non-zero.
+    """
+    full_env = dict(os.environ)
+    if env:
+        full_env.update(env)
+    proc = subprocess.run(
+        [str(c) for c in cmd],
+        cwd=cwd,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(proc.stdout)
+    if check and proc.returncode != 0:
+        raise CommandError([str(c) for c in cmd], proc.returncode, proc.stdout, hint)
+    return proc
