@@ -11,10 +11,10 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 
-from hmastack import __version__
-from hmastack.errors import HmastackError
 from rich.markup import escape
 
+from hmastack import __version__
+from hmastack.errors import HmastackError
 from hmastack.progress import console
 
 # Subcommands live with their pipeline step; each module offers

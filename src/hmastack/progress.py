@@ -21,7 +21,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from hmastack.errors import HmastackError
 
 console = Console(stderr=True, highlight=False)
-HEARTBEAT_SECONDS = 30.0
+HEARTBEAT_SECONDS = 60.0
 
 
 def _format_seconds(seconds: float) -> str:
@@ -32,15 +32,16 @@ def _format_seconds(seconds: float) -> str:
 
 
 @contextlib.contextmanager
-def step(title: str) -> Iterator[None]:
+def step(title: str, live: bool = True) -> Iterator[None]:
     """Run a block as a named step with elapsed time.
 
     Prints ``title ... done (12.3 s)`` or ``... failed`` when the block raises;
-    the exception propagates unchanged.
+    the exception propagates unchanged. ``live=False`` never uses a live display
+    (only one may be active at a time: steps running in threads pass it).
     """
     start = time.monotonic()
     stop = threading.Event()
-    if console.is_terminal:
+    if live and console.is_terminal:
         progress = Progress(
             SpinnerColumn(),
             TextColumn("{task.description}"),

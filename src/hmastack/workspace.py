@@ -1,0 +1,396 @@
+"""The patch stack: stages on disk, ``apply`` into a tree, ``export`` back.
+
+Layout of ``patches/``::
+
+    patches/NN-slug/README.md            the stage's PR description (required)
+    patches/NN-slug/<tree>/NNNN-*.patch  git format-patch files for tree <tree>
+
+The subdirectory names the tree a patch targets (``vllm`` or ``lmcache``). Stages
+apply in number order, files in name order. Editing a patch means: ``apply``,
+change and commit in ``build/<tree>``, ``export``. A commit's stage is read from
+its subject, ``[<title_tag> K/N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hmastack import base as base_mod
+from hmastack import config as config_mod
+from hmastack.config import Config, Tree
+from hmastack.errors import HmastackError
+from hmastack.gitutil import am_in_progress, git, git_proc, is_repo
+from hmastack.progress import console
+
+STAGE_DIR = re.compile(r"^(?P<num>\d\d)-(?P<slug>[a-z0-9][a-z0-9-]*)$")
+UPTO_FILE = "hmastack-upto"
+
+
+@dataclass(frozen=True)
+class Stage:
+    number: int
+    slug: str
+    path: Path
+    patches: dict[str, list[Path]] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"{self.number:02d}-{self.slug}"
+
+    def patches_for(self, tree: str) -> list[Path]:
+        return self.patches.get(tree, [])
+
+
+class ApplyError(HmastackError):
+    """A patch did not apply; the tree was reset to its base."""
+
+
+def discover(cfg: Config) -> list[Stage]:
+    """The stages under ``patches/``, validated and in order.
+
+    Raises :class:`HmastackError` for a stage without README.md, a patch that
+    does not sit in a tree subdirectory, an unknown tree, or a gap in numbering.
+    """
+    if not cfg.patches.is_dir():
+        raise HmastackError(f"{cfg.patches} does not exist")
+    stages = []
+    for path in sorted(p for p in cfg.patches.iterdir() if p.is_dir()):
+        match = STAGE_DIR.match(path.name)
+        if not match:
+            raise HmastackError(
+                f"{path} is not a stage directory",
+                "stage directories are named NN-slug, e.g. 01-skipped-tokens",
+            )
+        if not (path / "README.md").is_file():
+            raise HmastackError(
+                f"stage {path.name} has no README.md",
+                "every stage carries its PR description in README.md",
+            )
+        stray = sorted(path.glob("*.patch"))
+        if stray:
+            raise HmastackError(
+                f"{stray[0]} does not say which tree it targets",
+                f"move it into a tree subdirectory: {', '.join(sorted(cfg.trees))}",
+            )
+        patches = {}
+        for sub in sorted(p for p in path.iterdir() if p.is_dir()):
+            if sub.name not in cfg.trees:
+                raise HmastackError(
+                    f"{sub} names no known tree",
+                    f"tree subdirectories are: {', '.join(sorted(cfg.trees))}",
+                )
+            patches[sub.name] = sorted(sub.glob("*.patch"))
+        stages.append(
+            Stage(int(match["num"]), match["slug"], path, patches)  # type: ignore[arg-type]
+        )
+    numbers = [s.number for s in stages]
+    if numbers != list(range(1, cfg.num_stages + 1)):
+        raise HmastackError(
+            f"stages under {cfg.patches} are numbered {numbers}, expected "
+            f"1..{cfg.num_stages}",
+        )
+    return stages
+
+
+def check_stage_number(cfg: Config, number: int) -> int:
+    if not 0 <= number <= cfg.num_stages:
+        raise HmastackError(
+            f"unknown stage {number}",
+            f"stages are 0 (the untouched base) to {cfg.num_stages}",
+        )
+    return number
+
+
+# --- apply -----------------------------------------------------------------------
+
+
+def _first_failed_hunk(output: str, patch: Path) -> str:
+    """Describe the first hunk git reported as failing, from git am's output."""
+    text = patch.read_text(errors="replace")
+    if m := re.search(r"error: patch failed: (?P<file>.+?):(?P<line>\d+)", output):
+        file, line = m["file"], int(m["line"])
+        header = _hunk_header(text, file, line)
+        return f"{file}:{line}" + (f" (hunk {header})" if header else "")
+    if m := re.search(r"error: (?P<file>\S+): does not exist in index", output):
+        return f"{m['file']} (the file does not exist in the tree)"
+    if m := re.search(r"error: (?P<file>\S+): already exists in index", output):
+        return f"{m['file']} (the patch creates a file that already exists)"
+    if m := re.search(r"corrupt patch at line (?P<line>\d+)", output):
+        return f"corrupt patch at line {m['line']} of {patch.name}"
+    if "Patch format detection failed" in output or "Patch is empty" in output:
+        return f"{patch.name} is not a git format-patch file"
+    lines = [ln for ln in output.splitlines() if ln.strip()]
+    return lines[0] if lines else "git am failed without a message"
+
+
+def _hunk_header(patch_text: str, file: str, line: int) -> str | None:
+    current = None
+    for row in patch_text.splitlines():
+        if row.startswith("diff --git "):
+            current = row.split(" b/", 1)[-1]
+        elif row.startswith("@@") and current == file:
+            m = re.match(r"@@ -(\d+)", row)
+            if m and int(m.group(1)) == line:
+                return row
+    return None
+
+
+def reset_to_base(repo: Path, tree: Tree) -> None:
+    if am_in_progress(repo):
+        git(repo, "am", "--abort")
+    git(repo, "reset", "-q", "--hard", f"refs/tags/{tree.tag}")
+
+
+def _upto_path(repo: Path) -> Path:
+    return Path(git(repo, "rev-parse", "--absolute-git-dir")) / UPTO_FILE
+
+
+def applied_upto(repo: Path, cfg: Config) -> int:
+    """The stage ``apply`` last brought ``repo`` to (all stages if never recorded)."""
+    path = _upto_path(repo)
+    return int(path.read_text()) if path.exists() else cfg.num_stages
+
+
+def apply_to(repo: Path, tree: Tree, stages: list[Stage], upto: int) -> int:
+    """Reset ``repo`` to its base and ``git am`` the patches of stages 1..upto.
+
+    Returns the number of patches applied. On failure runs ``git am --abort``,
+    resets to the base and raises :class:`ApplyError` naming stage, patch file and
+    first failing hunk; the tree is never left half-applied.
+    """
+    reset_to_base(repo, tree)
+    count = 0
+    for stage in stages[:upto]:
+        for patch in stage.patches_for(tree.name):
+            # --keep-non-patch: strip only "[PATCH n/m]" from the subject, keep
+            # vLLM's "[Core][...]" title tags.
+            proc = git_proc(
+                repo, "am", "--keep-non-patch", "--committer-date-is-author-date", patch
+            )
+            if proc.returncode != 0:
+                where = _first_failed_hunk(proc.stdout, patch)
+                reset_to_base(repo, tree)
+                raise ApplyError(
+                    f"stage {stage.name}: {patch.name} does not apply to {tree.name}: "
+                    f"{where}",
+                    f"{repo} was reset to {tree.tag}; rebase the patch (apply the "
+                    "stages before it, fix, commit, `hmastack export`)",
+                )
+            count += 1
+    _upto_path(repo).write_text(str(upto))
+    return count
+
+
+def ensure_safe_to_reset(cfg: Config, tree: Tree, repo: Path, stages: list[Stage]):
+    """Refuse to reset a workspace that holds work ``patches/`` does not have."""
+    if am_in_progress(repo):
+        raise HmastackError(
+            f"a `git am` is in progress in {repo}",
+            f"finish it, or run `git -C {repo} am --abort`",
+        )
+    dirty = git(repo, "status", "--porcelain")
+    if dirty:
+        raise HmastackError(
+            f"{repo} has uncommitted changes:\n{dirty}",
+            "commit them (and `hmastack export`) or stash them; apply resets the tree",
+        )
+    drift = export_tree(cfg, tree, stages, check=True)
+    if drift:
+        raise HmastackError(
+            f"{repo} has commits that patches/ does not hold:\n  " + "\n  ".join(drift),
+            "run `hmastack export` to keep them, or `hmastack apply --force` to "
+            "discard them",
+        )
+
+
+def apply(cfg: Config, upto: int, force: bool = False) -> dict[str, int]:
+    """Bring every workspace to stage ``upto``; returns patches applied per tree."""
+    check_stage_number(cfg, upto)
+    stages = discover(cfg)
+    applied = {}
+    for tree in cfg.trees.values():
+        base_mod.materialize(cfg, tree)
+        repo = cfg.workspace(tree.name)
+        if not force:
+            ensure_safe_to_reset(cfg, tree, repo, stages)
+        applied[tree.name] = apply_to(repo, tree, stages, upto)
+    return applied
+
+
+# --- export ----------------------------------------------------------------------
+
+
+def _subject_stage(cfg: Config, subject: str) -> int | None:
+    m = re.search(rf"\[{re.escape(cfg.title_tag)} (\d+)/(\d+)\]", subject)
+    return int(m.group(1)) if m else None
+
+
+def commits_by_stage(cfg: Config, tree: Tree, repo: Path) -> dict[int, list[str]]:
+    """The workspace's commits above the base, grouped by the stage in their subject."""
+    revs = git(repo, "rev-list", "--reverse", f"refs/tags/{tree.tag}..HEAD").split()
+    grouped: dict[int, list[str]] = {}
+    last = 0
+    for commit in revs:
+        subject = git(repo, "log", "-1", "--format=%s", commit)
+        stage = _subject_stage(cfg, subject)
+        if stage is None or not 1 <= stage <= cfg.num_stages:
+            raise HmastackError(
+                f"commit {commit[:12]} in {repo} names no stage: {subject!r}",
+                f"subjects carry '[{cfg.title_tag} K/{cfg.num_stages}]'",
+            )
+        if stage < last:
+            raise HmastackError(
+                f"commit {commit[:12]} ({subject!r}) of stage {stage} comes after "
+                f"a commit of stage {last}",
+                "reorder the commits so stages stay in order",
+            )
+        last = stage
+        grouped.setdefault(stage, []).append(commit)
+    return grouped
+
+
+def render_stage(repo: Path, commits: list[str], out: Path) -> dict[str, bytes]:
+    """``git format-patch`` of ``commits`` in a form that export after apply
+    reproduces byte for byte: zero commit ids, full index lines, no signature."""
+    out.mkdir(parents=True, exist_ok=True)
+    git(
+        repo,
+        "format-patch",
+        "-q",
+        "--zero-commit",
+        "--no-signature",
+        "--full-index",
+        "--no-color",
+        "--start-number",
+        "1",
+        "-o",
+        out,
+        f"{commits[0]}^..{commits[-1]}",
+    )
+    return {p.name: p.read_bytes() for p in sorted(out.glob("*.patch"))}
+
+
+def _compare(prefix: str, want: dict[str, bytes], have: dict[str, bytes]) -> list[str]:
+    drift = []
+    for name in sorted(set(want) | set(have)):
+        if name not in have:
+            drift.append(f"{prefix}/{name}: missing (the workspace has it)")
+        elif name not in want:
+            drift.append(f"{prefix}/{name}: not in the workspace")
+        elif want[name] != have[name]:
+            drift.append(f"{prefix}/{name}: differs from the workspace")
+    return drift
+
+
+def _write(folder: Path, want: dict[str, bytes], have: dict[str, bytes]) -> None:
+    for name in set(have) - set(want):
+        (folder / name).unlink()
+    if want:
+        folder.mkdir(exist_ok=True)
+    for name, data in want.items():
+        (folder / name).write_bytes(data)
+    if folder.is_dir() and not any(folder.iterdir()):
+        folder.rmdir()
+
+
+def export_tree(cfg: Config, tree: Tree, stages: list[Stage], check: bool) -> list[str]:
+    """Export (or with ``check`` compare) one tree's commits; returns the drift."""
+    repo = cfg.workspace(tree.name)
+    if not is_repo(repo):
+        raise HmastackError(
+            f"no workspace at {repo}", "run `hmastack apply` (or `hmastack base`)"
+        )
+    upto = applied_upto(repo, cfg)
+    grouped = commits_by_stage(cfg, tree, repo)
+    beyond = sorted(s for s in grouped if s > upto)
+    if beyond:
+        raise HmastackError(
+            f"{repo} holds commits of stage {beyond[0]}, but was applied up to "
+            f"stage {upto}",
+            f"run `hmastack apply --upto {beyond[-1]}` before adding to that stage",
+        )
+    drift = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for stage in stages[:upto]:
+            commits = grouped.get(stage.number, [])
+            want = (
+                render_stage(repo, commits, Path(tmp) / stage.name) if commits else {}
+            )
+            have = {p.name: p.read_bytes() for p in stage.patches_for(tree.name)}
+            stage_drift = _compare(f"patches/{stage.name}/{tree.name}", want, have)
+            drift += stage_drift
+            if stage_drift and not check:
+                _write(stage.path / tree.name, want, have)
+    return drift
+
+
+def export(cfg: Config, check: bool) -> list[str]:
+    stages = discover(cfg)
+    drift = []
+    for tree in cfg.trees.values():
+        drift += export_tree(cfg, tree, stages, check)
+    return drift
+
+
+# --- CLI -------------------------------------------------------------------------
+
+
+def cmd_apply(args: argparse.Namespace) -> int:
+    cfg = config_mod.load()
+    upto = cfg.num_stages if args.upto is None else args.upto
+    applied = apply(cfg, upto, force=args.force)
+    for name, count in applied.items():
+        head = git(cfg.workspace(name), "rev-parse", "HEAD")
+        console.print(f"{name}: {count} patches applied (stages 1..{upto}), {head}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    cfg = config_mod.load()
+    drift = export(cfg, check=args.check)
+    if args.check:
+        if drift:
+            console.print("patches/ differs from what `hmastack export` would write:")
+            for line in drift:
+                console.print(f"  {line}", highlight=False)
+            return 1
+        console.print("patches/ matches the workspace")
+        return 0
+    for line in drift:
+        console.print(f"  updated {line.split(':')[0]}", highlight=False)
+    console.print(f"exported ({len(drift)} files changed)")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "apply",
+        help="reset the workspaces to the base and git am stages 1..K",
+        description=(
+            "Reset build/<tree> to its base tag and apply the patches of stages "
+            "1..K with plain `git am`. Refuses to discard uncommitted or unexported "
+            "work unless --force."
+        ),
+    )
+    parser.add_argument(
+        "--upto", type=int, metavar="K", help="last stage (default: all)"
+    )
+    parser.add_argument(
+        "--force", action="store_true", help="discard unexported commits in build/"
+    )
+    parser.set_defaults(func=cmd_apply)
+
+    parser = subparsers.add_parser(
+        "export",
+        help="write the workspace commits back into patches/ (git format-patch)",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 listing the files that differ",
+    )
+    parser.set_defaults(func=cmd_export)
