@@ -22,7 +22,7 @@ from hmastack import env as env_mod
 from hmastack.config import Config, Tree
 from hmastack.errors import HmastackError
 from hmastack.gitutil import git, identity_env, is_repo
-from hmastack.progress import CommandError, console, run, step
+from hmastack.progress import CommandError, run, step
 
 
 def sha256_file(path: Path) -> str:
@@ -177,12 +177,7 @@ def cmd_base(args: argparse.Namespace) -> int:
     for name in names:
         tree = cfg.tree(name)
         commit = materialize(cfg, tree)
-        console.print(
-            f"{tree.name}: {tree.package} {tree.version} "
-            f"sha256 {tree.sha256[:16]}... base {tree.tag} = {commit}",
-            highlight=False,
-        )
-        print(f"{tree.name} {tree.tag} {commit}")
+        print(f"{tree.name} {tree.package}=={tree.version} {tree.tag} {commit}")
     return 0
 
 

@@ -102,7 +102,9 @@ def parse_pytest_output(output: str) -> tuple[dict[str, int], list[str]]:
             word = {"error": "errors"}.get(word, word)
             if word in counts:
                 counts[word] = int(num)
-    failures = re.findall(r"^(?:FAILED|ERROR) (\S+)", output, flags=re.M)
+    # Summary lines name a test node ("FAILED tests/x.py::test_y - ..."); vLLM's own
+    # log lines ("ERROR 11-30 09:10:11 ...") do not.
+    failures = re.findall(r"^(?:FAILED|ERROR) (\S+\.py(?:::\S+)?)", output, flags=re.M)
     return counts, failures
 
 

@@ -20,7 +20,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from hmastack.errors import HmastackError
 
-console = Console(stderr=True, highlight=False)
+console = Console(stderr=True, highlight=False, soft_wrap=True)
 HEARTBEAT_SECONDS = 60.0
 
 

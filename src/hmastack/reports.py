@@ -63,14 +63,19 @@ HEADERS = ["stage", "patches", "vLLM suite", "our tests", "ruff", "seconds", "re
 
 
 def print_stage_table(results: Sequence[StageResult]) -> None:
+    if console.is_terminal:
+        _print_rich_table(results)
+    # A plain copy for logs and notes: this is what CI shows.
+    print("| " + " | ".join(HEADERS) + " |")
+    print("|" + "---|" * len(HEADERS))
+    for row in stage_table_rows(results):
+        print("| " + " | ".join(row) + " |")
+
+
+def _print_rich_table(results: Sequence[StageResult]) -> None:
     table = Table(title="Stage matrix")
     for header in HEADERS:
         table.add_column(header)
     for row in stage_table_rows(results):
         table.add_row(*row, style=None if row[-1] == "green" else "red")
     console.print(table)
-    # A plain copy for logs and notes (rich tables wrap in narrow terminals).
-    print("| " + " | ".join(HEADERS) + " |")
-    print("|" + "---|" * len(HEADERS))
-    for row in stage_table_rows(results):
-        print("| " + " | ".join(row) + " |")

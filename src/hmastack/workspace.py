@@ -198,10 +198,13 @@ def ensure_safe_to_reset(cfg: Config, tree: Tree, repo: Path, stages: list[Stage
             f"{repo} has uncommitted changes:\n{dirty}",
             "commit them (and `hmastack export`) or stash them; apply resets the tree",
         )
-    drift = export_tree(cfg, tree, stages, check=True)
+    drift = [
+        d for d in export_tree(cfg, tree, stages, check=True) if d.workspace_has_more
+    ]
     if drift:
         raise HmastackError(
-            f"{repo} has commits that patches/ does not hold:\n  " + "\n  ".join(drift),
+            f"{repo} has commits that patches/ does not hold:\n  "
+            + "\n  ".join(map(str, drift)),
             "run `hmastack export` to keep them, or `hmastack apply --force` to "
             "discard them",
         )
@@ -274,15 +277,39 @@ def render_stage(repo: Path, commits: list[str], out: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(out.glob("*.patch"))}
 
 
-def _compare(prefix: str, want: dict[str, bytes], have: dict[str, bytes]) -> list[str]:
+@dataclass(frozen=True)
+class Drift:
+    """One file where ``patches/`` and the workspace disagree."""
+
+    path: str
+    kind: str  # "missing" | "extra" | "differs"
+
+    TEXT = {
+        "missing": "missing (the workspace has it)",
+        "extra": "not in the workspace",
+        "differs": "differs from the workspace",
+    }
+
+    @property
+    def workspace_has_more(self) -> bool:
+        """True when resetting the workspace would lose this change."""
+        return self.kind in ("missing", "differs")
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.TEXT[self.kind]}"
+
+
+def _compare(
+    prefix: str, want: dict[str, bytes], have: dict[str, bytes]
+) -> list[Drift]:
     drift = []
     for name in sorted(set(want) | set(have)):
         if name not in have:
-            drift.append(f"{prefix}/{name}: missing (the workspace has it)")
+            drift.append(Drift(f"{prefix}/{name}", "missing"))
         elif name not in want:
-            drift.append(f"{prefix}/{name}: not in the workspace")
+            drift.append(Drift(f"{prefix}/{name}", "extra"))
         elif want[name] != have[name]:
-            drift.append(f"{prefix}/{name}: differs from the workspace")
+            drift.append(Drift(f"{prefix}/{name}", "differs"))
     return drift
 
 
@@ -328,7 +355,7 @@ def export_tree(cfg: Config, tree: Tree, stages: list[Stage], check: bool) -> li
     return drift
 
 
-def export(cfg: Config, check: bool) -> list[str]:
+def export(cfg: Config, check: bool) -> list[Drift]:
     stages = discover(cfg)
     drift = []
     for tree in cfg.trees.values():
@@ -355,13 +382,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.check:
         if drift:
             console.print("patches/ differs from what `hmastack export` would write:")
-            for line in drift:
-                console.print(f"  {line}", highlight=False)
+            for item in drift:
+                console.print(f"  {item}", highlight=False)
             return 1
         console.print("patches/ matches the workspace")
         return 0
-    for line in drift:
-        console.print(f"  updated {line.split(':')[0]}", highlight=False)
+    for item in drift:
+        console.print(f"  updated {item.path}", highlight=False)
     console.print(f"exported ({len(drift)} files changed)")
     return 0
 

@@ -1,0 +1,26 @@
+# The two entry points (README): `make run` (the main job) and `make test` (the suite).
+# Everything else is installed by the project itself: this file makes the tool's own
+# virtualenv; `hmastack` makes the pinned CPU environment for vLLM under build/.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: run test lint clean
+
+$(BIN)/hmastack: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check --progress-bar off -e '.[dev]'
+	@touch $@
+
+run: $(BIN)/hmastack
+	$(BIN)/hmastack run
+
+test: $(BIN)/hmastack
+	$(BIN)/pytest
+
+lint: $(BIN)/hmastack
+	$(BIN)/ruff check src tests && $(BIN)/ruff format --check src tests
+
+clean:
+	rm -rf build

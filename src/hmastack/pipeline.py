@@ -1,0 +1,88 @@
+"""``hmastack run``: the main job, every step of the pipeline in order.
+
+base → env → apply (all stages into the workspaces) → stage matrix → model check
+→ site, then one summary. A failing step is reported and the later steps still
+run where they can, so one run shows everything that is red.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import time
+from collections.abc import Callable
+
+from rich.table import Table
+
+from hmastack import base, config, env, matrix, reports, workspace
+from hmastack.errors import HmastackError
+from hmastack.progress import console
+
+
+def _optional(module: str, attr: str) -> Callable | None:
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ModuleNotFoundError, AttributeError):
+        return None
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    cfg = config.load()
+    summary: list[tuple[str, str, float]] = []
+
+    def do(name: str, fn: Callable[[], str]) -> bool:
+        start = time.monotonic()
+        try:
+            outcome = fn()
+            ok = True
+        except HmastackError as exc:
+            outcome, ok = f"error: {exc.message.splitlines()[0]}", False
+            console.print(f"[red]{name} failed:[/red] {exc}", markup=True)
+        summary.append((name, outcome, time.monotonic() - start))
+        return ok
+
+    def do_base() -> str:
+        ids = [f"{t.tag} {base.materialize(cfg, t)[:12]}" for t in cfg.trees.values()]
+        return ", ".join(ids)
+
+    def do_apply() -> str:
+        applied = workspace.apply(cfg, cfg.num_stages)
+        return ", ".join(f"{n} {t} patches" for t, n in applied.items())
+
+    def do_matrix() -> str:
+        results = matrix.run_matrix(cfg, list(range(cfg.num_stages + 1)), args.jobs)
+        reports.write_stage_report(cfg, results)
+        reports.print_stage_table(results)
+        red = [str(r.stage) for r in results if not r.ok]
+        if red:
+            raise HmastackError(f"stages {', '.join(red)} are red")
+        return f"stages 0..{cfg.num_stages} green"
+
+    ok = do("base", do_base) and do("env", lambda: str(env.ensure(cfg).root))
+    if ok:
+        ok = do("apply", do_apply)
+        ok = do("stage matrix", do_matrix) and ok
+    spec_check = _optional("hmastack.spec", "run_all_for_pipeline")
+    if spec_check is not None:
+        ok = do("model check", lambda: spec_check(cfg)) and ok
+    docs_build = _optional("hmastack.docs", "build_for_pipeline")
+    if docs_build is not None:
+        ok = do("site", lambda: docs_build(cfg)) and ok
+
+    table = Table(title="hmastack run")
+    for column in ("step", "outcome", "seconds"):
+        table.add_column(column)
+    for name, outcome, seconds in summary:
+        table.add_row(name, outcome, f"{seconds:.0f}")
+    console.print(table)
+    return 0 if ok else 1
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "run", help="the main job: base, env, apply, stage matrix, model, site"
+    )
+    parser.add_argument(
+        "--jobs", type=int, default=2, help="stages tested at once (default 2)"
+    )
+    parser.set_defaults(func=cmd_run)

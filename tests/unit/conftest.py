@@ -1,0 +1,76 @@
+"""A throw-away project: one tiny source release, two stages, no network."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from hmastack import config
+
+FILES = {
+    "demo/__init__.py": 'VERSION = "1.0"\n',
+    "demo/core.py": "".join(f"def f{i}():\n    return {i}\n\n\n" for i in range(20)),
+    "README": "demo release\n",
+    ".gitignore": "core.py\n",  # the release's own ignore rules must not drop files
+}
+
+
+def make_sdist(path: Path, files: dict[str, str] = FILES) -> str:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name, text in sorted(files.items()):
+            data = text.encode()
+            info = tarfile.TarInfo(f"demo-1.0/{name}")
+            info.size = len(data)
+            info.mtime = 0
+            tar.addfile(info, io.BytesIO(data))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(buf.getvalue())
+    return hashlib.sha256(buf.getvalue()).hexdigest()
+
+
+def write_project(root: Path, sha256: str) -> None:
+    (root / "hmastack.toml").write_text(
+        f"""
+[series]
+title_tag = "Demo series"
+stages = 2
+base_author = "hmastack base <hmastack@localhost>"
+base_date = "2025-12-18T00:00:00+00:00"
+
+[trees.demo]
+package = "demo"
+version = "1.0"
+sha256 = "{sha256}"
+tag = "v1.0"
+
+[env]
+torch = "2.13.0"
+lock = "env/requirements.lock"
+plugin = "support/plugin"
+
+[suite]
+vllm = ["tests"]
+deselected = "env/deselected.toml"
+"""
+    )
+    for stage in ("01-first", "02-second"):
+        (root / "patches" / stage).mkdir(parents=True)
+        (root / "patches" / stage / "README.md").write_text(f"# {stage}\n")
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    """A project root with a cached, correctly pinned demo release."""
+    root = tmp_path / "project"
+    root.mkdir()
+    sha = make_sdist(root / ".cache" / "sdist" / "demo-1.0.tar.gz")
+    write_project(root, sha)
+    monkeypatch.setenv("HMASTACK_ROOT", str(root))
+    monkeypatch.delenv("HMASTACK_BUILD", raising=False)
+    monkeypatch.delenv("HMASTACK_CACHE", raising=False)
+    return config.load(root)
