@@ -245,7 +245,13 @@ def run_stage(
             result.ours = run_pytest(
                 cfg,
                 pyenv,
-                ["--rootdir", str(cfg.root / "tests" / "stages"), *map(str, ours)],
+                [
+                    "-c",
+                    str(cfg.root / "tests" / "stages" / "pytest.ini"),
+                    "--rootdir",
+                    str(cfg.root / "tests" / "stages"),
+                    *map(str, ours),
+                ],
                 cfg.root,
                 [*trees.values(), cfg.root / "tests" / "stages"],
                 logs / f"stage-{stage}-ours.log",
