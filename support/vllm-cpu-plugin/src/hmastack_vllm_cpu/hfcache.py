@@ -73,14 +73,19 @@ def _tokenizer_files(
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(specials)
     tokenizer_json = json.loads(tokenizer.to_str())
-    # The `tokenizers` library only keeps an added token's id if the model
-    # vocab holds it (it renumbers the rest densely), and it warns about holes
-    # when serializing a sparse vocab. So the pinned tokens are added to the
-    # serialized form directly: into the BPE vocab and as special added tokens.
+    # `tokenizers` keeps an added token's id only if the model vocab holds the
+    # token (other added tokens are renumbered densely on load), so a pinned
+    # token goes into the BPE vocab and into added_tokens at its id. It is
+    # spliced into the serialized form: serializing a vocab with holes makes
+    # `tokenizers` print every missing id to stdout. Loading it is silent;
+    # the print recurs only where a consumer re-serializes the tokenizer (e.g.
+    # transformers' ProcessorMixin.__repr__ deep-copies it once per load).
     template = tokenizer_json["added_tokens"][0]
     for tok, tok_id in sorted(pinned.items(), key=lambda kv: kv[1]):
         tokenizer_json["model"]["vocab"][tok] = tok_id
-        tokenizer_json["added_tokens"].append({**template, "id": tok_id, "content": tok})
+        tokenizer_json["added_tokens"].append(
+            {**template, "id": tok_id, "content": tok}
+        )
     special_map = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
     return {
         "tokenizer.json": tokenizer_json,
