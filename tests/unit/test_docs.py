@@ -1,0 +1,378 @@
+"""The design site: pages follow patches/, spec/ and the reports; the strict build
+passes; the documented `git am` commands apply the stack onto the base."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hmastack import base, docs, site_hook, site_patches, workspace
+from hmastack import config as config_mod
+from hmastack.errors import HmastackError
+from hmastack.gitutil import git
+
+REPO = Path(__file__).resolve().parents[2]
+AUTHOR = "Ada Lovelace <ada@example.com>"
+
+
+def commit(cfg, stage: int, changes: dict[str, str], title: str, body: str = "Why."):
+    repo = cfg.workspace("demo")
+    for path, text in changes.items():
+        target = repo / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+        git(repo, "add", path)
+    git(
+        repo,
+        "commit",
+        "-q",
+        "-m",
+        f"[Core][Demo series {stage}/2] {title}\n\n{body}\n\nSigned-off-by: A <a@b.c>",
+        env={
+            "GIT_AUTHOR_DATE": "2025-12-20T10:00:00+00:00",
+            "GIT_AUTHOR_NAME": "Ada Lovelace",
+            "GIT_AUTHOR_EMAIL": "ada@example.com",
+        },
+    )
+
+
+@pytest.fixture
+def series(project):
+    """The demo project with two stages of patches: stage 1 two, stage 2 one."""
+    base.materialize(project, project.tree("demo"))
+    workspace.apply(project, 2)
+    core = (project.workspace("demo") / "demo/core.py").read_text()
+    commit(
+        project,
+        1,
+        {"demo/core.py": core.replace("return 3\n", "return 33\n")},
+        "Make f3 return 33",
+        "f3 must return 33 because the brief says so.\n\nIt is one line.",
+    )
+    commit(
+        project,
+        1,
+        {
+            "tests/test_core.py": "from demo import core\n\n\n"
+            "def test_f3():\n    assert core.f3() == 33\n\n\n"
+            "class TestMore:\n    def test_f4(self):\n        assert core.f4() == 4\n"
+        },
+        "Test f3",
+    )
+    commit(
+        project,
+        2,
+        {
+            "demo/core.py": core.replace("return 3\n", "return 33\n").replace(
+                "return 7\n", "return 77\n"
+            )
+        },
+        "Make f7 return 77",
+    )
+    workspace.export(project, check=False)
+    return project
+
+
+def with_site_files(cfg):
+    """Put the repository's mkdocs.yml (hook by absolute path) and docs/ into cfg."""
+    text = (REPO / "mkdocs.yml").read_text()
+    hook = Path(site_hook.__file__).resolve()
+    (cfg.root / "mkdocs.yml").write_text(
+        text.replace("src/hmastack/site_hook.py", str(hook))
+    )
+    shutil.copytree(REPO / "docs", cfg.root / "docs")
+    return cfg
+
+
+# --- patches ---------------------------------------------------------------------
+
+
+def test_parse_patch_reads_headers_message_diffstat_and_tests(series):
+    p1, p2 = sorted(series.patches.joinpath("01-first", "demo").glob("*.patch"))
+    first = site_patches.parse_patch(p1, "demo")
+    assert first.subject == "[Core][Demo series 1/2] Make f3 return 33"
+    assert first.author == AUTHOR and first.date == "Sat, 20 Dec 2025 10:00:00 +0000"
+    assert first.body.startswith(
+        "f3 must return 33 because the brief says so.\n\nIt is"
+    )
+    assert "Signed-off-by: A <a@b.c>" in first.body
+    assert [(f.path, f.added, f.removed, f.status) for f in first.files] == [
+        ("demo/core.py", 1, 1, "modified")
+    ]
+    second = site_patches.parse_patch(p2, "demo")
+    assert [(f.path, f.status) for f in second.files] == [
+        ("tests/test_core.py", "added")
+    ]
+    assert second.added_tests == {
+        "tests/test_core.py": ["test_f3", "TestMore", "test_f4"]
+    }
+    assert second.diff.startswith("diff --git a/tests/test_core.py")
+
+
+def test_parse_patch_rejects_a_non_patch(tmp_path):
+    bad = tmp_path / "0001-x.patch"
+    bad.write_text("just text\n")
+    with pytest.raises(HmastackError, match="not a git format-patch file"):
+        site_patches.parse_patch(bad, "demo")
+
+
+# --- stage pages -----------------------------------------------------------------
+
+
+def test_stage_page_is_generated_from_readme_commits_and_diff(series):
+    (series.patches / "01-first" / "README.md").write_text(
+        "# [Core][Demo series 1/2] Return bigger numbers\n\n## Purpose\n\nBigger.\n\n"
+        "## Test Result\n\n<!-- stage table: filled by hmastack -->\n\n"
+        "See [the next stage](../02-second/README.md) and [the "
+        "config](../../hmastack.toml).\n"
+    )
+    page = docs.generate(series).pages["stages/01-first.md"]
+    assert page.startswith("# [Core][Demo series 1/2] Return bigger numbers\n")
+    assert "## Purpose\n\nBigger." in page
+    assert "### demo 1/2: [Core][Demo series 1/2] Make f3 return 33" in page
+    assert "f3 must return 33 because the brief says so." in page
+    assert "| `demo/core.py` | +1 | −1 |" in page
+    assert "`tests/test_core.py` (added)" in page
+    assert "`test_f3`, `TestMore`, `test_f4`" in page
+    # No stage table yet: the README's marker says so.
+    assert "Not run yet" in page and "stage table: filled" not in page
+    # README links: to a stage page, or the file's path.
+    assert "[the next stage](02-second.md)" in page
+    assert "the config (`hmastack.toml`)" in page
+    assert '"$HMASTACK"/patches/01-first/demo/*.patch' in page
+    assert "02-second/demo" not in page.split("## Apply up to this stage")[1]
+
+
+def test_changing_a_subject_changes_the_stage_page(series, tmp_path):
+    """Done-when of the site: copy a patch with an altered Subject into a temp
+    project, re-run, the page changes with no manual edit."""
+    with_site_files(series)
+    site = tmp_path / "site"
+    docs.build(series, site)
+    html_before = (site / "stages/01-first/index.html").read_text()
+    page_before = docs.generate(series).pages["stages/01-first.md"]
+    assert "Make f3 return 33" in html_before
+
+    patch = next(series.patches.joinpath("01-first", "demo").glob("0001-*.patch"))
+    altered = tmp_path / patch.name
+    altered.write_text(
+        patch.read_text().replace(
+            "Subject: [PATCH 1/2] [Core][Demo series 1/2] Make f3 return 33",
+            "Subject: [PATCH 1/2] [Core][Demo series 1/2] Return 33 from f3, as "
+            "reviewed",
+        )
+    )
+    assert altered.read_text() != patch.read_text()
+    shutil.copy(altered, patch)
+
+    page_after = docs.generate(series).pages["stages/01-first.md"]
+    assert page_after != page_before
+    assert "Return 33 from f3, as reviewed" in page_after
+    assert "Make f3 return 33" not in page_after
+    docs.build(series, site)
+    html_after = (site / "stages/01-first/index.html").read_text()
+    assert "Return 33 from f3, as reviewed" in html_after
+    assert "Make f3 return 33" not in html_after
+
+
+def test_pages_say_not_run_yet_without_reports_or_patches(project):
+    site = docs.generate(project)
+    assert set(site.pages) == {
+        "stages/01-first.md",
+        "stages/02-second.md",
+        "model-results.md",
+        "benchmarks.md",
+    }
+    assert "No patches yet" in site.pages["stages/01-first.md"]
+    assert "Not run yet" in site.pages["stages/01-first.md"]
+    assert "Not run yet" in site.pages["benchmarks.md"]
+    assert "No model yet" in site.pages["model-results.md"]
+    assert "no patches for this tree" in site.blocks["apply-commands"]
+    assert "not run yet" in site.blocks["series-table"]
+
+
+def test_stage_row_of_the_last_stage_table_is_on_the_page(series):
+    series.reports.mkdir(parents=True)
+    entry = {
+        "stage": 1, "name": "01-first", "patches": {"demo": 2}, "heads": {},
+        "vllm": {"counts": {"passed": 10, "failed": 1},
+                 "failures": ["tests/a.py::test_new"], "returncode": 1, "log": "x"},
+        "ours": {"counts": {"passed": 4}, "failures": [], "returncode": 0, "log": "y"},
+        "ruff": {"demo": "ok"}, "seconds": 12.4, "ok": False,
+    }  # fmt: skip
+    base_entry = dict(entry, stage=0, name="base", ok=True,
+                      vllm={"counts": {"passed": 11}, "failures": []})  # fmt: skip
+    (series.reports / "stages.json").write_text(
+        json.dumps(
+            {
+                "generated": "2026-01-01T00:00:00Z",
+                "machine": "m",
+                "stages": [base_entry, entry],
+            }
+        )  # fmt: skip
+    )
+    site = docs.generate(series)
+    page = site.pages["stages/01-first.md"]
+    assert (
+        "| 1 01-first | 2 demo | 10 passed / 1 failed | 4 passed / 0 failed | demo "
+        "ok | 12 | RED |" in page
+    )
+    assert "| 0 base |" in page
+    assert (
+        "Failing here and not on the base" in page and "`tests/a.py::test_new`" in page
+    )
+    assert "**red** (2026-01-01T00:00:00Z)" in page
+    assert "| red |" in site.blocks["series-table"]
+
+
+def test_model_page_renders_spec_results_and_legacy_counterexample(project):
+    spec = project.root / "spec"
+    (spec / "models").mkdir(parents=True)
+    (spec / "Toy.tla").write_text(
+        "---- MODULE Toy ----\n(***************)\n(* A toy pool. "
+        "*)\n(***************)\n"
+        "CONSTANTS\n    N,      \\* blocks\n    Policy  \\* Legacy or Series\n\n"
+        "\\* No block has two owners.\nExclusive == TRUE\n"
+        "THEOREM Spec => []Exclusive\n====\n"
+    )
+    (spec / "models" / "legacy.cfg").write_text(
+        "SPECIFICATION Spec\nCONSTANTS\n    N = 2\n    Policy = "
+        '"Legacy"\nINVARIANT Exclusive\n'
+    )
+    (spec / "manifest.toml").write_text(
+        '[models.legacy]\nresult = "violated"\nviolated = '
+        '"Exclusive"\ndistinct_states = 7\n'
+    )
+    reports = project.reports / "spec"
+    reports.mkdir(parents=True)
+    state = lambda act, r1, free, loads: {  # noqa: E731
+        "event": {"act": act, "req": "r1", "args": {"ext": 1}},
+        "table": {"r1": {"full": r1, "swa": [0, 2]}},
+        "loads": {"r1": loads}, "saves": {"r1": []}, "freeQ": free,
+    }  # fmt: skip
+    (reports / "legacy.json").write_text(json.dumps({
+        "result": "violated", "violated_property": "Exclusive", "distinct_states": 7,
+        "depth": 2, "seconds": 0.5,
+        "trace": [state("Init", [], [1, 2], []), state("AllocateSlots", [1], [], [2])],
+    }))  # fmt: skip
+    page = docs.generate(project).pages["model-results.md"]
+    assert "| `N` | blocks |" in page
+    assert "| `Exclusive` | `Spec => []Exclusive` | No block has two owners. |" in page
+    assert (
+        "| `legacy` | Legacy | none | violated | Exclusive | 7 | 2 | 0 | yes |" in page
+    )
+    assert "### `legacy`: Exclusive is violated" in page
+    assert (
+        "| 1 | **AllocateSlots** r1 <small>ext=1</small> — **violates Exclusive** "
+        "| `1` | `∅ 2↓` |" in page
+    )
+
+
+def test_unknown_marker_is_an_error():
+    with pytest.raises(HmastackError, match="unknown marker"):
+        docs.fill_markers("<!-- hmastack:nope -->", {"a": "b"}, "x.md")
+    assert docs.fill_markers("a <!-- hmastack:a --> c", {"a": "b"}, "x.md") == "a b c"
+
+
+# --- apply the stack -------------------------------------------------------------
+
+
+def documented_commands(text: str) -> list[str]:
+    return re.findall(r"```sh\n(.*?)```", text, flags=re.S)
+
+
+def test_documented_git_am_commands_apply_the_stack_onto_the_base(series, tmp_path):
+    stages = docs.load_stages(series)
+    for upto in (1, 2):
+        block = docs.apply_block(series, stages, upto)
+        (script,) = documented_commands(block)
+        # The page shows exactly this block.
+        site = docs.generate(series)
+        assert script in site.pages[stages[upto - 1].page]
+        if upto == len(stages):
+            assert script in site.blocks["apply-commands"]
+        clone = tmp_path / f"clone{upto}"
+        git(tmp_path, "clone", "-q", series.workspace("demo"), clone)
+        proc = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", script],
+            cwd=clone,
+            env={
+                "HMASTACK": str(series.root),
+                "PATH": "/usr/bin:/bin",
+                "HOME": str(tmp_path),
+                "GIT_CONFIG_NOSYSTEM": "1",
+                "GIT_COMMITTER_NAME": "R",
+                "GIT_COMMITTER_EMAIL": "r@x",
+            },  # fmt: skip
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        # Same tree and subjects as `hmastack apply --upto K`.
+        workspace.apply(series, upto)
+        ws = series.workspace("demo")
+        assert git(clone, "rev-parse", "HEAD^{tree}") == git(
+            ws, "rev-parse", "HEAD^{tree}"
+        )
+        assert git(clone, "log", "--format=%s", "v1.0..HEAD") == git(
+            ws, "log", "--format=%s", "v1.0..HEAD"
+        )
+        assert git(clone, "log", "--format=%s", "-1").startswith("[Core][Demo series")
+
+
+# --- the real repository ---------------------------------------------------------
+
+
+def test_repository_site_builds_strict_and_offline(tmp_path, monkeypatch):
+    monkeypatch.delenv("HMASTACK_BUILD", raising=False)
+    monkeypatch.setenv("HMASTACK_ROOT", str(REPO))
+    cfg = config_mod.load(REPO)
+    index, pages = docs.build(cfg, tmp_path / "site")
+    site = tmp_path / "site"
+    assert index == site / "index.html" and pages >= 10
+    for stage in workspace.discover(cfg):
+        html = (site / "stages" / stage.name / "index.html").read_text()
+        title = (stage.path / "README.md").read_text().splitlines()[0].lstrip("# ")
+        assert title.split("]")[-1].strip() in html
+    for page in (
+        "problem",
+        "regions",
+        "model-results",
+        "benchmarks",
+        "apply",
+        "checklist",
+    ):
+        assert (site / page / "index.html").is_file()
+    assert (site / "assets" / "regions.svg").read_text().startswith("<svg")
+    # Offline at view time: every script, stylesheet and image is local.
+    for html_file in site.rglob("*.html"):
+        text = html_file.read_text()
+        for attr in re.findall(
+            r'<(?:script|img)[^>]*\ssrc="([^"]+)"', text
+        ) + re.findall(r'<link[^>]*rel="stylesheet"[^>]*href="([^"]+)"', text):
+            assert not re.match(r"^(https?:)?//", attr), f"{html_file}: {attr}"
+
+
+def test_nav_lists_every_page_and_the_model_page_when_written(project, tmp_path):
+    docs_dir = tmp_path / "docs"
+    docs_dir.mkdir()
+    for name in ("index.md", "problem.md", "regions.md", "apply.md", "checklist.md"):
+        (docs_dir / name).write_text("# x\n")
+    nav = docs.generate(project, docs_dir).nav
+    assert [next(iter(item)) for item in nav] == [
+        "Overview", "The problem", "Token regions", "The model", "Stages",
+        "Benchmarks", "Apply the stack", "Reviewer checklist",
+    ]  # fmt: skip
+    assert nav[3]["The model"] == [{"Properties and results": "model-results.md"}]
+    assert nav[4]["Stages"] == [
+        {"01 first": "stages/01-first.md"},
+        {"02 second": "stages/02-second.md"},
+    ]
+    (docs_dir / "model.md").write_text("# The model\n")
+    nav = docs.generate(project, docs_dir).nav
+    assert nav[3]["The model"][0] == {"The model": "model.md"}
