@@ -197,7 +197,7 @@ define
           claimed == [g \in Groups |-> Real(base[g]) \ (IF fresh THEN {} ELSE Entries(r))]
           newCount == [g \in Groups |-> Max(nb - Len(base[g]), 0)]
           toHeld == IF Policy = "Series" /\ Mutation # "FreeInFlight"
-                    THEN removed \cap Transfers(r) ELSE {}
+                    THEN (removed \cap Transfers(r)) \ held[r] ELSE {}
           evictable == {b \in claimed["full"] \cup claimed["swa"] : ref[b] = 0}
       IN [fresh |-> fresh, h |-> h, c |-> c, n |-> n, d |-> d, e |-> e,
           async |-> async, nb |-> nb, base |-> base, claimed |-> claimed,
@@ -272,24 +272,24 @@ Engine:
       \* eviction, CacheFullBlocks) and connector.update_state_after_alloc.
       await status[self] \in {"waiting", "running"} /\ ~step[self].on;
       with e \in ExtChoices(self), async \in AsyncChoices(e),
-           d \in DraftChoices(self), p = Plan(self, e, async, d),
-           q1 = FreeAfterRemove(p) do
+           d \in DraftChoices(self), p \in {Plan(self, e, async, d)},
+           q1 \in {FreeAfterRemove(p)} do
         await p.predicted <= Cardinality(q1);
         with nf \in NewBlockChoices(q1 \ ClaimFirst(p), p.newCount["full"]),
              ns \in NewBlockChoices(q1 \ (ClaimFirst(p) \cup nf \cup ClaimLate(p)),
                                    p.newCount["swa"]),
-             q3 = q1 \ (ClaimFirst(p) \cup nf \cup ClaimLate(p) \cup ns),
-             touched = IF Mutation = "SkipTouch" THEN {}
-                       ELSE ClaimFirst(p) \cup ClaimLate(p),
-             tbl = [g \in Groups |->
-                      p.base[g] \o SeqOf(IF g = "full" THEN nf ELSE ns)],
-             h1 = [b \in Blocks |-> IF b \in nf \cup ns THEN NoHash ELSE hash[b]],
-             publishTo = IF p.async /\ Mutation # "EarlyPublish" THEN 0
+             q3 \in {q1 \ (ClaimFirst(p) \cup nf \cup ClaimLate(p) \cup ns)},
+             touched \in {IF Mutation = "SkipTouch" THEN {}
+                       ELSE ClaimFirst(p) \cup ClaimLate(p)},
+             tbl \in {[g \in Groups |->
+                      p.base[g] \o SeqOf(IF g = "full" THEN nf ELSE ns)]},
+             h1 \in {[b \in Blocks |-> IF b \in nf \cup ns THEN NoHash ELSE hash[b]]},
+             publishTo \in {IF p.async /\ Mutation # "EarlyPublish" THEN 0
                          ELSE IF Mutation = "PublishDraft"
                               THEN (p.c + p.n + p.d) \div B
-                              ELSE Min(p.c + p.n, len[self]) \div B,
-             from = IF p.fresh THEN [g \in Groups |-> Len(p.base[g])]
-                    ELSE ncached[self] do
+                              ELSE Min(p.c + p.n, len[self]) \div B},
+             from \in {IF p.fresh THEN [g \in Groups |-> Len(p.base[g])]
+                    ELSE ncached[self]} do
           ref := [b \in Blocks |->
                     ref[b] - (IF b \in p.toFree THEN 1 ELSE 0)
                            + (IF b \in touched THEN 1 ELSE 0)
@@ -311,9 +311,7 @@ Engine:
           event := Ev("AllocateSlots", self,
                       [g \in Groups |-> SeqOf(IF g = "full" THEN nf ELSE ns)],
                       [hit |-> p.h, ext |-> p.e, async |-> p.async, n |-> p.n,
-                       d |-> p.d, claimed |-> ClaimFirst(p) \cup ClaimLate(p),
-                       removed |-> p.removed, held |-> p.toHeld,
-                       predicted |-> p.predicted,
+                       d |-> p.d, predicted |-> p.predicted,
                        taken |-> Cardinality(q1) - Cardinality(q3)]);
         end with;
       end with;
@@ -324,21 +322,21 @@ Engine:
       \* MaxLen finishes (request_finished: delayed free while transfers run).
       await step[self].on;
       with a \in 0..step[self].d,
-           st = step[self],
-           sampled = st.from + st.n = len[self],
-           c2 = st.from + st.n + a,
-           len2 = IF sampled THEN len[self] + 1 + a ELSE len[self],
-           sv = IF Save THEN BlocksAt(table[self], (st.from \div B) + 1, c2 \div B)
-                ELSE {},
-           fin = len2 >= MaxLen,
-           delay = Mutation # "EagerFree" /\ (saves[self] \cup sv \cup held[self]) # {} do
+           st \in {step[self]},
+           sampled \in {st.from + st.n = len[self]},
+           c2 \in {st.from + st.n + a},
+           len2 \in {IF sampled THEN len[self] + 1 + a ELSE len[self]},
+           sv \in {IF Save THEN BlocksAt(table[self], (st.from \div B) + 1, c2 \div B)
+                ELSE {}},
+           fin \in {len2 >= MaxLen},
+           delay \in {Mutation # "EagerFree" /\ (saves[self] \cup sv \cup held[self]) # {}} do
         computed[self] := c2;
         len[self] := len2;
         step[self] := NoStep;
         saves[self] := saves[self] \cup sv;
         if fin /\ ~delay then
           \* KVCacheManager.free: all groups, tail first (order abstracted).
-          event := Ev("Finish", self, table[self], [accepted |-> a, saved |-> sv]);
+          event := Ev("Finish", self, table[self], [accepted |-> a]);
           ref := RefAfterFree(AllOf(self) \o SeqOf(held[self]));
           freeQ := FreeQAfterFree(AllOf(self) \o SeqOf(held[self]));
           table[self] := EmptyTables;
@@ -349,9 +347,9 @@ Engine:
         elsif fin then
           status[self] := "finishing";
           running := Without(running, self);
-          event := Ev("FinishDelayed", self, NoBlocks, [accepted |-> a, saved |-> sv]);
+          event := Ev("FinishDelayed", self, NoBlocks, [accepted |-> a]);
         else
-          event := Ev("Execute", self, NoBlocks, [accepted |-> a, saved |-> sv]);
+          event := Ev("Execute", self, NoBlocks, [accepted |-> a]);
         end if;
       end with;
     or
@@ -360,12 +358,12 @@ Engine:
       \* KVCacheManager.free; Series keeps blocks a save still reads.
       await status[self] = "running" /\ ~step[self].on /\ running # <<>>
             /\ ~Fits(self, 0, FALSE, 0);
-      with v = running[Len(running)],
-           keep = IF Policy = "Series" /\ Mutation # "FreeInFlight"
-                  THEN Entries(v) \cap Transfers(v) ELSE {},
-           fr = SelectSeq(AllOf(v), LAMBDA x : x \notin keep) do
+      with v \in {running[Len(running)]},
+           keep \in {IF Policy = "Series" /\ Mutation # "FreeInFlight"
+                  THEN (Entries(v) \cap Transfers(v)) \ held[v] ELSE {}},
+           fr \in {SelectSeq(AllOf(v), LAMBDA x : x \notin keep)} do
         await ~step[v].on;
-        event := Ev("Preempt", v, table[v], [by |-> self, kept |-> keep]);
+        event := Ev("Preempt", v, table[v], [by |-> self]);
         ref := RefAfterFree(fr);
         freeQ := FreeQAfterFree(fr);
         table[v] := EmptyTables;
@@ -389,8 +387,8 @@ Connector:
       \* _update_waiting_for_remote_kv, load succeeded (FinishLoad):
       \* cache_blocks publishes the loaded blocks now, not before.
       await loads[self[1]] # {};
-      with r = self[1],
-           last = status[r] = "finishing" /\ saves[r] = {} do
+      with r \in {self[1]},
+           last \in {status[r] = "finishing" /\ saves[r] = {}} do
         loads[r] := {};
         if last then
           event := Ev("FinishLoadFree", r, table[r], [none |-> 0]);
@@ -414,7 +412,7 @@ Connector:
       \* nothing valid was computed, so the request's blocks are freed and it
       \* is scheduled again from scratch.
       await loads[self[1]] # {} /\ failures < MaxFailures;
-      with r = self[1] do
+      with r \in {self[1]} do
         event := Ev("LoadFailed", r, table[r], [none |-> 0]);
         loads[r] := {};
         failures := failures + 1;
@@ -433,9 +431,9 @@ Connector:
       \* finished_sending (SaveDone): blocks held for the save are freed; a
       \* finished request's delayed free happens now.
       await saves[self[1]] # {};
-      with r = self[1],
-           last = status[r] = "finishing" /\ loads[r] = {},
-           fr = (IF last THEN AllOf(r) ELSE <<>>) \o SeqOf(held[r]) do
+      with r \in {self[1]},
+           last \in {status[r] = "finishing" /\ loads[r] = {}},
+           fr \in {(IF last THEN AllOf(r) ELSE <<>>) \o SeqOf(held[r])} do
         saves[r] := {};
         ref := RefAfterFree(fr);
         freeQ := FreeQAfterFree(fr);
@@ -445,7 +443,7 @@ Connector:
           ncached[r] := [g \in Groups |-> 0];
           status[r] := "done";
         end if;
-        event := Ev("SaveDone", r, NoBlocks, [freed |-> Range(fr)]);
+        event := Ev("SaveDone", r, NoBlocks, [none |-> 0]);
       end with;
     end either;
   end while;
@@ -459,8 +457,8 @@ Client:
   either
     await status[self[1]] \in {"waiting", "loading", "running"}
           /\ ~step[self[1]].on;
-    with r = self[1],
-         delay = Mutation # "EagerFree" /\ (Transfers(r) \cup held[r]) # {} do
+    with r \in {self[1]},
+         delay \in {Mutation # "EagerFree" /\ (Transfers(r) \cup held[r]) # {}} do
       running := Without(running, r);
       if delay then
         status[r] := "finishing";
@@ -481,7 +479,7 @@ Client:
   end either;
 end process;
 end algorithm; *)
-\* BEGIN TRANSLATION - the hash of the PCal code: PCal-44b24556aa3a63915168fb4807265c49
+\* BEGIN TRANSLATION - the hash of the PCal code: PCal-53088e2437dd0a5c45bddd76ff90ff47
 VARIABLES ref, hash, freeQ, status, len, computed, table, ncached, step, 
           loads, saves, held, running, failures, event, pc
 
@@ -547,7 +545,7 @@ Plan(r, e, async, d) ==
       claimed == [g \in Groups |-> Real(base[g]) \ (IF fresh THEN {} ELSE Entries(r))]
       newCount == [g \in Groups |-> Max(nb - Len(base[g]), 0)]
       toHeld == IF Policy = "Series" /\ Mutation # "FreeInFlight"
-                THEN removed \cap Transfers(r) ELSE {}
+                THEN (removed \cap Transfers(r)) \ held[r] ELSE {}
       evictable == {b \in claimed["full"] \cup claimed["swa"] : ref[b] = 0}
   IN [fresh |-> fresh, h |-> h, c |-> c, n |-> n, d |-> d, e |-> e,
       async |-> async, nb |-> nb, base |-> base, claimed |-> claimed,
@@ -640,24 +638,24 @@ Engine(self) == /\ pc[self] = "Engine"
                                  /\ \E e \in ExtChoices(self):
                                       \E async \in AsyncChoices(e):
                                         \E d \in DraftChoices(self):
-                                          LET p == Plan(self, e, async, d) IN
-                                            LET q1 == FreeAfterRemove(p) IN
+                                          \E p \in {Plan(self, e, async, d)}:
+                                            \E q1 \in {FreeAfterRemove(p)}:
                                               /\ p.predicted <= Cardinality(q1)
                                               /\ \E nf \in NewBlockChoices(q1 \ ClaimFirst(p), p.newCount["full"]):
                                                    \E ns \in NewBlockChoices(q1 \ (ClaimFirst(p) \cup nf \cup ClaimLate(p)),
                                                                             p.newCount["swa"]):
-                                                     LET q3 == q1 \ (ClaimFirst(p) \cup nf \cup ClaimLate(p) \cup ns) IN
-                                                       LET touched == IF Mutation = "SkipTouch" THEN {}
-                                                                      ELSE ClaimFirst(p) \cup ClaimLate(p) IN
-                                                         LET tbl == [g \in Groups |->
-                                                                       p.base[g] \o SeqOf(IF g = "full" THEN nf ELSE ns)] IN
-                                                           LET h1 == [b \in Blocks |-> IF b \in nf \cup ns THEN NoHash ELSE hash[b]] IN
-                                                             LET publishTo == IF p.async /\ Mutation # "EarlyPublish" THEN 0
+                                                     \E q3 \in {q1 \ (ClaimFirst(p) \cup nf \cup ClaimLate(p) \cup ns)}:
+                                                       \E touched \in   {IF Mutation = "SkipTouch" THEN {}
+                                                                      ELSE ClaimFirst(p) \cup ClaimLate(p)}:
+                                                         \E tbl \in {[g \in Groups |->
+                                                                     p.base[g] \o SeqOf(IF g = "full" THEN nf ELSE ns)]}:
+                                                           \E h1 \in {[b \in Blocks |-> IF b \in nf \cup ns THEN NoHash ELSE hash[b]]}:
+                                                             \E publishTo \in   {IF p.async /\ Mutation # "EarlyPublish" THEN 0
                                                                               ELSE IF Mutation = "PublishDraft"
                                                                                    THEN (p.c + p.n + p.d) \div B
-                                                                                   ELSE Min(p.c + p.n, len[self]) \div B IN
-                                                               LET from == IF p.fresh THEN [g \in Groups |-> Len(p.base[g])]
-                                                                           ELSE ncached[self] IN
+                                                                                   ELSE Min(p.c + p.n, len[self]) \div B}:
+                                                               \E from \in   {IF p.fresh THEN [g \in Groups |-> Len(p.base[g])]
+                                                                           ELSE ncached[self]}:
                                                                  /\ ref' = [b \in Blocks |->
                                                                               ref[b] - (IF b \in p.toFree THEN 1 ELSE 0)
                                                                                      + (IF b \in touched THEN 1 ELSE 0)
@@ -679,27 +677,25 @@ Engine(self) == /\ pc[self] = "Engine"
                                                                  /\ event' = Ev("AllocateSlots", self,
                                                                                 [g \in Groups |-> SeqOf(IF g = "full" THEN nf ELSE ns)],
                                                                                 [hit |-> p.h, ext |-> p.e, async |-> p.async, n |-> p.n,
-                                                                                 d |-> p.d, claimed |-> ClaimFirst(p) \cup ClaimLate(p),
-                                                                                 removed |-> p.removed, held |-> p.toHeld,
-                                                                                 predicted |-> p.predicted,
+                                                                                 d |-> p.d, predicted |-> p.predicted,
                                                                                  taken |-> Cardinality(q1) - Cardinality(q3)])
                                  /\ UNCHANGED <<len, saves>>
                               \/ /\ step[self].on
                                  /\ \E a \in 0..step[self].d:
-                                      LET st == step[self] IN
-                                        LET sampled == st.from + st.n = len[self] IN
-                                          LET c2 == st.from + st.n + a IN
-                                            LET len2 == IF sampled THEN len[self] + 1 + a ELSE len[self] IN
-                                              LET sv == IF Save THEN BlocksAt(table[self], (st.from \div B) + 1, c2 \div B)
-                                                        ELSE {} IN
-                                                LET fin == len2 >= MaxLen IN
-                                                  LET delay == Mutation # "EagerFree" /\ (saves[self] \cup sv \cup held[self]) # {} IN
+                                      \E st \in {step[self]}:
+                                        \E sampled \in {st.from + st.n = len[self]}:
+                                          \E c2 \in {st.from + st.n + a}:
+                                            \E len2 \in {IF sampled THEN len[self] + 1 + a ELSE len[self]}:
+                                              \E sv \in   {IF Save THEN BlocksAt(table[self], (st.from \div B) + 1, c2 \div B)
+                                                        ELSE {}}:
+                                                \E fin \in {len2 >= MaxLen}:
+                                                  \E delay \in {Mutation # "EagerFree" /\ (saves[self] \cup sv \cup held[self]) # {}}:
                                                     /\ computed' = [computed EXCEPT ![self] = c2]
                                                     /\ len' = [len EXCEPT ![self] = len2]
                                                     /\ step' = [step EXCEPT ![self] = NoStep]
                                                     /\ saves' = [saves EXCEPT ![self] = saves[self] \cup sv]
                                                     /\ IF fin /\ ~delay
-                                                          THEN /\ event' = Ev("Finish", self, table[self], [accepted |-> a, saved |-> sv])
+                                                          THEN /\ event' = Ev("Finish", self, table[self], [accepted |-> a])
                                                                /\ ref' = RefAfterFree(AllOf(self) \o SeqOf(held[self]))
                                                                /\ freeQ' = FreeQAfterFree(AllOf(self) \o SeqOf(held[self]))
                                                                /\ table' = [table EXCEPT ![self] = EmptyTables]
@@ -710,8 +706,8 @@ Engine(self) == /\ pc[self] = "Engine"
                                                           ELSE /\ IF fin
                                                                      THEN /\ status' = [status EXCEPT ![self] = "finishing"]
                                                                           /\ running' = Without(running, self)
-                                                                          /\ event' = Ev("FinishDelayed", self, NoBlocks, [accepted |-> a, saved |-> sv])
-                                                                     ELSE /\ event' = Ev("Execute", self, NoBlocks, [accepted |-> a, saved |-> sv])
+                                                                          /\ event' = Ev("FinishDelayed", self, NoBlocks, [accepted |-> a])
+                                                                     ELSE /\ event' = Ev("Execute", self, NoBlocks, [accepted |-> a])
                                                                           /\ UNCHANGED << status, 
                                                                                           running >>
                                                                /\ UNCHANGED << ref, 
@@ -722,12 +718,12 @@ Engine(self) == /\ pc[self] = "Engine"
                                  /\ UNCHANGED <<hash, loads>>
                               \/ /\ status[self] = "running" /\ ~step[self].on /\ running # <<>>
                                     /\ ~Fits(self, 0, FALSE, 0)
-                                 /\ LET v == running[Len(running)] IN
-                                      LET keep == IF Policy = "Series" /\ Mutation # "FreeInFlight"
-                                                  THEN Entries(v) \cap Transfers(v) ELSE {} IN
-                                        LET fr == SelectSeq(AllOf(v), LAMBDA x : x \notin keep) IN
+                                 /\ \E v \in {running[Len(running)]}:
+                                      \E keep \in   {IF Policy = "Series" /\ Mutation # "FreeInFlight"
+                                                  THEN (Entries(v) \cap Transfers(v)) \ held[v] ELSE {}}:
+                                        \E fr \in {SelectSeq(AllOf(v), LAMBDA x : x \notin keep)}:
                                           /\ ~step[v].on
-                                          /\ event' = Ev("Preempt", v, table[v], [by |-> self, kept |-> keep])
+                                          /\ event' = Ev("Preempt", v, table[v], [by |-> self])
                                           /\ ref' = RefAfterFree(fr)
                                           /\ freeQ' = FreeQAfterFree(fr)
                                           /\ table' = [table EXCEPT ![v] = EmptyTables]
@@ -749,8 +745,8 @@ engine(self) == Engine(self)
 Connector(self) == /\ pc[self] = "Connector"
                    /\ IF status[self[1]] # "done"
                          THEN /\ \/ /\ loads[self[1]] # {}
-                                    /\ LET r == self[1] IN
-                                         LET last == status[r] = "finishing" /\ saves[r] = {} IN
+                                    /\ \E r \in {self[1]}:
+                                         \E last \in {status[r] = "finishing" /\ saves[r] = {}}:
                                            /\ loads' = [loads EXCEPT ![r] = {}]
                                            /\ IF last
                                                  THEN /\ event' = Ev("FinishLoadFree", r, table[r], [none |-> 0])
@@ -776,7 +772,7 @@ Connector(self) == /\ pc[self] = "Connector"
                                                                       held >>
                                     /\ UNCHANGED <<computed, saves, failures>>
                                  \/ /\ loads[self[1]] # {} /\ failures < MaxFailures
-                                    /\ LET r == self[1] IN
+                                    /\ \E r \in {self[1]}:
                                          /\ event' = Ev("LoadFailed", r, table[r], [none |-> 0])
                                          /\ loads' = [loads EXCEPT ![r] = {}]
                                          /\ failures' = failures + 1
@@ -793,9 +789,9 @@ Connector(self) == /\ pc[self] = "Connector"
                                                                /\ UNCHANGED status
                                     /\ UNCHANGED <<hash, saves, held>>
                                  \/ /\ saves[self[1]] # {}
-                                    /\ LET r == self[1] IN
-                                         LET last == status[r] = "finishing" /\ loads[r] = {} IN
-                                           LET fr == (IF last THEN AllOf(r) ELSE <<>>) \o SeqOf(held[r]) IN
+                                    /\ \E r \in {self[1]}:
+                                         \E last \in {status[r] = "finishing" /\ loads[r] = {}}:
+                                           \E fr \in {(IF last THEN AllOf(r) ELSE <<>>) \o SeqOf(held[r])}:
                                              /\ saves' = [saves EXCEPT ![r] = {}]
                                              /\ ref' = RefAfterFree(fr)
                                              /\ freeQ' = FreeQAfterFree(fr)
@@ -808,7 +804,7 @@ Connector(self) == /\ pc[self] = "Connector"
                                                         /\ UNCHANGED << status, 
                                                                         table, 
                                                                         ncached >>
-                                             /\ event' = Ev("SaveDone", r, NoBlocks, [freed |-> Range(fr)])
+                                             /\ event' = Ev("SaveDone", r, NoBlocks, [none |-> 0])
                                     /\ UNCHANGED <<hash, computed, loads, failures>>
                               /\ pc' = [pc EXCEPT ![self] = "Connector"]
                          ELSE /\ pc' = [pc EXCEPT ![self] = "Done"]
@@ -822,8 +818,8 @@ connector(self) == Connector(self)
 Client(self) == /\ pc[self] = "Client"
                 /\ \/ /\ status[self[1]] \in {"waiting", "loading", "running"}
                          /\ ~step[self[1]].on
-                      /\ LET r == self[1] IN
-                           LET delay == Mutation # "EagerFree" /\ (Transfers(r) \cup held[r]) # {} IN
+                      /\ \E r \in {self[1]}:
+                           \E delay \in {Mutation # "EagerFree" /\ (Transfers(r) \cup held[r]) # {}}:
                              /\ running' = Without(running, r)
                              /\ IF delay
                                    THEN /\ status' = [status EXCEPT ![r] = "finishing"]
@@ -860,7 +856,7 @@ Spec == /\ Init /\ [][Next]_vars
 
 Termination == <>(\A self \in ProcSet: pc[self] = "Done")
 
-\* END TRANSLATION - the hash of the generated TLA code (remove to silence divergence warnings): TLA-3048c37fc25822ff2951aced777b00e9
+\* END TRANSLATION - the hash of the generated TLA code (remove to silence divergence warnings): TLA-48cb46fd42d2459dab51a6aa383c56f2
 
 -----------------------------------------------------------------------------
 (***************************************************************************)
@@ -899,21 +895,25 @@ Conservation ==
     /\ Cardinality(freeQ) + Cardinality({b \in Blocks : ref[b] > 0}) = N
     /\ Null \notin freeQ \cup InFlight \cup UNION {held[r] : r \in Req}
 
-\* The places a block is named: a table entry <<r, g, i>>, or a Series hold.
-Slots(b) == {<<r, g, i>> \in Req \X Groups \X (1..MaxBlocks) :
-                i <= Len(table[r][g]) /\ table[r][g][i] = b}
+\* Positions of block b in a block table.
+At(t, b) == {i \in DOMAIN t : t[i] = b}
 Holders(b) == {r \in Req : b \in held[r]}
 
 \* BlockPool.get_new_blocks / touch: a block has one owner (one request, one
 \* group, one position), unless it is a prefix-cache hit shared by several
 \* requests at the same position of the same group, carrying its hash.
 ExclusiveOwnership ==
-    \A b \in Blocks :
-      /\ \A s1, s2 \in Slots(b) : s1 # s2 =>
-            /\ s1[1] # s2[1] /\ s1[2] = s2[2] /\ s1[3] = s2[3]
-            /\ hash[b] # NoHash
-      /\ \A r \in Holders(b) :
-            \A s \in Slots(b) : s[1] # r /\ hash[b] # NoHash
+    /\ \A r \in Req, g \in Groups :          \* once per table
+          \A b \in Real(table[r][g]) : Cardinality(At(table[r][g], b)) = 1
+    /\ \A r \in Req :                        \* never in two groups of a request
+          /\ Real(table[r]["full"]) \cap Real(table[r]["swa"]) = {}
+          /\ \A b \in held[r] \cap Entries(r) : hash[b] # NoHash  \* its own hit
+    /\ \A r1, r2 \in Req : r1 # r2 =>        \* shared only as the same hit
+          /\ \A g1, g2 \in Groups :
+               \A b \in Real(table[r1][g1]) \cap Real(table[r2][g2]) :
+                  /\ g1 = g2 /\ hash[b] # NoHash
+                  /\ At(table[r1][g1], b) = At(table[r2][g2], b)
+          /\ \A b \in held[r1] \cap (Entries(r2) \cup held[r2]) : hash[b] # NoHash
 
 \* Scheduler + KVConnector: a block a load writes or a save reads stays
 \* owned by its request and out of the free queue (so it is never evicted
@@ -926,7 +926,9 @@ NoTransferRace ==
 \* BlockPool.touch / free_blocks: ref_cnt counts the table entries (and
 \* Series holds) that name the block.
 RefCount ==
-    \A b \in Blocks : ref[b] = Cardinality(Slots(b)) + Cardinality(Holders(b))
+    \A b \in Blocks :
+        ref[b] = Cardinality({rg \in Req \X Groups : b \in Range(table[rg[1]][rg[2]])})
+                 + Cardinality(Holders(b))
 
 \* SingleTypeKVCacheManager: null blocks only form a prefix of a
 \* sliding-window table (remove_skipped_blocks, find_longest_cache_hit);
