@@ -5,48 +5,18 @@ hypothesis and interleave several requests on one shared block pool.
 """
 
 import pytest
-import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
-from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import sha256
+from kvtest import hypothesis_settings, make_request, make_spec
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.single_type_kv_cache_manager import get_manager_for_kv_cache_spec
 from vllm.v1.kv_cache_interface import (
-    ChunkedLocalAttentionSpec,
-    CrossAttentionSpec,
-    FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
-    MambaSpec,
-    SlidingWindowSpec,
-)
-from vllm.v1.request import Request
-
-init_none_hash(sha256)
-
-SETTINGS = settings(
-    max_examples=150,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
 )
 
-
-def make_spec(kind: str, block_size: int, window: int):
-    if kind == "full":
-        return FullAttentionSpec(block_size, 1, 1, torch.float32)
-    if kind == "sliding_window":
-        return SlidingWindowSpec(block_size, 1, 1, torch.float32, sliding_window=window)
-    if kind == "chunked_local":
-        return ChunkedLocalAttentionSpec(
-            block_size, 1, 1, torch.float32, attention_chunk_size=window
-        )
-    if kind == "mamba":
-        return MambaSpec(block_size=block_size, shapes=((1,),), dtypes=(torch.float32,))
-    assert kind == "cross_attention"
-    return CrossAttentionSpec(block_size, 1, 1, torch.float32)
+SETTINGS = hypothesis_settings(150)
 
 
 def expected_skipped_tokens(kind: str, window: int, n: int) -> int:
@@ -109,17 +79,6 @@ def test_remove_skipped_blocks_nulls_exactly_the_skipped_blocks(
         assert num_null == manager.get_num_skipped_tokens(num_computed) // block_size
         held = len(blocks) - num_null
         assert pool.get_num_free_blocks() == 399 - held
-
-
-def make_request(request_id: str, token_ids: list[int], block_size: int) -> Request:
-    return Request(
-        request_id=request_id,
-        prompt_token_ids=token_ids,
-        sampling_params=SamplingParams(max_tokens=64),
-        pooling_params=None,
-        eos_token_id=None,
-        block_hasher=get_request_block_hasher(block_size, sha256),
-    )
 
 
 GROUPS = [

@@ -1,0 +1,63 @@
+"""Shared helpers of our stage tests: KV cache specs and requests built the way
+vLLM's own tests build them, with one hashing setup for every stage.
+
+Imported by ``tests/stages/sNN_*/test_*.py`` (``tests/stages`` is on PYTHONPATH
+inside the stage matrix).
+"""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import HealthCheck, settings
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.request import Request
+
+init_none_hash(sha256)
+
+
+def hypothesis_settings(max_examples: int) -> settings:
+    return settings(
+        max_examples=max_examples,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+
+
+def make_spec(kind: str, block_size: int, window: int):
+    """A one-layer KV cache spec of attention type ``kind``.
+
+    ``window`` is the sliding window or the attention chunk size, in tokens.
+    """
+    if kind == "full":
+        return FullAttentionSpec(block_size, 1, 1, torch.float32)
+    if kind == "sliding_window":
+        return SlidingWindowSpec(block_size, 1, 1, torch.float32, sliding_window=window)
+    if kind == "chunked_local":
+        return ChunkedLocalAttentionSpec(
+            block_size, 1, 1, torch.float32, attention_chunk_size=window
+        )
+    if kind == "mamba":
+        return MambaSpec(block_size=block_size, shapes=((1,),), dtypes=(torch.float32,))
+    assert kind == "cross_attention", kind
+    return CrossAttentionSpec(block_size, 1, 1, torch.float32)
+
+
+def make_request(request_id: str, token_ids: list[int], block_size: int) -> Request:
+    """A request whose block hashes are computed per ``block_size`` tokens."""
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=token_ids,
+        sampling_params=SamplingParams(max_tokens=64),
+        pooling_params=None,
+        eos_token_id=None,
+        block_hasher=get_request_block_hasher(block_size, sha256),
+    )
