@@ -723,6 +723,11 @@ def model_page(cfg: Config) -> str:
 def bench_page(cfg: Config, site: Site) -> str:
     benches, loose = site_reports.load_benchmarks(cfg)
     out = ["# Benchmarks\n"]
+    method = cfg.root / "bench" / "README.md"
+    if method.is_file():
+        # The method and its limits, written once next to the scenarios.
+        text = method.read_text()
+        out.append(text.split("\n", 1)[1] if text.startswith("# ") else text)
     if not benches and not loose:
         out.append(
             '!!! note "Not run yet"\n    The benchmarks write their results and '
@@ -786,6 +791,8 @@ def generate(cfg: Config, docs_dir: Path | None = None) -> Site:
     if (docs_dir / "model.md").is_file():
         model_nav.append({"The model": "model.md"})
     model_nav.append({"Properties and results": "model-results.md"})
+    if (docs_dir / "conformance.md").is_file():
+        model_nav.append({"Conformance": "conformance.md"})
     nav: list = [{"Overview": "index.md"}]
     for title, page in (("The problem", "problem.md"), ("Token regions", "regions.md")):
         if (docs_dir / page).is_file():

@@ -156,12 +156,15 @@ class StageResult:
         return data
 
 
-def stage_trees(cfg: Config, stages: list[Stage], k: int) -> dict[str, Path]:
-    """Clones of every tree at stage ``k`` under ``build/stages/k/``."""
+def stage_trees(
+    cfg: Config, stages: list[Stage], k: int, root: Path | None = None
+) -> dict[str, Path]:
+    """Clones of every tree at stage ``k`` under ``root/k/`` (``build/stages``),
+    reset to the base and brought to stage ``k`` with ``git am`` on every call."""
     trees = {}
     for tree in cfg.trees.values():
         base_mod.materialize(cfg, tree)
-        dest = cfg.build / "stages" / str(k) / tree.name
+        dest = (root or cfg.build / "stages") / str(k) / tree.name
         if not is_repo(dest):
             dest.parent.mkdir(parents=True, exist_ok=True)
             git(

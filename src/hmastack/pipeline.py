@@ -1,8 +1,8 @@
 """``hmastack run``: the main job, every step of the pipeline in order.
 
 base → env → apply (all stages into the workspaces) → stage matrix → model check
-→ site, then one summary. A failing step is reported and the later steps still
-run where they can, so one run shows everything that is red.
+→ quick benchmarks → site, then one summary. A failing step is reported and the
+later steps still run where they can, so one run shows everything that is red.
 """
 
 from __future__ import annotations
@@ -65,6 +65,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     spec_check = _optional("hmastack.spec", "run_all_for_pipeline")
     if spec_check is not None:
         ok = do("model check", lambda: spec_check(cfg)) and ok
+    bench_quick = _optional("hmastack.bench", "run_for_pipeline")
+    if bench_quick is not None and ok:
+        ok = do("benchmarks (quick)", lambda: bench_quick(cfg)) and ok
     docs_build = _optional("hmastack.docs", "build_for_pipeline")
     if docs_build is not None:
         ok = do("site", lambda: docs_build(cfg)) and ok
@@ -80,7 +83,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "run", help="the main job: base, env, apply, stage matrix, model, site"
+        "run",
+        help="the main job: base, env, apply, stage matrix, model, benchmarks, site",
     )
     parser.add_argument(
         "--jobs", type=int, default=2, help="stages tested at once (default 2)"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -20,7 +21,13 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from hmastack.errors import HmastackError
 
-console = Console(stderr=True, highlight=False, soft_wrap=True)
+# Logs (CI) are not terminals: give tables room instead of rich's 80 columns.
+console = Console(
+    stderr=True,
+    highlight=False,
+    soft_wrap=True,
+    width=None if sys.stderr.isatty() else 160,
+)
 HEARTBEAT_SECONDS = 60.0
 
 

@@ -529,3 +529,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     check_p.add_argument("--all", action="store_true", help="every model (default)")
     check_p.set_defaults(func=cmd_check)
     # Issue 8 adds a "traces" subcommand here (replay TLC traces against vLLM).
+    from hmastack import traces
+
+    traces.register(sub)

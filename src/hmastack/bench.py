@@ -1,0 +1,457 @@
+"""Benchmarks: what the series changes in memory, admission and scheduler cost.
+
+``hmastack bench [--quick] [--stages 0,3] [--no-peer]`` runs three scenarios
+(``bench/scenarios/*.py``), each INSIDE one vLLM tree's process (the tree on
+``PYTHONPATH``, the interpreter of ``build/env``), on the base (stage 0), on each
+selected stage and optionally on the vLLM 0.14.0 peer, alternating trees
+(A B A B ..., one process per run):
+
+1. ``peak_blocks``: peak blocks per KV cache group for one request with an
+   external hit of L tokens, against the physical minimum ceil((W-1)/B)+1 per SWA
+   group. Deterministic: checked exactly (a mismatch fails the command).
+2. ``admission``: the longest external hit admitted and the number of concurrent
+   requests with a long external prefix under a fixed KV budget, with HMA off and
+   on, against the physical limit. Deterministic.
+3. ``scheduler_cost``: CPU time per schedule()+update_from_output() step, as the
+   ratio stage/base over interleaved repetitions (median, min, max). Never fails.
+
+Results: ``build/reports/bench/<scenario>.json`` (+ ``.png`` plots when
+matplotlib is importable) and the tables on the terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import statistics
+import tarfile
+import tempfile
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from hmastack import base as base_mod
+from hmastack import config as config_mod
+from hmastack import env as env_mod
+from hmastack.config import Config, Tree
+from hmastack.errors import HmastackError
+from hmastack.progress import CommandError, console, run, step
+
+MARKER = "HMASTACK_BENCH_JSON "
+PEER_KEY = "vllm-0-14"
+SCENARIOS = ("peak_blocks", "admission", "scheduler_cost")
+
+FULL = {
+    "lengths": [1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072],
+    "windows": [512, 4096],
+    "patterns": ["gemma3", "gptoss"],
+    "cost": {"sizes": [64, 256], "modes": ["decode", "prefill"], "steps": 30},
+    "reps": 5,
+}
+QUICK = {
+    "lengths": [1024, 8192, 131072],
+    "windows": [512, 4096],
+    "patterns": ["gemma3", "gptoss"],
+    "cost": {"sizes": [64, 256], "modes": ["decode", "prefill"], "steps": 10},
+    "reps": 2,
+}
+
+
+@dataclass(frozen=True)
+class BenchTree:
+    label: str  # "stage 0", "stage 3", "v0.14.0"
+    path: Path  # the vLLM source tree
+
+
+# --- the expected figures ---------------------------------------------------------
+
+
+def swa_min_blocks(window: int, block_size: int) -> int:
+    return math.ceil((window - 1) / block_size) + 1
+
+
+def expected_swa_blocks(
+    external: int, new: int, window: int, block_size: int, separate: bool
+) -> int:
+    """Blocks one SWA group holds right after admitting the request.
+
+    Through ``num_new_tokens`` (0.13.0, stages < 3): every token gets a block.
+    With external tokens passed separately: the skipped prefix
+    (max(0, L - W + 1) tokens, L computed before the step) is the null block.
+    """
+    total = math.ceil((external + new) / block_size)
+    if not separate:
+        return total
+    skipped = max(0, min(external, external + new - 1) - window + 1)
+    return total - skipped // block_size
+
+
+def check_peak(report: dict) -> list[str]:
+    """The mismatches between a tree's peak-blocks report and the formulas."""
+    bad = []
+    B, sep = report["block_size"], report["separate_external_arg"]
+    for r in report["rows"]:
+        want_full = math.ceil((r["external"] + r["new"]) / B)
+        want_swa = expected_swa_blocks(r["external"], r["new"], r["window"], B, sep)
+        if (r["full_blocks"], r["swa_blocks"]) != (want_full, want_swa):
+            bad.append(
+                f"{r['pattern']} W={r['window']} L={r['external']}: full "
+                f"{r['full_blocks']} (want {want_full}), swa {r['swa_blocks']} "
+                f"(want {want_swa})"
+            )
+    return bad
+
+
+# --- trees -----------------------------------------------------------------------
+
+
+def parse_stages(text: str | None, cfg: Config, quick: bool = False) -> list[int]:
+    """The stages to compare with the base: all by default, the last with --quick."""
+    if not text:
+        return [cfg.num_stages] if quick else list(range(1, cfg.num_stages + 1))
+    out: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        for k in range(int(lo), int(hi or lo) + 1):
+            if not 0 <= k <= cfg.num_stages:
+                raise HmastackError(f"unknown stage {k}", f"0..{cfg.num_stages}")
+            out.add(k)
+    out.discard(0)
+    return sorted(out)
+
+
+def stage_tree(cfg: Config, k: int) -> Path:
+    """The vLLM tree at stage ``k`` under ``build/bench/stages/k/`` (apart from the
+    stage matrix's trees, which may be in use), re-applied from ``patches/`` on
+    every run so it is never stale."""
+    from hmastack import matrix, workspace
+
+    trees = matrix.stage_trees(
+        cfg, workspace.discover(cfg), k, root=cfg.build / "bench" / "stages"
+    )
+    return trees["vllm"]
+
+
+def peer_tree(cfg: Config) -> tuple[Path | None, str]:
+    """The vLLM 0.14.0 source tree under ``build/bench/``, or None and why not."""
+    data = tomllib.loads((cfg.root / config_mod.CONFIG_NAME).read_text())
+    raw = data.get("peers", {}).get(PEER_KEY)
+    if not raw:
+        return None, f"no [peers.{PEER_KEY}] in {config_mod.CONFIG_NAME}"
+    tree = Tree(
+        name=PEER_KEY,
+        package=raw["package"],
+        version=raw["version"],
+        sha256=raw["sha256"].lower(),
+        tag=raw.get("tag", f"v{raw['version']}"),
+        pip_env={k: str(v) for k, v in raw.get("pip_env", {}).items()},
+    )
+    dest = cfg.build / "bench" / f"vllm-{tree.version}"
+    if not (dest / "vllm" / "__init__.py").is_file():
+        try:
+            sdist = base_mod.fetch(cfg, tree)
+        except HmastackError as exc:
+            return None, f"could not fetch {tree.sdist_name}: {exc.message}"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+            with tarfile.open(sdist) as tar:
+                tar.extractall(tmp, filter="data")
+            (top,) = list(Path(tmp).iterdir())
+            shutil.move(str(top), dest)
+    return dest, ""
+
+
+# --- running scenarios -------------------------------------------------------------
+
+
+def run_scenario(
+    cfg: Config, pyenv: env_mod.Env, tree: BenchTree, name: str, args: dict
+) -> dict:
+    script = cfg.root / "bench" / "scenarios" / f"{name}.py"
+    slug = tree.label.replace(" ", "")
+    proc = run(
+        [pyenv.python, script, json.dumps(args)],
+        cwd=tree.path,
+        env=pyenv.test_environ([tree.path]),
+        log=cfg.build / "logs" / "bench" / f"{name}-{slug}.log",
+        check=False,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARKER)]
+    if proc.returncode != 0 or not lines:
+        tail = "\n".join(proc.stdout.splitlines()[-15:])
+        raise CommandError([str(script), tree.label], proc.returncode, tail)
+    return json.loads(lines[-1][len(MARKER) :])
+
+
+def alternate(
+    cfg: Config,
+    pyenv: env_mod.Env,
+    trees: list[BenchTree],
+    name: str,
+    args: dict,
+    reps: int,
+) -> tuple[dict[str, list[dict]], dict[str, str]]:
+    """Run ``name`` on every tree in turn, ``reps`` rounds (A B A B ...)."""
+    results: dict[str, list[dict]] = {t.label: [] for t in trees}
+    errors: dict[str, str] = {}
+    for _ in range(reps):
+        for t in trees:
+            if t.label in errors:
+                continue
+            try:
+                results[t.label].append(run_scenario(cfg, pyenv, t, name, args))
+            except CommandError as exc:
+                errors[t.label] = exc.message.splitlines()[-1][:300]
+    return results, errors
+
+
+# --- the three scenarios ----------------------------------------------------------
+
+
+def bench_peak(cfg, pyenv, trees, plan) -> dict:
+    args = {k: plan[k] for k in ("lengths", "windows", "patterns")} | {
+        "block_size": 16,
+        "new_tokens": 1,
+    }
+    results, errors = alternate(cfg, pyenv, trees, "peak_blocks", args, 1)
+    rows, mismatches = [], []
+    for label, runs in results.items():
+        if not runs:
+            continue
+        rep = runs[0]
+        mismatches += [f"{label}: {m}" for m in check_peak(rep)]
+        for r in rep["rows"]:
+            rows.append(
+                {
+                    "tree": label,
+                    "pattern": r["pattern"],
+                    "W": r["window"],
+                    "L": r["external"],
+                    "full": r["full_blocks"],
+                    "swa/group": r["swa_blocks"],
+                    "swa groups": r["swa_groups"],
+                    "swa min": r["swa_min"],
+                    "swa/min": round(r["swa_blocks"] / r["swa_min"], 2),
+                    "pool blocks": r["pool_taken"],
+                    "external arg": rep["separate_external_arg"],
+                }
+            )
+    return {
+        "title": "Peak blocks per group for one external hit",
+        "method": "one new request of L+1 tokens, L external; blocks held right "
+        "after allocate_slots (before remove_skipped_blocks); B=16",
+        "block_size": 16,
+        "checked": "exact" if not mismatches else "MISMATCH",
+        "mismatches": mismatches,
+        "errors": errors,
+        "rows": rows,
+    }
+
+
+def bench_admission(cfg, pyenv, trees, plan) -> dict:
+    args = {
+        "windows": plan["windows"],
+        "patterns": plan["patterns"],
+        "block_size": 16,
+        "new_tokens": 1,
+        "num_blocks": 4096,
+        "shared_prefix": 8192,
+    }
+    results, errors = alternate(cfg, pyenv, trees, "admission", args, 1)
+    rows = []
+    for label, runs in results.items():
+        for r in runs[0]["rows"] if runs else []:
+            rows.append(
+                {
+                    "tree": label,
+                    "pattern": r["pattern"],
+                    "W": r["window"],
+                    "longest hit": r["longest_hit"],
+                    "HMA off": r["longest_hit_hma_off"],
+                    "physical": r["longest_hit_physical"],
+                    "concurrent@8k": r["concurrent"],
+                    "conc. HMA off": r["concurrent_hma_off"],
+                    "conc. physical": r["concurrent_physical"],
+                }
+            )
+    return {
+        "title": "Admission under a fixed KV budget",
+        "method": "budget 4096 hybrid blocks (B=16); HMA off = one group holding "
+        "every layer (4096 // groups blocks); binary search over L with a fresh "
+        "KVCacheManager per probe; concurrent = requests with an 8k external "
+        "prefix admitted in one step",
+        "budget_blocks": 4096,
+        "errors": errors,
+        "rows": rows,
+    }
+
+
+def bench_cost(cfg, pyenv, trees, plan) -> dict:
+    reps = plan["reps"]
+    if plan is QUICK:  # CI time budget: the timing ratio of the peer is not quick
+        trees = [t for t in trees if t.label != "v0.14.0"]
+    results, errors = alternate(cfg, pyenv, trees, "scheduler_cost", plan["cost"], reps)
+    base = trees[0].label
+    rows = []
+    for t in trees:
+        runs = results.get(t.label) or []
+        if not runs or not results.get(base):
+            continue
+        for i, r in enumerate(runs[0]["rows"]):
+            mine = [run["rows"][i]["cpu_ms_per_step"] for run in runs]
+            theirs = [run["rows"][i]["cpu_ms_per_step"] for run in results[base]]
+            ratios = [a / b for a, b in zip(mine, theirs, strict=False) if b > 0]
+            rows.append(
+                {
+                    "tree": t.label,
+                    "mode": r["mode"],
+                    "requests": r["requests"],
+                    "cpu ms/step (median)": round(statistics.median(mine), 3),
+                    "ratio median": round(statistics.median(ratios), 3),
+                    "ratio min": round(min(ratios), 3),
+                    "ratio max": round(max(ratios), 3),
+                    "reps": len(ratios),
+                }
+            )
+    return {
+        "title": "Scheduler CPU cost per step (ratio to base)",
+        "method": "time.process_time around schedule()+update_from_output() with "
+        "vLLM's create_scheduler (one full-attention group, CPU); trees run "
+        f"alternately, {reps} rounds, one process per run; never fails on timing",
+        "errors": errors,
+        "rows": rows,
+    }
+
+
+# --- output ------------------------------------------------------------------------
+
+
+def print_table(report: dict) -> None:
+    from rich.table import Table
+
+    rows = report.get("rows", [])
+    table = Table(title=report["title"])
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    for c in cols:
+        table.add_column(c)
+    for r in rows:
+        table.add_row(*(str(r.get(c, "")) for c in cols))
+    console.print(table)
+    for label, why in report.get("errors", {}).items():
+        console.print(f"[red]{label} failed:[/red] {why}")
+
+
+def plot(report_name: str, report: dict, out: Path) -> Path | None:
+    """A PNG next to the report when matplotlib is importable (else None)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = report.get("rows", [])
+    if report_name != "peak_blocks" or not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for key in sorted({(r["tree"], r["pattern"], r["W"]) for r in rows}):
+        pts = [r for r in rows if (r["tree"], r["pattern"], r["W"]) == key]
+        ax.plot(
+            [p["L"] for p in pts],
+            [p["swa/group"] for p in pts],
+            marker="o",
+            label=f"{key[0]} {key[1]} W={key[2]}",
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("external hit L (tokens)")
+    ax.set_ylabel("peak SWA blocks per group")
+    ax.legend(fontsize=7)
+    path = out / f"{report_name}.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    cfg = config_mod.load()
+    failed = run_bench(cfg, args.quick, args.stages, args.no_peer)
+    return 1 if failed else 0
+
+
+def run_for_pipeline(cfg: Config) -> str:
+    """`hmastack run`'s benchmark step: the quick set (memory figures checked
+    exactly, timings reported only). Raises :class:`HmastackError` on a mismatch."""
+    if run_bench(cfg, quick=True, stages_text=None, no_peer=False):
+        raise HmastackError(
+            "a benchmark figure differs from its expected value",
+            f"see {cfg.reports / 'bench'} and build/logs/bench/",
+        )
+    return f"quick set, reports in {cfg.reports / 'bench'}"
+
+
+def run_bench(cfg: Config, quick: bool, stages_text: str | None, no_peer: bool) -> bool:
+    """Run every scenario on the trees in alternation; True when a check failed."""
+    plan = QUICK if quick else FULL
+    pyenv = env_mod.ensure(cfg)
+    trees = [BenchTree("stage 0", stage_tree(cfg, 0))]
+    trees += [
+        BenchTree(f"stage {k}", stage_tree(cfg, k))
+        for k in parse_stages(stages_text, cfg, quick)
+    ]
+    skipped = {}
+    if not no_peer:
+        path, why = peer_tree(cfg)
+        if path is not None:
+            trees.append(BenchTree("v0.14.0", path))
+        else:
+            skipped["v0.14.0"] = why
+    out = cfg.reports / "bench"
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    failed = False
+    for name, fn in (
+        ("peak_blocks", bench_peak),
+        ("admission", bench_admission),
+        ("scheduler_cost", bench_cost),
+    ):
+        with step(f"bench {name} on {', '.join(t.label for t in trees)}"):
+            report = fn(cfg, pyenv, trees, plan)
+        # A tree that cannot run a scenario is skipped with its reason; the peer
+        # may lack what our env provides.
+        for label, why in report["errors"].items():
+            if label == "v0.14.0":
+                skipped[label] = why
+        report["skipped"] = skipped
+        report["quick"] = bool(quick)
+        report["generated"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        (out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+        plot(name, report, out)
+        print_table(report)
+        failed |= report.get("checked") == "MISMATCH" or any(
+            label != "v0.14.0" for label in report["errors"]
+        )
+    for label, why in skipped.items():
+        console.print(f"[yellow]skipped {label}:[/yellow] {why}")
+    console.print(f"bench reports in {out} ({time.time() - started:.0f}s)")
+    return failed
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="memory, admission and scheduler-cost benchmarks per stage",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--quick", action="store_true", help="the CI set (< 3 min)")
+    parser.add_argument(
+        "--stages", help="stages to compare with the base, e.g. 3 or 1-3 (default all)"
+    )
+    parser.add_argument(
+        "--no-peer", action="store_true", help="skip the vLLM 0.14.0 peer tree"
+    )
+    parser.set_defaults(func=cmd_bench)

@@ -1,0 +1,245 @@
+"""Behaviours of the model as JSON, for replay against vLLM.
+
+``hmastack spec traces MODEL -n N`` runs TLC in simulation mode
+(``-simulate num=N,file=...``). TLC 2.15 writes one file per behaviour,
+``<file>_<worker>_<index>``, each a TLA+ module of ``STATE_k ==`` definitions
+(conjuncts ``/\\ var = value``, TLC's value syntax). They are parsed with
+:mod:`hmastack.tlc`'s value parser into
+``build/reports/spec/traces/<model>/trace-NNNN.json``::
+
+    {"model": ..., "cfg": ..., "seed": ..., "index": k,
+     "constants": {"N": 5, "Policy": "Series", ...},
+     "states": [{"ref": [...], "table": {...}, "event": {...}, ...}, ...]}
+
+Stuttering steps (a state equal to its predecessor: ``Terminating`` at the
+end, and TLC 2.15 repeats some states of a simulated behaviour) are dropped.
+``MODEL`` is a manifest name or a ``.cfg`` path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from hmastack import tlc
+from hmastack.errors import HmastackError
+
+__all__ = [
+    "parse_trace_file",
+    "parse_cfg_constants",
+    "generate",
+    "register",
+]
+
+_STATE_DEF = re.compile(r"^STATE_(\d+) ==\s*$", re.MULTILINE)
+_END = re.compile(r"^={4,}\s*$", re.MULTILINE)
+_FILE_INDEX = re.compile(r"_(\d+)_(\d+)$")
+
+
+def parse_trace_file(text: str) -> list[dict[str, Any]]:
+    """The states of one ``-simulate file=`` behaviour, in order.
+
+    Each state is a dict of its variables (parsed TLC values); states equal
+    to their predecessor (stuttering) are dropped.
+    """
+    end = _END.search(text)
+    body = text[: end.start()] if end else text
+    marks = list(_STATE_DEF.finditer(body))
+    if not marks:
+        raise tlc.ParseError("no STATE_k definitions in the trace file")
+    states = []
+    for k, mark in enumerate(marks):
+        if int(mark.group(1)) != k + 1:
+            raise tlc.ParseError(f"state {mark.group(1)} out of order")
+        stop = marks[k + 1].start() if k + 1 < len(marks) else len(body)
+        states.append(tlc.parse_state(body[mark.end() : stop])["vars"])
+    # A state equal to its predecessor is a stuttering step (TLC 2.15 also
+    # repeats some states of a simulated behaviour): it carries no step.
+    return [s for k, s in enumerate(states) if k == 0 or s != states[k - 1]]
+
+
+def parse_cfg_constants(text: str) -> dict[str, Any]:
+    """``name = value`` lines of a cfg's CONSTANTS section (comments dropped)."""
+    constants: dict[str, Any] = {}
+    section = None
+    for raw in text.splitlines():
+        line = raw.split("\\*", 1)[0].strip()
+        if not line:
+            continue
+        if re.fullmatch(r"[A-Z_]+", line.split()[0]) and " = " not in line:
+            section = line.split()[0]
+            continue
+        if section == "CONSTANTS" and " = " in line:
+            name, _, value = line.partition(" = ")
+            constants[name.strip()] = tlc.to_jsonable(tlc.parse_value(value))
+    return constants
+
+
+def _resolve_cfg(root: Path, settings, name: str) -> tuple[str, Path]:
+    from hmastack import spec
+
+    path = Path(name)
+    if path.suffix == ".cfg":
+        if not path.is_absolute():
+            path = (Path.cwd() / path).resolve()
+        if not path.is_file():
+            raise HmastackError(f"{name} does not exist", "pass a model or a .cfg")
+        return path.stem, path
+    models = spec.load_manifest(settings)
+    if name not in models:
+        raise HmastackError(
+            f"unknown model {name}", f"known: {', '.join(models)}, or a .cfg path"
+        )
+    return name, models[name].cfg
+
+
+def generate(
+    cfg: Path,
+    name: str,
+    num: int,
+    depth: int,
+    out: Path,
+    *,
+    seed: int | None = None,
+    root: Path | None = None,
+) -> dict[str, Any]:
+    """Simulate ``num`` behaviours of ``cfg``; write them as JSON under ``out``.
+
+    Returns a summary (also written as ``out/index.json``).
+    """
+    from hmastack import spec
+
+    root = root or spec._root()
+    settings = spec.load_settings(root)
+    java = spec.find_java()
+    jar = spec.resolve_jar(root, settings)
+    seed = settings.seed if seed is None else seed
+    out = out.resolve()
+    work = Path(tempfile.mkdtemp(prefix="hmastack-traces-"))
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    (work / "sim").mkdir(parents=True)
+    shutil.copyfile(settings.tla_file, work / settings.tla_file.name)
+    cfg_text = cfg.read_text()
+    # Symmetry sets do not apply to simulation.
+    (work / "model.cfg").write_text(
+        "\n".join(ln for ln in cfg_text.splitlines() if "SYMMETRY" not in ln) + "\n"
+    )
+    cmd = [
+        java,
+        *settings.java_opts,
+        "-cp",
+        str(jar),
+        "tlc2.TLC",
+        "-tool",
+        "-workers",
+        "1",  # one worker: the behaviours depend on the seed only
+        "-seed",
+        str(seed),
+        "-deadlock",
+        "-config",
+        "model.cfg",
+        "-metadir",
+        str(work / "states"),
+        "-simulate",
+        f"num={num},file={work / 'sim' / 'trace'}",
+        "-depth",
+        str(depth),
+        settings.module,
+    ]
+    start = time.monotonic()
+    proc = subprocess.run(
+        cmd,
+        cwd=work,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
+    (work / "tlc.log").write_text(proc.stdout)
+    try:
+        run = tlc.parse_tool_output(proc.stdout)
+    except tlc.ParseError:
+        run = tlc.TlcRun(result="error", errors=[proc.stdout[-2000:]])
+    if run.result != "pass" or proc.returncode != 0:
+        what = run.violated or "; ".join(run.errors)[:500] or f"exit {proc.returncode}"
+        raise HmastackError(
+            f"TLC simulation of {name} failed: {run.result} ({what})",
+            f"see {work / 'tlc.log'}",
+        )
+    files = sorted(
+        (work / "sim").iterdir(),
+        key=lambda p: tuple(int(x) for x in _FILE_INDEX.search(p.name).groups()),
+    )
+    constants = parse_cfg_constants(cfg_text)
+    cfg_name = str(cfg.relative_to(root)) if cfg.is_relative_to(root) else str(cfg)
+    written = []
+    for index, path in enumerate(files):
+        states = parse_trace_file(path.read_text())
+        doc = {
+            "model": name,
+            "cfg": cfg_name,
+            "seed": seed,
+            "depth": depth,
+            "index": index,
+            "constants": constants,
+            "states": [tlc.to_jsonable(s) for s in states],
+        }
+        target = out / f"trace-{index:04d}.json"
+        target.write_text(json.dumps(doc, separators=(",", ":")) + "\n")
+        written.append({"file": target.name, "states": len(states)})
+    summary = {
+        "model": name,
+        "cfg": cfg_name,
+        "seed": seed,
+        "num": num,
+        "depth": depth,
+        "seconds": round(time.monotonic() - start, 1),
+        "states_generated": run.states_generated,
+        "traces": written,
+    }
+    (out / "index.json").write_text(json.dumps(summary, indent=1) + "\n")
+    shutil.rmtree(work, ignore_errors=True)
+    return summary
+
+
+def cmd_traces(args: argparse.Namespace) -> int:
+    from hmastack import spec
+    from hmastack.progress import console
+
+    root, _, reports = spec._paths()
+    settings = spec.load_settings(root)
+    name, cfg = _resolve_cfg(root, settings, args.model)
+    out = Path(args.out) if args.out else reports / "spec" / "traces" / name
+    summary = generate(cfg, name, args.n, args.depth, out, seed=args.seed, root=root)
+    steps = sum(t["states"] - 1 for t in summary["traces"])
+    console.print(
+        f"{len(summary['traces'])} behaviours ({steps} steps) of {name} "
+        f"in {summary['seconds']} s -> {out}"
+    )
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """``hmastack spec traces``: registered by :func:`hmastack.spec.register`."""
+    p = sub.add_parser(
+        "traces", help="simulate behaviours of a model and write them as JSON"
+    )
+    p.add_argument("model", help="a model of spec/manifest.toml, or a .cfg path")
+    p.add_argument("-n", type=int, default=20, help="behaviours (default 20)")
+    p.add_argument(
+        "--depth", type=int, default=60, help="steps per behaviour (default 60)"
+    )
+    p.add_argument("--seed", type=int, default=None, help="default: spec/tlc.toml")
+    p.add_argument(
+        "--out", default=None, help="default: build/reports/spec/traces/<model>/"
+    )
+    p.set_defaults(func=cmd_traces)

@@ -1,0 +1,346 @@
+"""Stage 03: behaviours of the model (Series) replayed with vLLM's objects.
+
+The fixtures under ``fixtures/replay/`` are behaviours of
+``fixtures/replay-small.cfg`` written by
+``hmastack spec traces tests/stages/s03_connector_allocate/fixtures/replay-small.cfg
+-n 40 --depth 60 --out tests/stages/s03_connector_allocate/fixtures/replay``
+(TLC -simulate, seed of spec/tlc.toml), committed so that this test needs no
+Java.
+
+The driver stands for the scheduler and the connector and follows each step's
+``event`` with the patched ``KVCacheManager`` (full attention + sliding window,
+block size B, one pool of N blocks). Token counts (hit, external, new, draft,
+accepted tokens) come from the model; the blocks come from vLLM. A bijection
+model block id <-> real block id is built as blocks are handed out (position by
+position in the tables) and after every step the abstraction of the real state
+is compared with the model state:
+
+* every request's per-group table (null entries and mapped real blocks),
+* ``ref_cnt`` of every model block through the bijection (0 if unmapped),
+* the free queue size, the number of prefix-cached blocks,
+* the prefix cache hit found by ``get_computed_blocks`` (``hit`` of the event).
+
+A mismatch fails with the trace, the step and both states. The model may evict
+any cached free block where vLLM evicts the LRU head: when the evicted blocks
+differ (through the bijection), the rest of the behaviour is not comparable and
+the replay of that trace stops there (counted, not a failure).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from kvtest import make_request
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
+
+FIXTURES = Path(__file__).parent / "fixtures" / "replay"
+TRACES = sorted(FIXTURES.glob("trace-*.json"))
+GROUPS = ("full", "swa")
+
+# Events that touch no block state of the KVCacheManager (the scheduler keeps
+# the blocks): replayed as no-ops, the comparison still runs after them.
+NO_OP = {"NoAbort", "AbortDelayed", "FinishDelayed"}
+# Event kinds not mapped: a trace stops being replayed at the first one.
+# SaveDone/held: the model's Series pins skipped blocks a save still reads
+# (`held`), KVCacheManager has no counterpart (the fixtures use Save = FALSE).
+SKIPPED_EVENTS = {"SaveDone"}
+
+
+class Mismatch(AssertionError):
+    pass
+
+
+class Diverged(Exception):
+    """The model chose another eviction than vLLM's LRU: stop this trace."""
+
+
+@dataclass
+class Replay:
+    constants: dict
+    manager: KVCacheManager = field(init=False)
+    requests: dict = field(default_factory=dict)
+    m2r: dict = field(default_factory=dict)  # model block id -> real block id
+    r2m: dict = field(default_factory=dict)
+    steps: int = 0
+    # Loads whose num_computed_tokens the scheduler would round to the block
+    # table (Scheduler._update_waiting_for_remote_kv) differently from the model.
+    load_rounding: int = 0
+
+    def __post_init__(self):
+        c = self.constants
+        self.B, self.N = c["B"], c["N"]
+        specs = [
+            KVCacheGroupSpec(["full"], FullAttentionSpec(self.B, 1, 1, torch.float32)),
+            KVCacheGroupSpec(
+                ["swa"],
+                SlidingWindowSpec(self.B, 1, 1, torch.float32, sliding_window=c["W"]),
+            ),
+        ]
+        self.manager = KVCacheManager(
+            KVCacheConfig(
+                num_blocks=self.N + 1, kv_cache_tensors=[], kv_cache_groups=specs
+            ),
+            max_model_len=1 << 10,
+            enable_caching=True,
+            hash_block_size=self.B,
+        )
+        self.pool = self.manager.block_pool
+        for k, r in enumerate(c["Req"]):
+            base = 1000 * (k + 1)
+            shared = list(range(c["Shared"]))
+            own = [base + i for i in range(c["Shared"], c["PromptLen"])]
+            self.requests[r] = make_request(r, shared + own, self.B)
+
+    # ---- real state ----
+    def real_tables(self, r: str) -> dict[str, list[int]]:
+        tables = self.manager.coordinator.get_blocks(r)
+        return {
+            g: [b.block_id for b in t] for g, t in zip(GROUPS, tables, strict=False)
+        }
+
+    def cached_hashes(self) -> set:
+        """The distinct prefix-cache keys (the model keeps one block per key)."""
+        return {
+            b.block_hash
+            for b in self.pool.blocks
+            if not b.is_null and b.block_hash is not None
+        }
+
+    def cached_real(self) -> set[int]:
+        return {
+            b.block_id
+            for b in self.pool.blocks
+            if not b.is_null and b.block_hash is not None
+        }
+
+    def bind(self, m: int, x: int) -> None:
+        old_x = self.m2r.pop(m, None)
+        if old_x is not None:
+            self.r2m.pop(old_x, None)
+        old_m = self.r2m.pop(x, None)
+        if old_m is not None:
+            self.m2r.pop(old_m, None)
+        self.m2r[m], self.r2m[x] = x, m
+
+    # ---- steps ----
+    def allocate(self, before: dict, after: dict, ev: dict) -> None:
+        r, a = ev["req"], ev["args"]
+        request = self.requests[r]
+        fresh = before["computed"][r] == 0
+        cached_before = self.cached_real()
+        if fresh:
+            request.num_computed_tokens = 0
+            hits, num_hit = self.manager.get_computed_blocks(request)
+            if num_hit != a["hit"] * self.B:
+                raise Mismatch(
+                    f"prefix cache hit: vLLM {num_hit} tokens, model {a['hit']} blocks"
+                )
+            new = self.manager.allocate_slots(
+                request,
+                a["n"],
+                num_new_computed_tokens=num_hit,
+                new_computed_blocks=hits,
+                num_lookahead_tokens=a["d"],
+                num_external_computed_tokens=a["ext"],
+                delay_cache_blocks=a["async"],
+            )
+        else:
+            request.num_computed_tokens = before["computed"][r]
+            new = self.manager.allocate_slots(
+                request, a["n"], num_lookahead_tokens=a["d"]
+            )
+        if new is None:
+            raise Mismatch(f"allocate_slots refused ({a['predicted']} predicted)")
+        new_ids = new.get_block_ids()
+        # Eviction: the model's evicted blocks (cached before, allocated now)
+        # must be vLLM's evicted blocks, through the bijection.
+        model_new = set(ev["blocks"]["full"]) | set(ev["blocks"]["swa"])
+        model_evicted = {m for m in model_new if before["hash"][m - 1]}
+        real_evicted = {x for ids in new_ids for x in ids} & cached_before
+        if {self.m2r.get(m) for m in model_evicted} != real_evicted:
+            raise Diverged(
+                f"model evicts {sorted(model_evicted)}, vLLM evicts "
+                f"{sorted(self.r2m.get(x, x) for x in real_evicted)} (as model ids)"
+            )
+        real = self.real_tables(r)
+        for g in GROUPS:
+            fresh_blocks = set(ev["blocks"][g])
+            for m, x in zip(after["table"][r][g], real[g], strict=False):
+                if m in fresh_blocks:
+                    self.bind(m, x)
+        request.num_computed_tokens = after["computed"][r]
+
+    def execute(self, before: dict, after: dict, ev: dict) -> None:
+        r = ev["req"]
+        request = self.requests[r]
+        grow = after["len"][r] - before["len"][r]
+        for _ in range(grow):
+            request.append_output_token_ids(7000 + request.num_tokens)
+        request.num_computed_tokens = after["computed"][r]
+        if ev["act"] == "Finish":
+            self.manager.free(request)
+
+    def finish_load(self, before: dict, after: dict, ev: dict) -> None:
+        r = ev["req"]
+        request = self.requests[r]
+        if ev["act"] == "FinishLoadFree":
+            self.manager.free(request)
+            return
+        if before["status"][r] == "finishing":
+            return
+        c = before["computed"][r]
+        # What Scheduler._update_waiting_for_remote_kv would use.
+        sched = min(len(self.real_tables(r)["full"]) * self.B, request.num_tokens)
+        if sched == request.num_tokens:
+            sched -= 1
+        if sched != c:
+            self.load_rounding += 1
+        self.manager.cache_blocks(request, c)
+        request.num_computed_tokens = c
+
+    def free_and_restart(self, before: dict, after: dict, ev: dict) -> None:
+        r = ev["req"]
+        self.manager.free(self.requests[r])
+        self.requests[r].num_computed_tokens = after["computed"][r]
+
+    def step(self, before: dict, after: dict) -> None:
+        ev = after["event"]
+        act = ev["act"]
+        if act == "AllocateSlots":
+            self.allocate(before, after, ev)
+        elif act in ("Execute", "Finish", "FinishDelayed"):
+            self.execute(before, after, ev)
+        elif act in ("FinishLoad", "FinishLoadFree"):
+            self.finish_load(before, after, ev)
+        elif act in ("LoadFailed", "Preempt", "Abort"):
+            self.free_and_restart(before, after, ev)
+        elif act in NO_OP:
+            pass
+        else:
+            raise KeyError(act)
+
+    # ---- abstraction ----
+    def compare(self, state: dict) -> list[str]:
+        problems = []
+        for r in self.requests:
+            real = self.real_tables(r)
+            for g in GROUPS:
+                mapped = [0 if x == 0 else self.r2m.get(x, f"?{x}") for x in real[g]]
+                if mapped != state["table"][r][g]:
+                    problems.append(
+                        f"table {r}.{g}: model {state['table'][r][g]}, "
+                        f"vLLM {real[g]} = {mapped} as model ids"
+                    )
+        for m in range(1, self.N + 1):
+            x = self.m2r.get(m)
+            real_ref = self.pool.blocks[x].ref_cnt if x is not None else 0
+            if real_ref != state["ref"][m - 1]:
+                problems.append(
+                    f"ref_cnt of model block {m} (vLLM {x}): model "
+                    f"{state['ref'][m - 1]}, vLLM {real_ref}"
+                )
+        if self.pool.get_num_free_blocks() != len(state["freeQ"]):
+            problems.append(
+                f"free blocks: model {len(state['freeQ'])}, "
+                f"vLLM {self.pool.get_num_free_blocks()}"
+            )
+        model_cached = sum(1 for h in state["hash"] if h)
+        if len(self.cached_hashes()) != model_cached:
+            problems.append(
+                f"cached keys: model {model_cached}, vLLM {len(self.cached_hashes())}"
+            )
+        return problems
+
+    def real_state(self) -> dict:
+        return {
+            "tables": {r: self.real_tables(r) for r in self.requests},
+            "ref": {b.block_id: b.ref_cnt for b in self.pool.blocks[1:]},
+            "free": [
+                b.block_id for b in self.pool.free_block_queue.get_all_free_blocks()
+            ],
+            "cached": sorted(self.cached_real()),
+            "model->vLLM": dict(sorted(self.m2r.items())),
+        }
+
+
+def model_state(state: dict) -> dict:
+    keys = ("event", "table", "ref", "freeQ", "hash", "computed", "len", "status")
+    return {k: state[k] for k in keys}
+
+
+STATS = {
+    "pc_only": 0,
+    "traces": 0,
+    "steps": 0,
+    "diverged": [],
+    "skipped": [],
+    "rounding": 0,
+}
+
+
+def replay(path: Path) -> None:
+    doc = json.loads(path.read_text())
+    assert doc["constants"]["Policy"] == "Series"
+    rp = Replay(doc["constants"])
+    states = doc["states"]
+    STATS["traces"] += 1
+    for k in range(1, len(states)):
+        before, after = states[k - 1], states[k]
+        act = after["event"]["act"]
+        if all(before[v] == after[v] for v in after if v != "pc"):
+            # A process left its loop (pc only): no step of the allocator.
+            STATS["pc_only"] += 1
+            continue
+        if act in SKIPPED_EVENTS:
+            STATS["skipped"].append((path.name, k, act))
+            return
+        try:
+            rp.step(before, after)
+        except Diverged as exc:
+            STATS["diverged"].append((path.name, k, str(exc)))
+            return
+        except Mismatch as exc:
+            problems = [str(exc)]
+        else:
+            problems = rp.compare(after)
+        STATS["steps"] += 1
+        if problems:
+            raise Mismatch(
+                f"{path.name} step {k} ({after['event']}):\n  "
+                + "\n  ".join(problems)
+                + f"\nmodel before: {json.dumps(model_state(before))}"
+                + f"\nmodel after:  {json.dumps(model_state(after))}"
+                + f"\nvLLM after:   {json.dumps(rp.real_state())}"
+            )
+    STATS["rounding"] += rp.load_rounding
+
+
+@pytest.mark.parametrize("path", TRACES, ids=[p.stem for p in TRACES])
+def test_replay(path):
+    replay(path)
+
+
+def test_fixtures_present_and_replayed():
+    """Run last in file order: the fixtures exist and most steps were compared."""
+    assert len(TRACES) >= 20
+    index = json.loads((FIXTURES / "index.json").read_text())
+    assert len(index["traces"]) == len(TRACES)
+    print(f"\nreplay: {STATS['traces']} traces, {STATS['steps']} steps compared")
+    print(f"pc-only steps (no event): {STATS['pc_only']}")
+    print(f"diverged (eviction choice): {len(STATS['diverged'])} traces")
+    for where in STATS["diverged"]:
+        print(f"  {where}")
+    print(f"skipped events: {STATS['skipped']}")
+    print(
+        f"loads where the scheduler's block-table rounding differs: {STATS['rounding']}"
+    )
