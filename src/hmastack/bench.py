@@ -396,12 +396,10 @@ def run_for_pipeline(cfg: Config) -> str:
 def run_bench(cfg: Config, quick: bool, stages_text: str | None, no_peer: bool) -> bool:
     """Run every scenario on the trees in alternation; True when a check failed."""
     plan = QUICK if quick else FULL
+    selected = parse_stages(stages_text, cfg, quick)  # validate before any work
     pyenv = env_mod.ensure(cfg)
     trees = [BenchTree("stage 0", stage_tree(cfg, 0))]
-    trees += [
-        BenchTree(f"stage {k}", stage_tree(cfg, k))
-        for k in parse_stages(stages_text, cfg, quick)
-    ]
+    trees += [BenchTree(f"stage {k}", stage_tree(cfg, k)) for k in selected]
     skipped = {}
     if not no_peer:
         path, why = peer_tree(cfg)

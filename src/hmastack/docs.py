@@ -224,6 +224,34 @@ def apply_page_block(cfg: Config, stages: list[StageInfo]) -> str:
 # --- stage pages -------------------------------------------------------------------
 
 
+def widen_nested_lists(text: str) -> str:
+    """Indent nested list items by 4 spaces per level, as Python-Markdown needs.
+
+    READMEs use GitHub's 2-space nesting (``- a`` / ``  - b``); mkdocs would merge
+    such items into their parent's paragraph. When any list item is indented by
+    2 (mod 4) spaces, every list item's indent is doubled. Fenced code is left
+    alone.
+    """
+    item = re.compile(r"^( +)(?=[-*+] |\d+\. )")
+    lines = text.splitlines()
+    fenced, indents = False, []
+    for line in lines:
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced and (m := item.match(line)):
+            indents.append(len(m.group(1)))
+    if not any(i % 4 == 2 for i in indents):
+        return text
+    out, fenced = [], False
+    for line in lines:
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced and (m := item.match(line)):
+            line = m.group(1) + line
+        out.append(line)
+    return "\n".join(out)
+
+
 def rewrite_links(
     text: str, info: StageInfo, stages: list[StageInfo], root: Path
 ) -> str:
@@ -300,7 +328,9 @@ def stage_page(
     report: site_reports.StageReport | None,
 ) -> str:
     s = info.stage
-    readme = rewrite_links(info.readme, info, stages, cfg.root).strip("\n")
+    readme = widen_nested_lists(
+        rewrite_links(info.readme, info, stages, cfg.root)
+    ).strip("\n")
     lines = readme.splitlines()
     h1 = lines[0] if lines and lines[0].startswith("# ") else f"# {s.name}"
     body = "\n".join(lines[1:] if lines and lines[0].startswith("# ") else lines)

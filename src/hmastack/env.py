@@ -92,8 +92,13 @@ def _key(cfg: Config) -> str:
     digest.update(cfg.lock.read_bytes())
     digest.update((cfg.root / HF_MODELS).read_bytes())
     for path in sorted(cfg.plugin.rglob("*")):
-        if path.is_file() and "__pycache__" not in path.parts:
-            digest.update(str(path.relative_to(cfg.plugin)).encode())
+        rel = path.relative_to(cfg.plugin)
+        # What installing the plugin writes into its own folder is not an input.
+        written = any(
+            p in ("__pycache__", "build") or p.endswith(".egg-info") for p in rel.parts
+        )
+        if path.is_file() and not written:
+            digest.update(str(rel).encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()
 
@@ -112,14 +117,15 @@ def bootstrap(cfg: Config) -> Env:
         run([sys.executable, "-m", "venv", env.root])
         # torch first and alone, so no later resolver can swap in a CUDA build.
         _pip(cfg, env, f"torch=={cfg.torch}", *BOOTSTRAP, what=f"torch {cfg.torch}")
-        version = run(
-            [env.python, "-c", "import torch; print(torch.__version__)"]
-        ).stdout.strip()
-        if "+cpu" not in version and not version.startswith(cfg.torch):
+        probe = "import torch; print(torch.__version__, torch.version.cuda)"
+        version, cuda = run([env.python, "-c", probe]).stdout.split()[-2:]
+        if not version.startswith(cfg.torch) or cuda != "None":
             raise HmastackError(
-                f"torch in {env.root} is {version}, expected {cfg.torch} (CPU build)",
-                "pip took a different torch: make the CPU wheel available "
-                f"(`pip download torch=={cfg.torch}` should find it) and rerun",
+                f"torch in {env.root} is {version} (CUDA {cuda}); expected the CPU "
+                f"build of {cfg.torch}",
+                "pip took a CUDA build: put the CPU wheel "
+                f"(torch-{cfg.torch}+cpu) where pip finds it (a --find-links "
+                "directory in pip's configuration), remove build/env and rerun",
             )
         marker.write_text(want)
     return env

@@ -206,7 +206,7 @@ def ensure_safe_to_reset(cfg: Config, tree: Tree, repo: Path, stages: list[Stage
             f"{repo} has commits that patches/ does not hold:\n  "
             + "\n  ".join(map(str, drift)),
             "run `hmastack export` to keep them, or `hmastack apply --force` to "
-            "discard them",
+            "discard them (git reflog still finds discarded commits)",
         )
 
 
@@ -243,7 +243,8 @@ def commits_by_stage(cfg: Config, tree: Tree, repo: Path) -> dict[int, list[str]
         if stage is None or not 1 <= stage <= cfg.num_stages:
             raise HmastackError(
                 f"commit {commit[:12]} in {repo} names no stage: {subject!r}",
-                f"subjects carry '[{cfg.title_tag} K/{cfg.num_stages}]'",
+                f"subjects carry '[{cfg.title_tag} K/{cfg.num_stages}]'; squash "
+                "fixup! commits first (git rebase -i --autosquash)",
             )
         if stage < last:
             raise HmastackError(
@@ -338,7 +339,9 @@ def export_tree(cfg: Config, tree: Tree, stages: list[Stage], check: bool) -> li
         raise HmastackError(
             f"{repo} holds commits of stage {beyond[0]}, but was applied up to "
             f"stage {upto}",
-            f"run `hmastack apply --upto {beyond[-1]}` before adding to that stage",
+            f"save the commits (`git -C {repo} format-patch -o /tmp/saved "
+            f"refs/tags/{tree.tag}..HEAD`), then `hmastack apply --upto "
+            f"{beyond[-1]} --force` and `git am --keep-non-patch` them on top",
         )
     drift = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -385,7 +388,12 @@ def cmd_export(args: argparse.Namespace) -> int:
             for item in drift:
                 console.print(f"  {item}", highlight=False)
             return 1
-        console.print("patches/ matches the workspace")
+        upto = {t: applied_upto(cfg.workspace(t), cfg) for t in cfg.trees}
+        console.print(
+            "patches/ matches the workspace (compared: "
+            + ", ".join(f"{t} stages 1..{k}" for t, k in upto.items())
+            + ")"
+        )
         return 0
     for item in drift:
         console.print(f"  updated {item.path}", highlight=False)
@@ -399,8 +407,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="reset the workspaces to the base and git am stages 1..K",
         description=(
             "Reset build/<tree> to its base tag and apply the patches of stages "
-            "1..K with plain `git am`. Refuses to discard uncommitted or unexported "
-            "work unless --force."
+            "1..K with `git am --keep-non-patch --committer-date-is-author-date` "
+            "(keeps the [Core][...] title tags; commit ids are the same on every "
+            "machine). Refuses to discard uncommitted or unexported work unless "
+            "--force."
         ),
     )
     parser.add_argument(
@@ -414,6 +424,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "export",
         help="write the workspace commits back into patches/ (git format-patch)",
+        description=(
+            "Write the commits of build/<tree> above its base tag into "
+            "patches/NN-*/<tree>/ with git format-patch (zero commit ids, full "
+            "index, no signature: byte-for-byte stable). A commit's stage comes "
+            "from its subject. Only stages up to the one `apply` brought the "
+            "workspace to are written or compared."
+        ),
     )
     parser.add_argument(
         "--check",

@@ -58,10 +58,7 @@ def _tree(k: int) -> bench.BenchTree:
     pyenv = env_mod.location(cfg)
     if not pyenv.python.exists():
         pytest.skip(f"{pyenv.python} missing: run `hmastack env` first")
-    path = cfg.build / "stages" / str(k) / "vllm"
-    if not (path / "vllm" / "__init__.py").is_file():
-        pytest.skip(f"{path} missing: run `hmastack test --stage {k}` first")
-    return bench.BenchTree(f"stage {k}", path)
+    return bench.BenchTree(f"stage {k}", bench.stage_tree(cfg, k))
 
 
 def _run(k: int, name: str, args: dict) -> dict:

@@ -376,3 +376,12 @@ def test_nav_lists_every_page_and_the_model_page_when_written(project, tmp_path)
     (docs_dir / "model.md").write_text("# The model\n")
     nav = docs.generate(project, docs_dir).nav
     assert nav[3]["The model"][0] == {"The model": "model.md"}
+
+
+def test_two_space_nested_lists_are_widened_for_python_markdown():
+    from hmastack.docs import widen_nested_lists
+
+    text = "- a\n  - b\n    - c\n```\n  - code\n```\n"
+    assert widen_nested_lists(text) == "- a\n    - b\n        - c\n```\n  - code\n```"
+    four = "- a\n    - b\n"
+    assert widen_nested_lists(four) == four

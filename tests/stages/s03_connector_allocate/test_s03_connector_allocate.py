@@ -333,6 +333,12 @@ def check_exclusive_ownership(driver: Driver) -> None:
 
 
 def check_no_transfer_race(driver: Driver) -> None:
+    """No block a load still writes into is free or unowned.
+
+    Loads only: a save of a running request's blocks is not visible to the
+    manager on vLLM 0.13.0's connector API, and the series does not hold such
+    blocks yet (see docs/conformance.md and the stage 03 README).
+    """
     free = free_block_ids(driver)
     for live in driver.live:
         for block_id in live.loading_block_ids:
