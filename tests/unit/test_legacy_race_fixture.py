@@ -1,0 +1,36 @@
+"""The legacy-race scenario the stage-0 test drives through vLLM is TLC's trace.
+
+``tests/stages/s00_base/legacy_race_events.json`` holds the events of the
+``legacy-race`` counterexample; the stage test replays them against the real
+``KVCacheManager`` (it runs without Java). This test runs TLC and checks the
+fixture still is the counterexample it reports.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from hmastack import config, spec
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURE = ROOT / "tests" / "stages" / "s00_base" / "legacy_race_events.json"
+
+
+@pytest.mark.skipif(shutil.which("java") is None, reason="TLC needs Java")
+def test_fixture_is_the_legacy_race_counterexample():
+    cfg = config.load(ROOT)
+    settings = spec.load_settings(cfg.root)
+    models = spec.load_manifest(settings)
+    failed = spec.check_models(
+        cfg.root, cfg.build, cfg.reports, settings, models, ["legacy-race"]
+    )
+    assert failed == []
+    report = json.loads((cfg.reports / "spec" / "legacy-race.json").read_text())
+    assert report["violated"] == "NoTransferRace"
+    events = [s["event"] for s in report["trace"][1:]]
+    got = [[e["act"], e["req"], e["blocks"]] for e in events]
+    assert got == json.loads(FIXTURE.read_text())
