@@ -86,6 +86,7 @@ def main(mode: str) -> None:
                 f"slots_loaded={len(pos):5d} {span}"
             )
         sys.stdout.flush()
+        pair.shutdown()
 
 
 if __name__ == "__main__":

@@ -322,8 +322,16 @@ class Pair:
         ]
 
     def shutdown(self) -> None:
-        for conn in (self.scheduler, self.worker):
-            conn.shutdown()
+        """Destroy the engine: its storage manager runs a non-daemon thread.
+
+        Not the adapters' shutdown(): in one process, the scheduler's lookup
+        client terminates the process-wide ZMQ context under the worker's
+        sockets (in vLLM they live in different processes).
+        """
+        from lmcache.integration.vllm.utils import ENGINE_NAME
+        from lmcache.v1.cache_engine import LMCacheEngineBuilder
+
+        LMCacheEngineBuilder.destroy(ENGINE_NAME)
 
 
 def adapter_takes_kv_cache_config() -> bool:
