@@ -279,11 +279,15 @@ def check_translation(java: str, jar: Path, settings: Settings) -> None:
 # Running a model
 
 
-def tlc_command(
-    java: str, jar: Path, settings: Settings, model: Model, workdir: Path
+def tlc_base_command(
+    java: str, jar: Path, settings: Settings, workers: int, seed: int, workdir: Path
 ) -> list[str]:
-    workers = model.workers or settings.workers
-    cmd = [
+    """TLC in ``-tool`` mode on ``workdir/model.cfg``, with fixed workers and seed.
+
+    Deadlocks are not reported (see docs/model.md); states go to
+    ``workdir/states``. Callers add the mode flags and the module name.
+    """
+    return [
         java,
         *settings.java_opts,
         "-cp",
@@ -293,13 +297,20 @@ def tlc_command(
         "-workers",
         str(workers),
         "-seed",
-        str(settings.seed),
+        str(seed),
         "-deadlock",
         "-config",
         "model.cfg",
         "-metadir",
         str(workdir / "states"),
     ]
+
+
+def tlc_command(
+    java: str, jar: Path, settings: Settings, model: Model, workdir: Path
+) -> list[str]:
+    workers = model.workers or settings.workers
+    cmd = tlc_base_command(java, jar, settings, workers, settings.seed, workdir)
     if model.mode == "simulate":
         cmd += ["-simulate", f"num={model.num}"]
         if model.depth:

@@ -133,22 +133,9 @@ def generate(
     (work / "model.cfg").write_text(
         "\n".join(ln for ln in cfg_text.splitlines() if "SYMMETRY" not in ln) + "\n"
     )
+    # One worker: the behaviours depend on the seed only.
     cmd = [
-        java,
-        *settings.java_opts,
-        "-cp",
-        str(jar),
-        "tlc2.TLC",
-        "-tool",
-        "-workers",
-        "1",  # one worker: the behaviours depend on the seed only
-        "-seed",
-        str(seed),
-        "-deadlock",
-        "-config",
-        "model.cfg",
-        "-metadir",
-        str(work / "states"),
+        *spec.tlc_base_command(java, jar, settings, 1, seed, work),
         "-simulate",
         f"num={num},file={work / 'sim' / 'trace'}",
         "-depth",
