@@ -19,6 +19,7 @@ property after every action.
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -230,6 +231,10 @@ class Driver:
             return
         if request.num_computed_tokens >= request.num_tokens:
             request.append_output_token_ids(7)
+        # allocate_slots frees the skipped blocks of the computed tokens first,
+        # whether or not it then finds blocks for the new ones (a refused step
+        # still leaves the table with the null block up to the new window).
+        live.num_skip_tokens = max(live.num_skip_tokens, request.num_computed_tokens)
         num_new = min(
             action.num_new_tokens, request.num_tokens - request.num_computed_tokens
         )
@@ -248,7 +253,6 @@ class Driver:
         )
         if new_blocks is None:
             return
-        live.num_skip_tokens = request.num_computed_tokens
         request.num_computed_tokens += num_new
 
     def free(self, live: Live) -> None:
@@ -456,3 +460,66 @@ def test_exact_admission(program):
 @given(programs)
 def test_no_premature_publish(program):
     run_program(program, check_no_premature_publish)
+
+
+ALL_CHECKS = (
+    check_block_conservation,
+    check_exclusive_ownership,
+    check_no_transfer_race,
+    check_ref_counts,
+    check_null_prefix,
+    check_window_bound,
+    check_exact_admission,
+    check_no_premature_publish,
+)
+
+
+def check_all(driver: Driver) -> None:
+    for check in ALL_CHECKS:
+        check(driver)
+
+
+@pytest.mark.parametrize("use_eagle", [False, True])
+@pytest.mark.parametrize("lookahead", [0, 2])
+def test_window_bound_after_async_load_and_refused_step(use_eagle, lookahead):
+    """Once falsified by a random seed of `test_window_bound` (a driver bug).
+
+    216 external tokens loaded asynchronously take the whole pool (29 blocks:
+    14 full attention, 5 x 3 sliding window, 11 null per window table). The
+    load finishes: `_update_waiting_for_remote_kv` rounds the computed tokens
+    up to the block tables (224). The next step's `allocate_slots` first
+    frees the blocks skipped for 224 tokens (block 11 of each sliding window
+    table, 5 blocks) and is then refused (6 new blocks needed). The table
+    keeps the null block for block 11: the driver used to count the skipped
+    tokens of refused steps as before the step, and expected block 11 real.
+    """
+    program = dict(
+        layout="gemma3_like",
+        window=32,
+        num_blocks=30,
+        use_eagle=use_eagle,
+        actions=[
+            Action(
+                "new",
+                prefix_blocks=1,
+                num_external_tokens=216,
+                num_new_tokens=1,
+                load_async=True,
+            ),
+            Action("finish_load"),
+            Action("finish_load"),
+            Action("finish_load"),
+            Action("step", num_new_tokens=1, lookahead=lookahead),
+        ],
+    )
+    driver = run_program(program, check_all)
+    (live,) = driver.live
+    assert live.request.num_computed_tokens == 224  # the step was refused
+    assert live.num_skip_tokens == 224
+    for kind, table in zip(
+        driver.kinds, driver.tables(live.request.request_id), strict=True
+    ):
+        assert len(table) == 14
+        num_null = sum(b.is_null for b in table)
+        assert num_null == (0 if kind == "full" else (224 - 32 + 1) // BLOCK_SIZE)
+    assert driver.pool.get_num_free_blocks() == 5
