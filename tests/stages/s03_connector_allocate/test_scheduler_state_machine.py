@@ -1,0 +1,849 @@
+"""Stage 03: a stateful random test of the real `Scheduler` with a hybrid KV
+cache and a connector that supports HMA.
+
+Hypothesis drives `vllm.v1.core.sched.scheduler.Scheduler` (a KVCacheConfig
+built directly: Gemma-3-like, 5 sliding window groups : 1 full attention
+group, or gpt-oss-like, one group of each; a small pool, so that requests
+are refused, evicted and preempted; prefix caching on; speculative decoding
+with draft tokens, with eagle-style lookahead slots or without) and a
+scripted `SupportsHMA` connector (`ScriptedConnector` below). Rules: add a
+request (shared prefixes give local prefix cache hits; the connector holds
+an external prefix, loaded synchronously or asynchronously), run an engine
+step (`schedule`, a fake model runner output with sampled and accepted
+draft tokens, EOS or max_tokens, `update_from_output`, new draft tokens),
+finish an async load (`finished_recving`), fail a load (`invalid_block_ids`,
+async or sync), abort a request, finish a delayed save
+(`finished_sending`). Preemption happens under block pressure.
+
+After every rule, and in the middle of each step (after `schedule`, while
+the model runner would execute and sync loads write), the invariants check
+the model's safety properties (spec/HybridKVAlloc.tla) on the scheduler's
+real state: Conservation, ExclusiveOwnership, NoTransferRace, RefCount,
+NullPrefix, WindowBound, ExactAdmission, NoPrematurePublish.
+
+Not covered: the AsyncScheduler (output placeholders), and saves of
+running requests (a known gap, see docs/conformance.md: only the blocks of
+finished requests whose save is delayed are transfers here).
+
+CI runs a fixed, derandomized set of examples (100 examples of at most 50
+rules, about 15 s). A larger run with a fresh random seed each time: set
+`HMASTACK_RANDOM_EXAMPLES=N` (N examples, derandomize off) in the
+environment of the pytest process that runs this file against the stage 03
+tree, e.g. `HMASTACK_RANDOM_EXAMPLES=1500` (about 3 minutes);
+`HMASTACK_RANDOM_STEPS=N` sets the rules per example (50 by default). A
+failure prints the shrunk rule sequence (and a reproduction blob); record
+it as an explicit test below. `HMASTACK_COVERAGE=1` with `-s` prints what
+the examples exercised.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import event, settings
+from hypothesis import strategies as st
+from hypothesis.control import _current_build_context
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    rule,
+)
+from kvtest import hypothesis_settings
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+BLOCK_SIZE = 16
+EOS = 2
+MAX_MODEL_LEN = 2048
+LAYOUTS = {
+    "gemma3_like": ["sliding_window"] * 5 + ["full"],
+    "gpt_oss_like": ["full", "sliding_window"],
+}
+# Shared prompt prefixes (in blocks): requests that pick the same one hit
+# each other's cached blocks.
+PREFIX_BLOCKS = (0, 2, 5, 9)
+
+_RANDOM_EXAMPLES = int(os.environ.get("HMASTACK_RANDOM_EXAMPLES", "0"))
+_STEPS = int(os.environ.get("HMASTACK_RANDOM_STEPS", "50"))
+if _RANDOM_EXAMPLES:
+    SETTINGS = settings(
+        hypothesis_settings(_RANDOM_EXAMPLES),
+        derandomize=False,
+        stateful_step_count=_STEPS,
+        print_blob=True,
+    )
+else:
+    SETTINGS = settings(hypothesis_settings(100), stateful_step_count=_STEPS)
+
+# What the examples exercised (printed by the coverage test with -s).
+COVERAGE: Counter[str] = Counter()
+
+
+def _note(what: str) -> None:
+    COVERAGE[what] += 1
+    if _current_build_context.value is not None:  # inside a hypothesis test
+        event(what)
+
+
+# -- the connector ------------------------------------------------------------
+
+
+@dataclass
+class Load:
+    """Blocks a load writes into (per group, without the null block)."""
+
+    block_ids: tuple[list[int], ...]
+    load_async: bool
+
+    def all_block_ids(self) -> set[int]:
+        return {b for group in self.block_ids for b in group}
+
+
+@dataclass
+class ConnectorScript:
+    # req_id -> (tokens the connector holds, loaded asynchronously)
+    external: dict[str, tuple[int, bool]] = field(default_factory=dict)
+    # Requests whose blocks the connector saves after they finished.
+    save_req_ids: set[str] = field(default_factory=set)
+
+
+class ScriptedConnector(KVConnectorBase_V1, SupportsHMA):
+    """Scheduler-side connector driven by the state machine.
+
+    It holds the KV of `script.external[req_id][0]` prompt tokens. Every
+    `update_state_after_alloc` with external tokens starts a load into the
+    blocks of the external tokens (null blocks are skipped tokens, never
+    loaded); async loads stay in `pending` until the state machine reports
+    them. A finished request of `script.save_req_ids` is saved: its blocks
+    are held until the state machine reports `finished_sending`.
+    """
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.script = ConnectorScript()
+        self.pending: dict[str, Load] = {}  # async loads in flight
+        self.sync_loads: dict[str, Load] = {}  # started in the current step
+        self.saving: dict[str, set[int]] = {}  # delayed frees in flight
+        self._num_local: dict[str, int] = {}
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        num_tokens, load_async = self.script.external.get(
+            request.request_id, (0, False)
+        )
+        # A sync load leaves the last token to compute; an async one may
+        # cover the prompt (P/D), the scheduler computes the last one again.
+        limit = request.num_tokens if load_async else request.num_tokens - 1
+        num_external = min(num_tokens, limit) - num_computed_tokens
+        if num_external <= 0:
+            return 0, False
+        self._num_local[request.request_id] = num_computed_tokens
+        return num_external, load_async
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        if num_external_tokens == 0:
+            return
+        req_id = request.request_id
+        start = self._num_local.pop(req_id)
+        first = start // BLOCK_SIZE
+        last = cdiv(start + num_external_tokens, BLOCK_SIZE)
+        load = Load(
+            tuple(
+                [b.block_id for b in group[first:last] if not b.is_null]
+                for group in blocks.blocks
+            ),
+            self.script.external[req_id][1],
+        )
+        if load.load_async:
+            assert req_id not in self.pending
+            self.pending[req_id] = load
+        else:
+            self.sync_loads[req_id] = load
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        return KVConnectorMetadata()
+
+    def request_finished(self, request, block_ids):
+        raise AssertionError("a SupportsHMA connector gets all groups")
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if request.request_id not in self.script.save_req_ids:
+            return False, None
+        null_id = 0
+        self.saving[request.request_id] = {
+            b for group in block_ids for b in group if b != null_id
+        }
+        return True, None
+
+    def start_load_kv(self, forward_context, **kwargs):
+        pass
+
+    def wait_for_layer_load(self, layer_name):
+        pass
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+        pass
+
+    def wait_for_save(self):
+        pass
+
+
+CONNECTOR_NAME = "HmastackScriptedConnector"
+if CONNECTOR_NAME not in KVConnectorFactory._registry:
+    KVConnectorFactory.register_connector(
+        CONNECTOR_NAME, __name__, ScriptedConnector.__name__
+    )
+
+
+# -- the scheduler ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Setup:
+    layout: str
+    window: int
+    num_blocks: int
+    num_spec_tokens: int  # 0: no speculative decoding
+    eagle: bool  # lookahead slots for the drafts
+    max_num_batched_tokens: int
+    fail_policy: str  # kv_load_failure_policy
+
+
+def make_scheduler(setup: Setup) -> Scheduler:
+    kinds = LAYOUTS[setup.layout]
+    groups = [
+        KVCacheGroupSpec(
+            [f"layer{i}"],
+            FullAttentionSpec(BLOCK_SIZE, 1, 1, torch.float32)
+            if kind == "full"
+            else SlidingWindowSpec(
+                BLOCK_SIZE, 1, 1, torch.float32, sliding_window=setup.window
+            ),
+        )
+        for i, kind in enumerate(kinds)
+    ]
+    speculative_config = None
+    if setup.num_spec_tokens:
+        speculative_config = SpeculativeConfig(
+            method="ngram", num_speculative_tokens=setup.num_spec_tokens
+        )
+        if setup.eagle:
+            # The scheduler only asks use_eagle() (lookahead slots for the
+            # drafts); an eagle draft model cannot be built on CPU.
+            object.__setattr__(speculative_config, "method", "eagle")
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(
+            model="facebook/opt-125m",
+            dtype="float16",
+            seed=42,
+            skip_tokenizer_init=True,
+            max_model_len=MAX_MODEL_LEN,
+        ),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=4,
+            max_num_batched_tokens=setup.max_num_batched_tokens,
+            max_model_len=MAX_MODEL_LEN,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+        ),
+        cache_config=CacheConfig(
+            block_size=BLOCK_SIZE,
+            gpu_memory_utilization=0.9,
+            swap_space=0,
+            enable_prefix_caching=True,
+        ),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector=CONNECTOR_NAME,
+            kv_role="kv_both",
+            kv_load_failure_policy=setup.fail_policy,
+        ),
+        device_config=DeviceConfig("cpu"),
+    )
+    if speculative_config is not None:
+        vllm_config.speculative_config = speculative_config
+    vllm_config.cache_config.num_gpu_blocks = setup.num_blocks
+    scheduler = Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=KVCacheConfig(
+            num_blocks=setup.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups
+        ),
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=BLOCK_SIZE,
+        log_stats=False,
+    )
+    assert isinstance(scheduler.connector, ScriptedConnector)
+    assert scheduler.use_eagle == (setup.num_spec_tokens > 0 and setup.eagle)
+    return scheduler
+
+
+def make_request(req_id: str, prompt: list[int], max_tokens: int) -> Request:
+    return Request(
+        request_id=req_id,
+        prompt_token_ids=prompt,
+        sampling_params=SamplingParams(max_tokens=max_tokens),
+        pooling_params=None,
+        eos_token_id=EOS,
+        block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+    )
+
+
+class Harness:
+    """The scheduler, its connector, a fake model runner, and the checks."""
+
+    def __init__(self, setup: Setup):
+        self.setup = setup
+        self.kinds = LAYOUTS[setup.layout]
+        self.scheduler = make_scheduler(setup)
+        self.connector: ScriptedConnector = self.scheduler.connector  # type: ignore
+        self.manager = self.scheduler.kv_cache_manager
+        self.pool = self.manager.block_pool
+        self.next_id = 0
+        # Connector events reported with the next model runner output.
+        self.finished_recving: set[str] = set()
+        self.finished_sending: set[str] = set()
+        self.invalid_block_ids: set[int] = set()
+        # req_id -> tokens (new + lookahead) of its last allocation.
+        self.last_allocated: dict[str, int] = {}
+        self.admissions: list[tuple[int, int, int | None]] = []
+        self._wrap_allocate_slots()
+
+    # -- ExactAdmission: measure every allocate_slots of the scheduler.
+    def _wrap_allocate_slots(self) -> None:
+        manager, coordinator, pool = self.manager, self.manager.coordinator, self.pool
+        allocate_slots = manager.allocate_slots
+        get_num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate
+        seen: list[tuple[int, int]] = []
+
+        def counted(*args, **kwargs):
+            predicted = get_num_blocks_to_allocate(*args, **kwargs)
+            seen.append((predicted, pool.get_num_free_blocks()))
+            return predicted
+
+        def measured(*args, **kwargs):
+            seen.clear()
+            new_blocks = allocate_slots(*args, **kwargs)
+            if seen:
+                ((predicted, free_before),) = seen
+                free_after = None if new_blocks is None else pool.get_num_free_blocks()
+                self.admissions.append((predicted, free_before, free_after))
+            return new_blocks
+
+        get_computed_blocks = manager.get_computed_blocks
+
+        def hits(request):
+            blocks, num_hit_tokens = get_computed_blocks(request)
+            if num_hit_tokens:
+                _note("local prefix cache hit")
+            return blocks, num_hit_tokens
+
+        coordinator.get_num_blocks_to_allocate = counted
+        manager.allocate_slots = measured
+        manager.get_computed_blocks = hits
+
+    # -- actions
+    def add_request(
+        self,
+        prefix: int,
+        num_own: int,
+        num_external: int,
+        load_async: bool,
+        max_tokens: int,
+        save: bool,
+    ) -> str:
+        req_id = f"r{self.next_id}"
+        self.next_id += 1
+        prompt = [
+            1000 + 7 * i + prefix for i in range(PREFIX_BLOCKS[prefix] * BLOCK_SIZE)
+        ]
+        prompt += [3000 + 100 * self.next_id + i for i in range(num_own)]
+        if num_external:
+            self.connector.script.external[req_id] = (num_external, load_async)
+        if save:
+            self.connector.script.save_req_ids.add(req_id)
+        self.scheduler.add_request(make_request(req_id, prompt, max_tokens))
+        return req_id
+
+    def step(self, accept: int, eos_pick: int | None, fail_sync: int | None) -> None:
+        scheduler, connector = self.scheduler, self.connector
+        connector.sync_loads.clear()
+        num_preempted = sum(r.num_preemptions for r in scheduler.requests.values())
+        num_waiting_for_load = len(connector.pending)
+        output = scheduler.schedule()
+        if sum(r.num_preemptions for r in scheduler.requests.values()) > num_preempted:
+            _note("preemption")
+        if len(connector.pending) > num_waiting_for_load:
+            _note("async load started")
+        if connector.sync_loads:
+            _note("sync load")
+        for req_id, n in output.num_scheduled_tokens.items():
+            self.last_allocated[req_id] = n + scheduler.num_lookahead_tokens
+        for req_id in connector.pending:
+            self.last_allocated.setdefault(req_id, 0)
+        # The model runner executes the step: sync loads write now.
+        self.check_all(sync_loads=True)
+        if output.scheduled_spec_decode_tokens:
+            _note("drafts scheduled")
+
+        invalid = set(self.invalid_block_ids)
+        if fail_sync is not None and connector.sync_loads:
+            loads = sorted(connector.sync_loads.items())
+            req_id, load = loads[fail_sync % len(loads)]
+            groups = [g for g in load.block_ids if g]
+            if groups:
+                group = groups[fail_sync % len(groups)]
+                invalid |= set(group[(fail_sync // 7) % len(group) :])
+                _note("sync load failed")
+        req_ids = list(output.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        for i, req_id in enumerate(req_ids):
+            request = scheduler.requests[req_id]
+            if request.num_computed_tokens < request.num_tokens:
+                sampled.append([])  # a chunk of the prompt
+                continue
+            drafts = output.scheduled_spec_decode_tokens.get(req_id, [])
+            n = 1 + min(accept, len(drafts))
+            tokens = [500 + (request.num_tokens + j) % 50 for j in range(n)]
+            if eos_pick is not None and eos_pick % len(req_ids) == i:
+                tokens[-1] = EOS
+            sampled.append(tokens)
+        has_kv_output = bool(self.finished_recving or self.finished_sending or invalid)
+        model_runner_output = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=[],
+            kv_connector_output=KVConnectorOutput(
+                finished_sending=set(self.finished_sending) or None,
+                finished_recving=set(self.finished_recving) or None,
+                invalid_block_ids=invalid,
+            )
+            if has_kv_output
+            else None,
+        )
+        for req_id in self.finished_recving:
+            connector.pending.pop(req_id)
+        for req_id in self.finished_sending:
+            connector.saving.pop(req_id)
+        self.finished_recving.clear()
+        self.finished_sending.clear()
+        self.invalid_block_ids.clear()
+        scheduler.update_from_output(output, model_runner_output)
+        connector.sync_loads.clear()
+        if output.scheduled_cached_reqs.resumed_req_ids:
+            _note("preempted request resumed")
+        if any(
+            r not in scheduler.requests or scheduler.requests[r].is_finished()
+            for r in req_ids
+        ):
+            _note("request finished")
+        # The drafter proposes for every request that sampled.
+        if scheduler.num_spec_tokens:
+            draft_req_ids = [
+                r
+                for r, tokens in zip(req_ids, sampled, strict=True)
+                if tokens and r in scheduler.requests
+            ]
+            scheduler.update_draft_token_ids(
+                DraftTokenIds(
+                    draft_req_ids,
+                    [[600 + j for j in range(scheduler.num_spec_tokens)]]
+                    * len(draft_req_ids),
+                )
+            )
+
+    def loads_to_report(self) -> list[str]:
+        return sorted(set(self.connector.pending) - self.finished_recving)
+
+    def finish_load(self, pick: int) -> None:
+        loads = self.loads_to_report()
+        self.finished_recving.add(loads[pick % len(loads)])
+        _note("async load finished")
+
+    def fail_load(self, pick: int, group_pick: int, first: int) -> None:
+        loads = self.loads_to_report()
+        req_id = loads[pick % len(loads)]
+        groups = [g for g in self.connector.pending[req_id].block_ids if g]
+        if groups:
+            group = groups[group_pick % len(groups)]
+            self.invalid_block_ids |= set(group[first % len(group) :])
+            _note("async load failed")
+        self.finished_recving.add(req_id)
+
+    def abort(self, pick: int) -> None:
+        live = sorted(
+            r for r, req in self.scheduler.requests.items() if not req.is_finished()
+        )
+        req_id = live[pick % len(live)]
+        if req_id in self.connector.pending:
+            _note("abort during async load")
+        self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+
+    def finish_save(self, pick: int) -> None:
+        saves = sorted(set(self.connector.saving) - self.finished_sending)
+        self.finished_sending.add(saves[pick % len(saves)])
+        _note("save finished")
+
+    # -- the model's properties on the scheduler's state
+    def tables(self) -> dict[str, list[list]]:
+        """req_id -> the block table of every group (requests that hold
+        blocks: running, waiting for a load, finished but held)."""
+        managers = self.manager.coordinator.single_type_managers
+        req_ids = set().union(*(m.req_to_blocks for m in managers))
+        return {
+            r: [list(m.req_to_blocks.get(r, [])) for m in managers] for r in req_ids
+        }
+
+    def free_block_ids(self) -> set[int]:
+        return {b.block_id for b in self.pool.free_block_queue.get_all_free_blocks()}
+
+    def transfers(self, sync_loads: bool) -> dict[str, set[int]]:
+        connector = self.connector
+        out: dict[str, set[int]] = {}
+        loads = list(connector.pending.items())
+        if sync_loads:
+            loads += list(connector.sync_loads.items())
+        for req_id, load in loads:
+            out.setdefault(req_id, set()).update(load.all_block_ids())
+        for req_id, block_ids in connector.saving.items():
+            out.setdefault(req_id, set()).update(block_ids)
+        return out
+
+    def check_all(self, sync_loads: bool = False) -> None:
+        tables = self.tables()
+        free = self.free_block_ids()
+        self.check_conservation(tables, free, sync_loads)
+        self.check_exclusive_ownership(tables)
+        self.check_no_transfer_race(tables, free, sync_loads)
+        self.check_ref_counts(tables)
+        self.check_null_prefix(tables)
+        self.check_window_bound(tables)
+        self.check_exact_admission()
+        self.check_no_premature_publish(tables)
+
+    def check_conservation(self, tables, free, sync_loads) -> None:
+        null = self.pool.null_block
+        blocks = self.pool.blocks
+        assert null.block_id not in free
+        assert self.pool.free_block_queue.num_free_blocks == len(free)
+        assert all(blocks[b].ref_cnt == 0 for b in free)
+        num_referenced = sum(b.ref_cnt > 0 for b in blocks if not b.is_null)
+        assert len(free) + num_referenced == len(blocks) - 1
+        in_tables = {b.block_id for t in tables.values() for g in t for b in g}
+        for b in blocks:
+            if not b.is_null and b.ref_cnt > 0:
+                assert b.block_id in in_tables, f"block {b.block_id} leaked"
+        for block_ids in self.transfers(sync_loads).values():
+            assert null.block_id not in block_ids
+
+    def check_exclusive_ownership(self, tables) -> None:
+        owner: dict[int, tuple[str, int, int]] = {}
+        for req_id, groups in tables.items():
+            for g, table in enumerate(groups):
+                for i, b in enumerate(table):
+                    if b.is_null:
+                        continue
+                    if b.block_id not in owner:
+                        owner[b.block_id] = (req_id, g, i)
+                        continue
+                    other_req, other_g, other_i = owner[b.block_id]
+                    assert other_req != req_id, f"{b.block_id} twice in {req_id}"
+                    # Shared only as the same prefix cache hit.
+                    assert (other_g, other_i) == (g, i), b.block_id
+                    assert b.block_hash is not None, b.block_id
+
+    def check_no_transfer_race(self, tables, free, sync_loads) -> None:
+        for req_id, block_ids in self.transfers(sync_loads).items():
+            own = {b.block_id for g in tables.get(req_id, []) for b in g}
+            for block_id in block_ids:
+                assert block_id not in free, (req_id, block_id)
+                assert block_id in own, (req_id, block_id)
+        for req_id, load in self.connector.pending.items():
+            for other, groups in tables.items():
+                if other != req_id:
+                    others = {b.block_id for g in groups for b in g}
+                    assert not load.all_block_ids() & others, (req_id, other)
+
+    def check_ref_counts(self, tables) -> None:
+        entries: Counter[int] = Counter(
+            b.block_id for t in tables.values() for g in t for b in g if not b.is_null
+        )
+        for b in self.pool.blocks:
+            if not b.is_null:
+                assert b.ref_cnt == entries[b.block_id], b.block_id
+
+    def check_null_prefix(self, tables) -> None:
+        for groups in tables.values():
+            for kind, table in zip(self.kinds, groups, strict=True):
+                nulls = [b.is_null for b in table]
+                num_null = nulls.index(False) if False in nulls else len(nulls)
+                assert not any(nulls[num_null:]), nulls
+                if kind == "full":
+                    assert num_null == 0
+                elif num_null:
+                    _note("null blocks in a sliding window table")
+
+    def check_window_bound(self, tables) -> None:
+        """Right after its last allocation (tables only grow there), a sliding
+        window table holds at most ceil((W-1)/B) + 1 real blocks plus those
+        of the tokens then scheduled and looked ahead."""
+        contig = cdiv(self.setup.window - 1, BLOCK_SIZE)
+        for req_id, groups in tables.items():
+            n = self.last_allocated.get(req_id, 0)
+            for kind, table in zip(self.kinds, groups, strict=True):
+                if kind == "full":
+                    continue
+                num_real = sum(not b.is_null for b in table)
+                assert num_real <= contig + 1 + cdiv(n, BLOCK_SIZE), (
+                    req_id,
+                    num_real,
+                    n,
+                )
+
+    def check_exact_admission(self) -> None:
+        for predicted, free_before, free_after in self.admissions:
+            if free_after is None:
+                assert predicted > free_before
+                _note("allocation refused")
+            else:
+                assert free_before - free_after == predicted
+        self.admissions.clear()
+
+    def check_no_premature_publish(self, tables) -> None:
+        for load in self.connector.pending.values():
+            for block_id in load.all_block_ids():
+                assert self.pool.blocks[block_id].block_hash is None, block_id
+        for req_id, groups in tables.items():
+            request = self.scheduler.requests[req_id]
+            for table in groups:
+                for i, b in enumerate(table):
+                    if not b.is_null and (i + 1) * BLOCK_SIZE > request.num_tokens:
+                        assert b.block_hash is None, (req_id, i)
+
+
+# -- the state machine --------------------------------------------------------
+
+setups = st.builds(
+    Setup,
+    layout=st.sampled_from(sorted(LAYOUTS)),
+    window=st.sampled_from([32, 64]),
+    num_blocks=st.integers(16, 72),
+    num_spec_tokens=st.sampled_from([0, 0, 2, 3]),
+    eagle=st.booleans(),
+    max_num_batched_tokens=st.sampled_from([64, 128, 512]),
+    fail_policy=st.sampled_from(["recompute", "recompute", "fail"]),
+)
+
+request_args = st.fixed_dictionaries(
+    dict(
+        prefix=st.integers(0, len(PREFIX_BLOCKS) - 1),
+        num_own=st.integers(1, 120),
+        num_external=st.sampled_from([0, 0, 16, 40, 64, 100, 160, 240]),
+        load_async=st.booleans(),
+        max_tokens=st.integers(1, 12),
+        save=st.booleans(),
+    )
+)
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Rules without preconditions (a rule with nothing to act on does
+    nothing): hypothesis gives up an example when several draws in a row hit
+    disabled rules."""
+
+    harness: Harness
+
+    @initialize(setup=setups, first=st.lists(request_args, min_size=1, max_size=4))
+    def start(self, setup, first):
+        self.harness = Harness(setup)
+        for args in first:
+            self.harness.add_request(**args)
+
+    @rule(args=request_args)
+    def add_request(self, args):
+        if len(self.harness.scheduler.requests) < 8:
+            self.harness.add_request(**args)
+
+    @rule(
+        num_steps=st.integers(1, 4),
+        accept=st.integers(0, 3),
+        eos_pick=st.none() | st.integers(0, 7),
+        fail_sync=st.none() | st.integers(0, 63),
+    )
+    def steps(self, num_steps, accept, eos_pick, fail_sync):
+        """Engine steps; the first may fail the sync loads it starts."""
+        for i in range(num_steps):
+            self.harness.step(accept, eos_pick, fail_sync if i == 0 else None)
+            if i < num_steps - 1:
+                self.harness.check_all()
+
+    @rule(pick=st.integers(0, 7))
+    def finish_load(self, pick):
+        if self.harness.loads_to_report():
+            self.harness.finish_load(pick)
+
+    @rule(pick=st.integers(0, 7), group=st.integers(0, 5), first=st.integers(0, 15))
+    def fail_load(self, pick, group, first):
+        if self.harness.loads_to_report():
+            self.harness.fail_load(pick, group, first)
+
+    @rule(pick=st.integers(0, 7))
+    def abort(self, pick):
+        if any(not r.is_finished() for r in self.harness.scheduler.requests.values()):
+            self.harness.abort(pick)
+
+    @rule(pick=st.integers(0, 7))
+    def finish_save(self, pick):
+        if set(self.harness.connector.saving) - self.harness.finished_sending:
+            self.harness.finish_save(pick)
+
+    @invariant()
+    def safety(self):
+        self.harness.check_all()
+
+
+SchedulerMachine.TestCase.settings = SETTINGS
+test_scheduler_state_machine = SchedulerMachine.TestCase
+
+
+# -- shrunk schedules as explicit tests -----------------------------------------
+#
+# No schedule falsified a property on the stage 03 tree (CI examples and
+# randomized runs, see the module docstring). The two below are the shrunk
+# schedules that caught deliberately broken stage 03 trees; they pass on
+# the real one and keep the scenarios in CI.
+
+
+def _request(**kwargs) -> dict:
+    args = dict(
+        prefix=0,
+        num_own=1,
+        num_external=0,
+        load_async=False,
+        max_tokens=1,
+        save=False,
+    )
+    args.update(kwargs)
+    return args
+
+
+def test_abort_during_async_load_keeps_blocks_until_finished_recving():
+    """Caught a tree whose `_free_request` frees the blocks of a request
+    aborted during its async load (NoTransferRace: the load's block went
+    back to the free queue)."""
+    harness = Harness(
+        Setup("gemma3_like", 32, 16, 0, False, 64, "recompute"),
+    )
+    harness.add_request(**_request())
+    harness.add_request(**_request(num_external=16, load_async=True))
+    harness.check_all()
+    harness.step(accept=0, eos_pick=None, fail_sync=None)
+    harness.check_all()
+    assert set(harness.connector.pending) == {"r1"}
+    (loading,) = harness.connector.pending.values()
+    harness.abort(0)  # r1: r0 finished (max_tokens=1)
+    harness.check_all()
+    block_pool = harness.pool
+    for block_id in loading.all_block_ids():
+        assert block_pool.blocks[block_id].ref_cnt == 1
+    harness.finish_load(0)
+    harness.step(accept=0, eos_pick=None, fail_sync=None)
+    harness.check_all()
+    assert not harness.tables()
+    assert block_pool.get_num_free_blocks() == 15
+
+
+@pytest.mark.parametrize("load_async", [False, True])
+def test_external_tokens_outside_the_window_get_no_blocks(load_async):
+    """Caught a tree that gives the skipped external tokens real blocks
+    (WindowBound): a prompt of 81 tokens, 64 of them external, W = 32."""
+    harness = Harness(
+        Setup("gpt_oss_like", 32, 17, 0, False, 64, "recompute"),
+    )
+    harness.add_request(**_request())
+    harness.add_request(**_request())
+    harness.add_request(
+        **_request(prefix=2, num_external=64, load_async=load_async, max_tokens=4)
+    )
+    harness.step(accept=0, eos_pick=None, fail_sync=None)
+    harness.check_all()
+    full, swa = harness.tables()["r2"]
+    # Sync: the prompt (81 tokens); async: the 64 external tokens.
+    assert len(full) == (4 if load_async else 6)
+    # Skipped for 64 computed tokens: 64 - 32 + 1 = 33 tokens, 2 blocks.
+    assert [b.is_null for b in swa] == [True, True] + [False] * (len(full) - 2)
+    if load_async:
+        harness.finish_load(0)
+    for _ in range(6):
+        harness.step(accept=0, eos_pick=None, fail_sync=None)
+        harness.check_all()
+    assert not harness.tables()
+    assert harness.pool.get_num_free_blocks() == 16
+
+
+@pytest.mark.xfail(strict=True, reason="async load rounded up to the block table")
+def test_unaligned_async_load_counts_only_loaded_tokens():
+    """Not one of the model's properties (found while checking the driver of
+    test_s03_connector_allocate): after an async load of 40 external tokens
+    (B = 16), `_update_waiting_for_remote_kv` takes the block tables' length
+    (3 blocks, 48 tokens) as computed and publishes block 2, whose tokens
+    40~47 were neither loaded nor computed. 0.13.0 does the same with one
+    group (`len(block_ids) * block_size`); stage 03 keeps it (the longest
+    table). Turns green (and fails) when only the loaded tokens count."""
+    harness = Harness(Setup("gpt_oss_like", 64, 40, 0, False, 256, "recompute"))
+    harness.add_request(**_request(num_own=100, num_external=40, load_async=True))
+    harness.step(accept=0, eos_pick=None, fail_sync=None)
+    harness.finish_load(0)
+    harness.step(accept=0, eos_pick=None, fail_sync=None)  # reports the load
+    harness.step(accept=0, eos_pick=None, fail_sync=None)  # schedules r0
+    harness.check_all()
+    request = harness.scheduler.requests["r0"]
+    assert request.num_cached_tokens == 40
+
+
+@pytest.mark.skipif(not os.environ.get("HMASTACK_COVERAGE"), reason="debug aid")
+def test_print_coverage():
+    print(dict(COVERAGE))
