@@ -25,6 +25,7 @@ COMMAND_MODULES = (
     "hmastack.workspace",
     "hmastack.matrix",
     "hmastack.spec",
+    "hmastack.conform",
     "hmastack.docs",
     "hmastack.bench",
     "hmastack.pipeline",

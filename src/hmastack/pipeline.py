@@ -1,6 +1,7 @@
 """``hmastack run``: the main job, every step of the pipeline in order.
 
 base → env → apply (all stages into the workspaces) → stage matrix → model check
+→ conformance (TLC behaviours replayed, random schedules, broken copies)
 → quick benchmarks → site, then one summary. A failing step is reported and the
 later steps still run where they can, so one run shows everything that is red.
 """
@@ -65,6 +66,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     spec_check = _optional("hmastack.spec", "run_all_for_pipeline")
     if spec_check is not None:
         ok = do("model check", lambda: spec_check(cfg)) and ok
+    conform_run = _optional("hmastack.conform", "run_for_pipeline")
+    if conform_run is not None and ok:
+        ok = do("conformance", lambda: conform_run(cfg)) and ok
     bench_quick = _optional("hmastack.bench", "run_for_pipeline")
     if bench_quick is not None and ok:
         ok = do("benchmarks (quick)", lambda: bench_quick(cfg)) and ok
@@ -84,7 +88,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "run",
-        help="the main job: base, env, apply, stage matrix, model, benchmarks, site",
+        help="the main job: base, env, apply, stage matrix, model, conformance, "
+        "benchmarks, site",
     )
     parser.add_argument(
         "--jobs", type=int, default=2, help="stages tested at once (default 2)"

@@ -65,3 +65,32 @@ def make_request(request_id: str, token_ids: list[int], block_size: int) -> Requ
         eos_token_id=None,
         block_hasher=get_request_block_hasher(block_size, sha256),
     )
+
+
+def steer_free_queue(block_pool, m2r: dict, r2m: dict, model_blocks: list) -> None:
+    """Put the blocks a model step takes at the head of vLLM's free queue.
+
+    The model may take any free block (evicting a cached one); vLLM takes the
+    head of its free block queue (LRU order). That order is the eviction policy,
+    not a property under test, so a replay reorders the queue before the step:
+    ``model_blocks`` (model block ids in vLLM's allocation order: group by
+    group, table order) through the bijection ``m2r``/``r2m``; a block the model
+    never used stands for one vLLM never used. A block that is not free yet
+    (freed during the step) cannot be placed: the replay's eviction check then
+    stops the trace if vLLM chose another block.
+    """
+    queue = block_pool.free_block_queue
+    free = queue.get_all_free_blocks()
+    free_ids = {b.block_id for b in free}
+    unused = [b for b in free if b.block_id not in r2m]
+    head = []
+    for m in model_blocks:
+        x = m2r.get(m)
+        if x is None and unused:
+            head.append(unused.pop(0))
+        elif x is not None and x in free_ids:
+            head.append(block_pool.blocks[x])
+    head_ids = {b.block_id for b in head}
+    for b in free:
+        queue.remove(b)
+    queue.append_n(head + [b for b in free if b.block_id not in head_ids])

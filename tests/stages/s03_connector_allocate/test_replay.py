@@ -1,6 +1,7 @@
 """Stage 03: behaviours of the model (Series) replayed with vLLM's objects.
 
-The fixtures under ``fixtures/replay/`` are behaviours of
+The fixtures under ``fixtures/replay/`` (or the directory named by
+``HMASTACK_REPLAY_TRACES``, as ``hmastack conform`` does) are behaviours of
 ``fixtures/replay-small.cfg`` written by
 ``hmastack spec traces tests/stages/s03_connector_allocate/fixtures/replay-small.cfg
 -n 40 --depth 60 --out tests/stages/s03_connector_allocate/fixtures/replay``
@@ -29,12 +30,13 @@ the replay of that trace stops there (counted, not a failure).
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
-from kvtest import make_request
+from kvtest import make_request, steer_free_queue
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -43,7 +45,11 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-FIXTURES = Path(__file__).parent / "fixtures" / "replay"
+# ``hmastack conform`` replays fresh TLC behaviours instead of the fixtures.
+FIXTURES = Path(
+    os.environ.get("HMASTACK_REPLAY_TRACES")
+    or Path(__file__).parent / "fixtures" / "replay"
+)
 TRACES = sorted(FIXTURES.glob("trace-*.json"))
 GROUPS = ("full", "swa")
 
@@ -72,6 +78,9 @@ class Replay:
     m2r: dict = field(default_factory=dict)  # model block id -> real block id
     r2m: dict = field(default_factory=dict)
     steps: int = 0
+    # Reorder vLLM's free queue to the model's eviction choice
+    # (kvtest.steer_free_queue).
+    steer: bool = True
     # Loads whose num_computed_tokens the scheduler would round to the block
     # table (Scheduler._update_waiting_for_remote_kv) differently from the model.
     load_rounding: int = 0
@@ -133,11 +142,31 @@ class Replay:
         self.m2r[m], self.r2m[x] = x, m
 
     # ---- steps ----
+    def steer_eviction(self, ev: dict) -> None:
+        """The model's choice of new blocks at the head of vLLM's free queue."""
+        order = [m for g in GROUPS for m in ev["blocks"][g]]
+        steer_free_queue(self.pool, self.m2r, self.r2m, order)
+
     def allocate(self, before: dict, after: dict, ev: dict) -> None:
         r, a = ev["req"], ev["args"]
         request = self.requests[r]
         fresh = before["computed"][r] == 0
+        if self.steer:
+            if not fresh:
+                # allocate_slots frees the skipped blocks before it allocates;
+                # do it first so the freed blocks can be steered too (a second
+                # call finds them null and frees nothing).
+                self.manager.coordinator.remove_skipped_blocks(r, before["computed"][r])
+            self.steer_eviction(ev)
         cached_before = self.cached_real()
+        # The keys of the cached blocks the model evicts in this step.
+        model_new = set(ev["blocks"]["full"]) | set(ev["blocks"]["swa"])
+        model_evicted = {m for m in model_new if before["hash"][m - 1]}
+        evicted_keys = {
+            self.pool.blocks[self.m2r[m]].block_hash
+            for m in model_evicted
+            if m in self.m2r
+        }
         if fresh:
             request.num_computed_tokens = 0
             hits, num_hit = self.manager.get_computed_blocks(request)
@@ -164,8 +193,6 @@ class Replay:
         new_ids = new.get_block_ids()
         # Eviction: the model's evicted blocks (cached before, allocated now)
         # must be vLLM's evicted blocks, through the bijection.
-        model_new = set(ev["blocks"]["full"]) | set(ev["blocks"]["swa"])
-        model_evicted = {m for m in model_new if before["hash"][m - 1]}
         real_evicted = {x for ids in new_ids for x in ids} & cached_before
         if {self.m2r.get(m) for m in model_evicted} != real_evicted:
             raise Diverged(
@@ -178,6 +205,20 @@ class Replay:
             for m, x in zip(after["table"][r][g], real[g], strict=False):
                 if m in fresh_blocks:
                     self.bind(m, x)
+        # The model publishes one block per key; vLLM also publishes a block
+        # whose key a cached block already has (BlockHashToBlockMap keeps both).
+        # When the model evicts the key's block, vLLM still hits the other.
+        model_keys = {
+            self.pool.blocks[self.m2r[m]].block_hash
+            for m, key in enumerate(after["hash"], start=1)
+            if key and m in self.m2r
+        }
+        kept = (evicted_keys & self.cached_hashes()) - model_keys
+        if kept:
+            raise Diverged(
+                f"model evicts the only block of {len(kept)} prefix-cache key(s) "
+                "that vLLM also holds on a duplicate block"
+            )
         request.num_computed_tokens = after["computed"][r]
 
     def execute(self, before: dict, after: dict, ev: dict) -> None:
@@ -337,10 +378,23 @@ def test_fixtures_present_and_replayed():
     assert len(index["traces"]) == len(TRACES)
     print(f"\nreplay: {STATS['traces']} traces, {STATS['steps']} steps compared")
     print(f"pc-only steps (no event): {STATS['pc_only']}")
-    print(f"diverged (eviction choice): {len(STATS['diverged'])} traces")
+    print(f"diverged (eviction choice, duplicate key): {len(STATS['diverged'])}")
     for where in STATS["diverged"]:
         print(f"  {where}")
     print(f"skipped events: {STATS['skipped']}")
     print(
         f"loads where the scheduler's block-table rounding differs: {STATS['rounding']}"
     )
+    if os.environ.get("HMASTACK_CONFORM_SUMMARY"):
+        summary = {
+            "traces": STATS["traces"],
+            "steps_compared": STATS["steps"],
+            "diverged_eviction_choice": sum(
+                "duplicate" not in d[2] for d in STATS["diverged"]
+            ),
+            "diverged_duplicate_key": sum(
+                "duplicate" in d[2] for d in STATS["diverged"]
+            ),
+            "stopped_unmapped_event": len(STATS["skipped"]),
+        }
+        Path(os.environ["HMASTACK_CONFORM_SUMMARY"]).write_text(json.dumps(summary))

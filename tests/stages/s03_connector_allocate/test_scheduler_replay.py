@@ -38,7 +38,10 @@ its clients, its connector and the model runner):
 * a load that ended is taken up with ``Scheduler._update_waiting_for_remote_kv``
   and ``status = WAITING``, the first lines of ``schedule()``'s waiting loop,
   called directly because ``schedule()`` would also schedule the request in
-  the same call where the model takes a separate step.
+  the same call where the model takes a separate step;
+* the eviction choice: before each allocation the free queue is reordered so
+  that its head holds the blocks the model takes (``kvtest.steer_free_queue``;
+  the model may evict any cached free block, vLLM evicts its LRU head).
 
 After every step an abstraction of the scheduler is compared with the model
 state: every table of every request (null entries, real blocks through a
@@ -53,7 +56,9 @@ both states.
 
 Not compared, the trace stops there and the stop is counted by cause:
 
-* the model evicts other cached blocks than vLLM's LRU order (``diverged``);
+* the model evicts other cached blocks than vLLM even after steering (a
+  block freed in the same step), or the only block of a prefix-cache key of
+  which vLLM also caches a duplicate (``diverged``);
 * see ``STOP_*`` below for the events that cannot be driven through the
   scheduler faithfully.
 """
@@ -71,6 +76,7 @@ from typing import Any
 
 import pytest
 import torch
+from kvtest import steer_free_queue
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
@@ -291,6 +297,9 @@ class Replay:
         # strict_rounding: a load taken up with other computed tokens than the
         # model's is a Mismatch, not a stop.
         self.strict_rounding = strict_rounding
+        # Reorder the free queue to the model's eviction choice
+        # (kvtest.steer_free_queue).
+        self.steer = True
         c = self.c = constants
         assert c["Policy"] == "Series" and c["Mutation"] == "none", c
         self.B, self.N = c["B"], c["N"]
@@ -463,6 +472,16 @@ class Replay:
             request.spec_token_ids = [9000 + i for i in range(a["d"])]
         self.evicted.clear()
         self.conn.lookup.pop(r, None)
+        if self.steer:
+            if r in self.managers[0].req_to_blocks:
+                # allocate_slots frees the skipped blocks before it allocates;
+                # do it first so the freed blocks can be steered too (the call
+                # in allocate_slots then finds them null and frees nothing).
+                self.sched.kv_cache_manager.coordinator.remove_skipped_blocks(
+                    r, request.num_computed_tokens - request.num_output_placeholders
+                )
+            order = [m for g in GROUPS for m in ev["blocks"][g]]
+            steer_free_queue(self.pool, self.m2r, self.r2m, order)
         out = self.schedule([r], max(a["n"] + a["d"], 1))
         self.conn.script.pop(r, None)
         return out
@@ -951,6 +970,19 @@ def test_scheduler_replay_summary():
         assert len(json.loads(index.read_text())["traces"]) == len(TRACES)
     summary = replay_all(TRACES)
     print("\n" + summary.format())
+    if os.environ.get("HMASTACK_CONFORM_SUMMARY"):  # read by hmastack conform
+        Path(os.environ["HMASTACK_CONFORM_SUMMARY"]).write_text(
+            json.dumps(
+                {
+                    "traces": summary.traces,
+                    "to_the_end": summary.complete,
+                    "steps_compared": summary.steps,
+                    "steps": summary.events,
+                    "diverged": len(summary.diverged),
+                    "stopped_by_event": dict(summary.stops),
+                }
+            )
+        )
     assert summary.steps * 2 >= summary.events, "fewer than half the steps compared"
 
 

@@ -33,7 +33,8 @@ tree, e.g. `HMASTACK_RANDOM_EXAMPLES=1500` (about 3 minutes);
 `HMASTACK_RANDOM_STEPS=N` sets the rules per example (50 by default). A
 failure prints the shrunk rule sequence (and a reproduction blob); record
 it as an explicit test below. `HMASTACK_COVERAGE=1` with `-s` prints what
-the examples exercised.
+the examples exercised. `HMASTACK_RANDOM_NO_SHRINK=1` stops at the first
+falsifying schedule (`hmastack conform` sets it on broken trees).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import event, settings
+from hypothesis import Phase, event, settings
 from hypothesis import strategies as st
 from hypothesis.control import _current_build_context
 from hypothesis.stateful import (
@@ -108,6 +109,10 @@ if _RANDOM_EXAMPLES:
     )
 else:
     SETTINGS = settings(hypothesis_settings(100), stateful_step_count=_STEPS)
+if os.environ.get("HMASTACK_RANDOM_NO_SHRINK"):
+    # `hmastack conform` on a broken tree: the time to the first falsifying
+    # schedule, without the minutes hypothesis may spend shrinking it.
+    SETTINGS = settings(SETTINGS, phases=[Phase.explicit, Phase.generate])
 
 # What the examples exercised (printed by the coverage test with -s).
 COVERAGE: Counter[str] = Counter()

@@ -1,0 +1,435 @@
+"""``hmastack conform``: the model's behaviours and random schedules against the
+patched vLLM (stage 03), and the same checks against deliberately broken copies.
+
+1. TLC simulates ``--traces`` behaviours of the Series policy
+   (``tests/stages/s03_connector_allocate/fixtures/replay-small.cfg``, a seed other
+   than the committed fixtures') into ``build/reports/conformance/traces/``.
+2. At stage 03 three suites run on them (see ``SUITES``): the replay through the
+   ``KVCacheManager``, the replay through the ``Scheduler`` with a scripted
+   ``SupportsHMA`` connector, and the random state machine on the ``Scheduler``
+   (its fixed CI set, or ``--examples`` schedules with a fresh seed). All must
+   pass.
+3. Each ``--break`` (default: every entry of ``BREAKS``) copies the stage-03 vLLM
+   tree under ``build/conformance/broken-<name>/``, removes one protection of the
+   series with a one-line edit and runs the same suites with ``-x`` (the random
+   suite: only the state machine, without shrinking). A break counts as caught
+   when a replay suite and the random test both fail; the report gives the
+   first failing test and the seconds until the suite stopped.
+
+Report: ``build/reports/conformance.json`` and a table. Exit status 1 when the
+series fails a suite or a break escapes the replayer or the random test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from rich.markup import escape
+from rich.table import Table
+
+from hmastack import config as config_mod
+from hmastack import env as env_mod
+from hmastack import matrix
+from hmastack.errors import HmastackError
+from hmastack.gitutil import git
+from hmastack.progress import console, run, step
+from hmastack.workspace import discover
+
+STAGE = 3
+STAGE_TESTS = Path("tests") / "stages"
+SUITE_DIR = STAGE_TESTS / "s03_connector_allocate"
+MODEL_CFG = SUITE_DIR / "fixtures" / "replay-small.cfg"
+# The committed fixtures use spec/tlc.toml's seed; CI draws other behaviours.
+DEFAULT_SEED = 20261130
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    kind: str  # "replay" or "random"
+    file: str  # under tests/stages/s03_connector_allocate/
+    # On a broken tree only this test of the file runs (the file's explicit
+    # regression tests would otherwise catch the break before the random test).
+    broken_only: str = ""
+
+
+SUITES = (
+    Suite("replay through the KVCacheManager", "replay", "test_replay.py"),
+    Suite("replay through the Scheduler", "replay", "test_scheduler_replay.py"),
+    Suite(
+        "random Scheduler state machine",
+        "random",
+        "test_scheduler_state_machine.py",
+        broken_only="test_scheduler_state_machine",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Break:
+    """One protection of the series removed by replacing ``old`` (which must occur
+    exactly once in ``path`` of the stage-03 vLLM tree) with ``new``."""
+
+    name: str
+    protection: str
+    path: str
+    old: str
+    new: str
+
+
+BREAKS = {
+    b.name: b
+    for b in (
+        Break(
+            name="allocate-skipped-external",
+            protection=(
+                "external tokens outside the sliding window get the null block "
+                "(broken: every external token gets a real block again, as in "
+                "0.13.0's allocate-then-free)"
+            ),
+            path="vllm/v1/core/kv_cache_manager.py",
+            old=(
+                "num_skipped_computed_tokens = min(num_computed_tokens, "
+                "request.num_tokens - 1)"
+            ),
+            new=(
+                "num_skipped_computed_tokens = "
+                "request.num_computed_tokens + num_new_computed_tokens"
+            ),
+        ),
+        Break(
+            name="free-aborted-load",
+            protection=(
+                "a request aborted while its asynchronous load runs keeps its "
+                "blocks until the connector reports the load finished (broken: "
+                "they are freed at once, while the load still writes them)"
+            ),
+            path="vllm/v1/core/sched/scheduler.py",
+            old="elif request_id not in self.recving_kv_req_ids:",
+            new="else:",
+        ),
+        Break(
+            name="publish-before-load",
+            protection=(
+                "blocks an asynchronous load writes are not put in the prefix "
+                "cache before the load finished (broken: delay_cache_blocks is "
+                "ignored)"
+            ),
+            path="vllm/v1/core/kv_cache_manager.py",
+            old="if not self.enable_caching or delay_cache_blocks:",
+            new="if not self.enable_caching:",
+        ),
+    )
+}
+
+
+@dataclass
+class SuiteRun:
+    suite: str
+    kind: str
+    passed: int = 0
+    failed: int = 0
+    seconds: float = 0.0
+    first_failure: str = ""
+    summary: dict = field(default_factory=dict)
+    log: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.failed == 0 and self.passed > 0
+
+
+def _first_failure(output: str) -> str:
+    match = re.search(r"^(?:FAILED|ERROR) (\S+)(?: - (.*))?$", output, flags=re.M)
+    if not match:
+        return ""
+    test = match.group(1).rpartition("/")[2]
+    message = match.group(2)
+    if not message:  # pytest -q leaves it out: the first "E ..." line
+        error = re.search(r"^E\s+(\S.*)$", output, flags=re.M)
+        message = error.group(1) if error else ""
+    return f"{test}: {message.strip()}"[:300]
+
+
+def run_suites(
+    cfg: config_mod.Config,
+    pyenv: env_mod.Env,
+    trees: list[Path],
+    traces: Path,
+    examples: int | None,
+    label: str,
+    broken: bool,
+) -> list[SuiteRun]:
+    out_dir = cfg.reports / "conformance" / label
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = []
+    for suite in SUITES:
+        path = cfg.root / SUITE_DIR / suite.file
+        if not path.is_file():
+            raise HmastackError(
+                f"conformance suite {suite.file} is missing from {SUITE_DIR}",
+                "check out the whole repository (tests/stages is part of it)",
+            )
+        summary_file = out_dir / f"{path.stem}.summary.json"
+        summary_file.unlink(missing_ok=True)
+        environ = pyenv.test_environ([*trees, cfg.root / STAGE_TESTS]) | {
+            "HMASTACK_REPLAY_TRACES": str(traces),
+            "HMASTACK_CONFORM_SUMMARY": str(summary_file),
+        }
+        if examples is not None:
+            environ["HMASTACK_RANDOM_EXAMPLES"] = str(examples)
+        target = str(path)
+        if broken:
+            environ["HMASTACK_RANDOM_NO_SHRINK"] = "1"
+            if suite.broken_only:
+                target = f"{path}::{suite.broken_only}"
+        args = [
+            str(pyenv.python),
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-rfE",
+            "-c",
+            str(cfg.root / STAGE_TESTS / "pytest.ini"),
+            "--rootdir",
+            str(cfg.root / STAGE_TESTS),
+            *(["-x"] if broken else []),
+            target,
+        ]
+        log = out_dir / f"{path.stem}.log"
+        start = time.monotonic()
+        with step(f"{label}: {suite.name}"):
+            proc = run(args, cwd=cfg.root, env=environ, log=log, check=False)
+        counts, _ = matrix.parse_pytest_output(proc.stdout)
+        result = SuiteRun(
+            suite.name,
+            suite.kind,
+            passed=counts.get("passed", 0),
+            failed=counts.get("failed", 0) + counts.get("error", 0),
+            seconds=round(time.monotonic() - start, 1),
+            first_failure=_first_failure(proc.stdout),
+            log=str(log),
+        )
+        if proc.returncode not in (0, 1) and result.failed == 0:
+            result.failed = 1  # collection error, crash: never a pass
+            result.first_failure = f"pytest exited with {proc.returncode}"
+        if summary_file.is_file():
+            result.summary = json.loads(summary_file.read_text())
+        results.append(result)
+    return results
+
+
+def broken_tree(cfg: config_mod.Config, source: Path, brk: Break) -> Path:
+    """A clone of the stage-03 vLLM tree with ``brk`` applied (the source tree is
+    left untouched)."""
+    dest = cfg.build / "conformance" / f"broken-{brk.name}" / "vllm"
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    git(cfg.root, "clone", "-q", "--shared", str(source), str(dest))
+    target = dest / brk.path
+    text = target.read_text()
+    count = text.count(brk.old)
+    if count != 1:
+        raise HmastackError(
+            f"break {brk.name!r}: {brk.path} of the stage-{STAGE} tree contains "
+            f"{count} copies of the line to replace (expected exactly 1):\n  {brk.old}",
+            "the patches changed that code: update BREAKS in src/hmastack/conform.py",
+        )
+    target.write_text(text.replace(brk.old, brk.new))
+    return dest
+
+
+def caught(runs: list[SuiteRun]) -> dict[str, bool]:
+    return {
+        kind: any(not r.ok for r in runs if r.kind == kind)
+        for kind in ("replay", "random")
+    }
+
+
+def conform(
+    cfg: config_mod.Config,
+    num_traces: int,
+    depth: int,
+    seed: int,
+    examples: int | None,
+    breaks: list[Break],
+) -> dict:
+    from hmastack import traces as traces_mod
+
+    pyenv = env_mod.ensure(cfg)
+    traces_dir = cfg.reports / "conformance" / "traces"
+    with step(f"TLC: {num_traces} behaviours of the Series (seed {seed})"):
+        index = traces_mod.generate(
+            cfg.root / MODEL_CFG,
+            MODEL_CFG.stem,
+            num_traces,
+            depth,
+            traces_dir,
+            seed=seed,
+            root=cfg.root,
+        )
+    with step(f"stage {STAGE}: apply stages 1..{STAGE} with git am"):
+        trees = matrix.stage_trees(cfg, discover(cfg), STAGE)
+    report: dict = {
+        "stage": STAGE,
+        "traces": {
+            "model": str(MODEL_CFG),
+            "count": len(index["traces"]),
+            "steps": sum(t["states"] - 1 for t in index["traces"]),
+            "depth": depth,
+            "seed": seed,
+        },
+        "examples": examples,
+    }
+    series = run_suites(
+        cfg, pyenv, list(trees.values()), traces_dir, examples, "series", False
+    )
+    report["series"] = [asdict(r) | {"ok": r.ok} for r in series]
+    report["breaks"] = []
+    for brk in breaks:
+        vllm_tree = broken_tree(cfg, trees["vllm"], brk)
+        others = [p for name, p in trees.items() if name != "vllm"]
+        runs = run_suites(
+            cfg,
+            pyenv,
+            [vllm_tree, *others],
+            traces_dir,
+            examples,
+            f"broken-{brk.name}",
+            True,
+        )
+        report["breaks"].append(
+            {
+                **asdict(brk),
+                "caught": caught(runs),
+                "runs": [asdict(r) | {"ok": r.ok} for r in runs],
+            }
+        )
+    report["ok"] = all(r.ok for r in series) and all(
+        all(b["caught"].values()) for b in report["breaks"]
+    )
+    path = cfg.reports / "conformance.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    report["path"] = str(path)
+    return report
+
+
+def print_report(report: dict) -> None:
+    t = report["traces"]
+    console.print(
+        f"{t['count']} TLC behaviours ({t['steps']} steps, seed {t['seed']}), "
+        f"random schedules: {report['examples'] or 'the fixed CI set'}, "
+        f"stage {report['stage']}"
+    )
+    table = Table(title="conformance")
+    for column in ("tree", "suite", "passed", "failed", "seconds", "first failure"):
+        table.add_column(column)
+    for r in report["series"]:
+        table.add_row(
+            "series",
+            r["suite"],
+            str(r["passed"]),
+            str(r["failed"]),
+            f"{r['seconds']:.0f}",
+            escape(r["first_failure"]),
+        )
+    for b in report["breaks"]:
+        for r in b["runs"]:
+            table.add_row(
+                f"broken: {b['name']}",
+                r["suite"],
+                str(r["passed"]),
+                str(r["failed"]),
+                f"{r['seconds']:.0f}",
+                escape(r["first_failure"]),
+            )
+    console.print(table)
+    for r in report["series"]:
+        if r["summary"]:
+            console.print(f"  {r['suite']}: {escape(json.dumps(r['summary']))}")
+    for b in report["breaks"]:
+        verdict = ", ".join(
+            f"{kind} {'caught it' if hit else 'MISSED it'}"
+            for kind, hit in b["caught"].items()
+        )
+        console.print(f"  break {b['name']} ({escape(b['protection'])}): {verdict}")
+    console.print(f"report: {report['path']}")
+
+
+def cmd_conform(args: argparse.Namespace) -> int:
+    cfg = config_mod.load()
+    if args.no_break:
+        breaks = []
+    elif args.breaks:
+        unknown = [name for name in args.breaks if name not in BREAKS]
+        if unknown:
+            raise HmastackError(
+                f"unknown break {', '.join(unknown)}",
+                f"choose from: {', '.join(BREAKS)}",
+            )
+        breaks = [BREAKS[name] for name in args.breaks]
+    else:
+        breaks = list(BREAKS.values())
+    if args.traces < 1 or (args.examples is not None and args.examples < 1):
+        raise HmastackError("--traces and --examples must be at least 1")
+    report = conform(cfg, args.traces, args.depth, args.seed, args.examples, breaks)
+    print_report(report)
+    return 0 if report["ok"] else 1
+
+
+def run_for_pipeline(cfg: config_mod.Config) -> str:
+    """`hmastack run`'s conformance step: the CI-sized set with every break."""
+    report = conform(cfg, 200, 60, DEFAULT_SEED, None, list(BREAKS.values()))
+    print_report(report)
+    if not report["ok"]:
+        raise HmastackError(f"conformance failed, see {report['path']}")
+    return (
+        f"{report['traces']['count']} behaviours, the random test's CI set, "
+        f"{len(report['breaks'])} breaks caught"
+    )
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "conform",
+        help="replay TLC behaviours and random schedules on stage 03 and on "
+        "deliberately broken copies",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--traces", type=int, default=200, help="TLC behaviours (default 200)"
+    )
+    parser.add_argument(
+        "--depth", type=int, default=60, help="states per behaviour (default 60)"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=DEFAULT_SEED, help="TLC simulation seed"
+    )
+    parser.add_argument(
+        "--examples",
+        type=int,
+        default=None,
+        help="random schedules of the state machine, with a fresh seed (default: "
+        "the test's fixed, derandomized CI set)",
+    )
+    parser.add_argument(
+        "--break",
+        dest="breaks",
+        action="append",
+        metavar="NAME",
+        help=f"only this break (repeatable): {', '.join(BREAKS)}",
+    )
+    parser.add_argument(
+        "--no-break", action="store_true", help="only the series, no broken copies"
+    )
+    parser.set_defaults(func=cmd_conform)

@@ -1,0 +1,50 @@
+"""Spec <-> code conformance as part of the suite (issue 8), the CI-sized set.
+
+Runs ``hmastack conform`` for real: 200 fresh TLC behaviours of the Series
+replayed through the ``KVCacheManager`` and the ``Scheduler`` of stage 03, the
+random state machine on the ``Scheduler``, and every deliberately broken copy
+of the stage-03 tree, which both a replay and the random test must catch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hmastack import config
+from hmastack.conform import BREAKS
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_conformance_ci_set(capfd):
+    cfg = config.load(ROOT)
+    report_path = cfg.reports / "conformance.json"
+    report_path.unlink(missing_ok=True)
+    with capfd.disabled():  # show progress live: this takes minutes
+        proc = subprocess.run(
+            [sys.executable, "-m", "hmastack", "conform", "--traces", "200"],
+            cwd=ROOT,
+            env={**os.environ, "HMASTACK_ROOT": str(ROOT)},
+        )
+    report = json.loads(report_path.read_text())
+    assert report["traces"]["count"] == 200
+    series = {r["suite"]: r for r in report["series"]}
+    failed = {name: r["first_failure"] for name, r in series.items() if not r["ok"]}
+    assert not failed, f"the series fails conformance suites: {failed}"
+    for name, r in series.items():
+        if r["kind"] == "replay":
+            # Most of the behaviours' steps were compared, not skipped.
+            assert r["summary"]["traces"] == 200, name
+            assert r["summary"]["steps_compared"] > 1000, (name, r["summary"])
+    escaped = {
+        b["name"]: b["caught"]
+        for b in report["breaks"]
+        if not all(b["caught"].values())
+    }
+    assert not escaped, f"breaks a replay or the random test missed: {escaped}"
+    assert sorted(b["name"] for b in report["breaks"]) == sorted(BREAKS)
+    assert proc.returncode == 0

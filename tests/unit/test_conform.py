@@ -1,0 +1,103 @@
+"""``hmastack conform``: broken copies, verdicts and usage errors (no vLLM needed;
+the real run is tests/matrix/test_conformance.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hmastack import cli, conform
+from hmastack.errors import HmastackError
+from hmastack.gitutil import git
+
+
+def make_tree(path, text: str):
+    path.mkdir(parents=True)
+    (path / "mod.py").write_text(text)
+    git(path, "init", "-q")
+    git(path, "add", "mod.py")
+    git(
+        path,
+        "-c",
+        "user.name=t",
+        "-c",
+        "user.email=t@localhost",
+        "commit",
+        "-q",
+        "-m",
+        "base",
+    )
+    return path
+
+
+BRK = conform.Break(
+    name="demo",
+    protection="returns 1",
+    path="mod.py",
+    old="return 1",
+    new="return 2",
+)
+
+
+def test_broken_tree_replaces_one_line_and_leaves_the_source(project, tmp_path):
+    source = make_tree(tmp_path / "src", "def f():\n    return 1\n")
+    dest = conform.broken_tree(project, source, BRK)
+    assert (dest / "mod.py").read_text() == "def f():\n    return 2\n"
+    assert (source / "mod.py").read_text() == "def f():\n    return 1\n"
+    assert git(source, "status", "--porcelain") == ""
+    # A second run starts again from the source (not from the broken copy).
+    dest = conform.broken_tree(project, source, BRK)
+    assert (dest / "mod.py").read_text() == "def f():\n    return 2\n"
+
+
+@pytest.mark.parametrize("text", ["def f():\n    return 0\n", "return 1\nreturn 1\n"])
+def test_broken_tree_needs_exactly_one_match(project, tmp_path, text):
+    source = make_tree(tmp_path / "src", text)
+    with pytest.raises(HmastackError) as err:
+        conform.broken_tree(project, source, BRK)
+    assert "break 'demo'" in err.value.message and "mod.py" in err.value.message
+    assert "BREAKS" in err.value.hint
+
+
+def test_caught_needs_a_failure_of_each_kind():
+    ok = conform.SuiteRun("a", "replay", passed=3)
+    bad_replay = conform.SuiteRun("b", "replay", passed=1, failed=1)
+    bad_random = conform.SuiteRun("c", "random", failed=1)
+    empty_random = conform.SuiteRun("d", "random")  # nothing ran: not a pass
+    assert conform.caught([ok, bad_random]) == {"replay": False, "random": True}
+    assert conform.caught([ok, bad_replay, bad_random]) == {
+        "replay": True,
+        "random": True,
+    }
+    assert not empty_random.ok
+
+
+def test_first_failure_names_the_test():
+    out = (
+        "....F\n=== short test summary info ===\n"
+        "FAILED tests/x.py::test_y[trace-0003] - test_replay.Mismatch: table r1\n"
+        "1 failed, 4 passed in 1.0s\n"
+    )
+    assert conform._first_failure(out) == (
+        "x.py::test_y[trace-0003]: test_replay.Mismatch: table r1"
+    )
+    assert conform._first_failure("5 passed in 1.0s\n") == ""
+    quiet = (
+        "E   test_replay.Mismatch: trace-0002.json step 4\n"
+        "FAILED tests/x.py::test_y[trace-0002]\n1 failed in 1.0s\n"
+    )
+    assert conform._first_failure(quiet) == (
+        "x.py::test_y[trace-0002]: test_replay.Mismatch: trace-0002.json step 4"
+    )
+
+
+def test_unknown_break_is_a_usage_error(project, capsys):
+    assert cli.main(["conform", "--break", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown break nope" in err
+    assert all(name in err for name in conform.BREAKS)
+
+
+def test_breaks_name_their_protection():
+    for brk in conform.BREAKS.values():
+        assert brk.old != brk.new and brk.protection
+        assert brk.path.startswith("vllm/")
