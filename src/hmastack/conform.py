@@ -151,9 +151,13 @@ def _first_failure(output: str) -> str:
         return ""
     test = match.group(1).rpartition("/")[2]
     message = match.group(2)
-    if not message:  # pytest -q leaves it out: the first "E ..." line
-        error = re.search(r"^E\s+(\S.*)$", output, flags=re.M)
-        message = error.group(1) if error else ""
+    if not message:
+        # pytest -q leaves it out: the last exception line of the traceback (a
+        # chained exception's, e.g. the property named by the random test).
+        errors = re.findall(
+            r"^E\s+(\S*(?:Error|Mismatch|Exception)\b.*)$", output, flags=re.M
+        )
+        message = errors[-1] if errors else ""
     return f"{test}: {message.strip()}"[:300]
 
 
@@ -340,7 +344,7 @@ def print_report(report: dict) -> None:
             str(r["passed"]),
             str(r["failed"]),
             f"{r['seconds']:.0f}",
-            escape(r["first_failure"]),
+            escape(r["first_failure"][:120]),
         )
     for b in report["breaks"]:
         for r in b["runs"]:
@@ -350,7 +354,7 @@ def print_report(report: dict) -> None:
                 str(r["passed"]),
                 str(r["failed"]),
                 f"{r['seconds']:.0f}",
-                escape(r["first_failure"]),
+                escape(r["first_failure"][:120]),
             )
     console.print(table)
     for r in report["series"]:

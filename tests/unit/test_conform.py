@@ -88,6 +88,14 @@ def test_first_failure_names_the_test():
     assert conform._first_failure(quiet) == (
         "x.py::test_y[trace-0002]: test_replay.Mismatch: trace-0002.json step 4"
     )
+    chained = (
+        "E   AssertionError: ('r3', 1)\nE   assert 1 not in {1, 2}\n"
+        "E   AssertionError: NoTransferRace violated: ('r3', 1)\n"
+        "E   Falsifying example:\nFAILED tests/m.py::test_m::runTest\n"
+    )
+    assert conform._first_failure(chained) == (
+        "m.py::test_m::runTest: AssertionError: NoTransferRace violated: ('r3', 1)"
+    )
 
 
 def test_unknown_break_is_a_usage_error(project, capsys):

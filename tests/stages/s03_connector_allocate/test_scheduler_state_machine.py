@@ -558,16 +558,28 @@ class Harness:
         return out
 
     def check_all(self, sync_loads: bool = False) -> None:
+        """Every safety property of the model; a failure names the property
+        (as in spec/HybridKVAlloc.tla)."""
         tables = self.tables()
         free = self.free_block_ids()
-        self.check_conservation(tables, free, sync_loads)
-        self.check_exclusive_ownership(tables)
-        self.check_no_transfer_race(tables, free, sync_loads)
-        self.check_ref_counts(tables)
-        self.check_null_prefix(tables)
-        self.check_window_bound(tables)
-        self.check_exact_admission()
-        self.check_no_premature_publish(tables)
+        checks = [
+            ("Conservation", lambda: self.check_conservation(tables, free, sync_loads)),
+            ("ExclusiveOwnership", lambda: self.check_exclusive_ownership(tables)),
+            (
+                "NoTransferRace",
+                lambda: self.check_no_transfer_race(tables, free, sync_loads),
+            ),
+            ("RefCount", lambda: self.check_ref_counts(tables)),
+            ("NullPrefix", lambda: self.check_null_prefix(tables)),
+            ("WindowBound", lambda: self.check_window_bound(tables)),
+            ("ExactAdmission", self.check_exact_admission),
+            ("NoPrematurePublish", lambda: self.check_no_premature_publish(tables)),
+        ]
+        for name, check in checks:
+            try:
+                check()
+            except AssertionError as exc:
+                raise AssertionError(f"{name} violated: {exc}") from exc
 
     def check_conservation(self, tables, free, sync_loads) -> None:
         null = self.pool.null_block
