@@ -841,23 +841,24 @@ def test_external_tokens_outside_the_window_get_no_blocks(load_async):
     assert harness.pool.get_num_free_blocks() == 16
 
 
-@pytest.mark.xfail(strict=True, reason="async load rounded up to the block table")
 def test_unaligned_async_load_counts_only_loaded_tokens():
     """Not one of the model's properties (found while checking the driver of
     test_s03_connector_allocate): after an async load of 40 external tokens
-    (B = 16), `_update_waiting_for_remote_kv` takes the block tables' length
-    (3 blocks, 48 tokens) as computed and publishes block 2, whose tokens
-    40~47 were neither loaded nor computed. 0.13.0 does the same with one
-    group (`len(block_ids) * block_size`); stage 03 keeps it (the longest
-    table). Turns green (and fails) when only the loaded tokens count."""
+    (B = 16), 0.13.0's `_update_waiting_for_remote_kv` took the block tables'
+    length (3 blocks, 48 tokens) as computed and published block 2, whose
+    tokens 40~47 were neither loaded nor computed. Stage 03 resumes the
+    request after its 40 loaded tokens."""
     harness = Harness(Setup("gpt_oss_like", 64, 40, 0, False, 256, "recompute"))
-    harness.add_request(**_request(num_own=100, num_external=40, load_async=True))
+    harness.add_request(
+        **_request(num_own=100, num_external=40, load_async=True, max_tokens=8)
+    )
+    request = harness.scheduler.requests["r0"]
     harness.step(accept=0, eos_pick=None, fail_sync=None)
     harness.finish_load(0)
     harness.step(accept=0, eos_pick=None, fail_sync=None)  # reports the load
     harness.step(accept=0, eos_pick=None, fail_sync=None)  # schedules r0
     harness.check_all()
-    request = harness.scheduler.requests["r0"]
+    assert "r0" in harness.scheduler.requests
     assert request.num_cached_tokens == 40
 
 
