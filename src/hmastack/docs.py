@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import html
+import json
 import re
 import sys
 import time
@@ -551,6 +552,56 @@ def checklist_block(
     )
 
 
+def conformance_block(cfg: Config) -> str:
+    """The last ``hmastack conform`` report (build/reports/conformance.json)."""
+    path = cfg.reports / "conformance.json"
+    if not path.is_file():
+        return (
+            "`hmastack conform` has not run yet here, so this build shows no "
+            "conformance results (run it, or `make test`).\n"
+        )
+    report = json.loads(path.read_text())
+    t = report["traces"]
+    rows = []
+    for r in report["series"]:
+        summary = r.get("summary") or {}
+        detail = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in summary.items())
+        rows.append(
+            [
+                r["suite"],
+                f"{r['passed']} passed / {r['failed']} failed",
+                f"{r['seconds']:.0f}",
+                detail,
+            ]
+        )
+    out = [
+        f"Last run: {t['count']} TLC behaviours of `{t['model']}` ({t['steps']} "
+        f"steps, seed {t['seed']}) at stage {report['stage']}.\n",
+        md_table(["suite", "tests", "seconds", "summary"], rows),
+    ]
+    if report["breaks"]:
+        rows = []
+        for b in report["breaks"]:
+            runs = {r["suite"]: r for r in b["runs"]}
+            rows.append(
+                [f"`{b['name']}`", b["protection"]]
+                + [
+                    (
+                        f"caught ({r['seconds']:.0f} s): {r['first_failure'][:90]}"
+                        if not r["ok"]
+                        else "passes"
+                    )
+                    for r in runs.values()
+                ]
+            )
+        headers = ["break", "protection removed"] + list(
+            {r["suite"]: None for b in report["breaks"] for r in b["runs"]}
+        )
+        out += ["", "Deliberately broken copies of the stage tree:\n"]
+        out.append(md_table(headers, rows))
+    return "\n".join(out)
+
+
 def problem_numbers() -> str:
     """Blocks one sliding-window group holds for an external hit, 0.13.0 vs the "
     "series."""
@@ -806,6 +857,7 @@ def generate(cfg: Config, docs_dir: Path | None = None) -> Site:
         "regions-diagram": regions_block(),
         "apply-commands": apply_page_block(cfg, stages),
         "checklist-status": checklist_block(cfg, stages, report),
+        "conformance-results": conformance_block(cfg),
         "generated-from": (
             f"Generated from `patches/` ({len(stages)} stages, "
             f"{sum(len(s.patches) for s in stages)} patches), `spec/` and "

@@ -194,6 +194,47 @@ def test_pages_say_not_run_yet_without_reports_or_patches(project):
     assert "No model yet" in site.pages["model-results.md"]
     assert "no patches for this tree" in site.blocks["apply-commands"]
     assert "not run yet" in site.blocks["series-table"]
+    assert "has not run yet" in site.blocks["conformance-results"]
+
+
+def test_conformance_report_is_rendered(project):
+    project.reports.mkdir(parents=True)
+    run = {"passed": 0, "failed": 1, "seconds": 8.4, "ok": False, "summary": {}}
+    (project.reports / "conformance.json").write_text(
+        json.dumps(
+            {
+                "stage": 3,
+                "traces": {"model": "m.cfg", "count": 200, "steps": 2546, "seed": 5},
+                "series": [
+                    {
+                        "suite": "replay through the Scheduler",
+                        "passed": 201,
+                        "failed": 0,
+                        "seconds": 7.8,
+                        "summary": {"steps_compared": 1666},
+                    }
+                ],
+                "breaks": [
+                    {
+                        "name": "free-aborted-load",
+                        "protection": "keeps the blocks",
+                        "runs": [
+                            run
+                            | {
+                                "suite": "replay through the Scheduler",
+                                "first_failure": "x.py::t[trace-0002]: Mismatch",
+                            }
+                        ],
+                    }
+                ],
+            }
+        )
+    )
+    block = docs.generate(project).blocks["conformance-results"]
+    assert "200 TLC behaviours of `m.cfg` (2546 steps, seed 5) at stage 3" in block
+    assert "| replay through the Scheduler | 201 passed / 0 failed | 8 |" in block
+    assert "steps compared 1666" in block
+    assert "`free-aborted-load` | keeps the blocks | caught (8 s): x.py::t" in block
 
 
 def test_stage_row_of_the_last_stage_table_is_on_the_page(series):
