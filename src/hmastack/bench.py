@@ -44,18 +44,24 @@ MARKER = "HMASTACK_BENCH_JSON "
 PEER_KEY = "vllm-0-14"
 SCENARIOS = ("peak_blocks", "admission", "scheduler_cost")
 
+COST = {
+    "sizes": [64, 256],
+    "modes": ["decode", "prefill"],
+    "connectors": ["none", "connector"],
+    "hit_fraction": 0.75,
+}
 FULL = {
     "lengths": [1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072],
     "windows": [512, 4096],
     "patterns": ["gemma3", "gptoss"],
-    "cost": {"sizes": [64, 256], "modes": ["decode", "prefill"], "steps": 30},
+    "cost": {**COST, "steps": 30},
     "reps": 5,
 }
 QUICK = {
     "lengths": [1024, 8192, 131072],
     "windows": [512, 4096],
     "patterns": ["gemma3", "gptoss"],
-    "cost": {"sizes": [64, 256], "modes": ["decode", "prefill"], "steps": 10},
+    "cost": {**COST, "steps": 10},
     "reps": 2,
 }
 
@@ -289,38 +295,85 @@ def bench_admission(cfg, pyenv, trees, plan) -> dict:
     }
 
 
+def cost_key(row: dict) -> tuple:
+    """What identifies one scheduler-cost setting in a run's rows."""
+    return (row.get("connector", "none"), row["mode"], row["requests"])
+
+
+def cost_rows(trees: list[str], results: dict[str, list[dict]]) -> list[dict]:
+    """Per tree and setting: the median CPU ms per step and the ratio tree/base
+    of each round (run i of a tree against run i of the base, which ran right
+    before it), as median, min and max. ``work = base``: whether the tree
+    scheduled the same tokens and finished the same requests as the base (else
+    the ratio compares different work)."""
+    base = trees[0]
+    if not results.get(base):
+        return []
+    rows = []
+    for label in trees:
+        runs = results.get(label) or []
+        if not runs:
+            continue
+        for r in runs[0]["rows"]:
+            key = cost_key(r)
+            mine = [x for run in runs for x in run["rows"] if cost_key(x) == key]
+            theirs = [
+                x for run in results[base] for x in run["rows"] if cost_key(x) == key
+            ]
+            ms = [x["cpu_ms_per_step"] for x in mine]
+            ratios = [
+                a["cpu_ms_per_step"] / b["cpu_ms_per_step"]
+                for a, b in zip(mine, theirs, strict=False)
+                if b["cpu_ms_per_step"] > 0
+            ]
+            if not ratios:
+                continue
+            same = all(
+                (a.get("scheduled_tokens"), a.get("finished"))
+                == (theirs[0].get("scheduled_tokens"), theirs[0].get("finished"))
+                for a in mine
+            )
+            rows.append(
+                {
+                    "tree": label,
+                    "connector": key[0],
+                    "mode": key[1],
+                    "requests": key[2],
+                    "cpu ms/step (median)": round(statistics.median(ms), 3),
+                    "cpu ms min-max": f"{min(ms):.3f}-{max(ms):.3f}",
+                    "ratio median": round(statistics.median(ratios), 3),
+                    "ratio min": round(min(ratios), 3),
+                    "ratio max": round(max(ratios), 3),
+                    "reps": len(ratios),
+                    "work = base": same,
+                }
+            )
+    return rows
+
+
 def bench_cost(cfg, pyenv, trees, plan) -> dict:
     reps = plan["reps"]
     if plan is QUICK:  # CI time budget: the timing ratio of the peer is not quick
         trees = [t for t in trees if t.label != "v0.14.0"]
     results, errors = alternate(cfg, pyenv, trees, "scheduler_cost", plan["cost"], reps)
-    base = trees[0].label
-    rows = []
-    for t in trees:
-        runs = results.get(t.label) or []
-        if not runs or not results.get(base):
-            continue
-        for i, r in enumerate(runs[0]["rows"]):
-            mine = [run["rows"][i]["cpu_ms_per_step"] for run in runs]
-            theirs = [run["rows"][i]["cpu_ms_per_step"] for run in results[base]]
-            ratios = [a / b for a, b in zip(mine, theirs, strict=False) if b > 0]
-            rows.append(
-                {
-                    "tree": t.label,
-                    "mode": r["mode"],
-                    "requests": r["requests"],
-                    "cpu ms/step (median)": round(statistics.median(mine), 3),
-                    "ratio median": round(statistics.median(ratios), 3),
-                    "ratio min": round(min(ratios), 3),
-                    "ratio max": round(max(ratios), 3),
-                    "reps": len(ratios),
-                }
-            )
+    rows = cost_rows([t.label for t in trees], results)
+    hma = {
+        label: sorted({x["hma"] for run in runs for x in run["rows"] if "hma" in x})
+        for label, runs in results.items()
+    }
     return {
         "title": "Scheduler CPU cost per step (ratio to base)",
         "method": "time.process_time around schedule()+update_from_output() with "
-        "vLLM's create_scheduler (one full-attention group, CPU); trees run "
-        f"alternately, {reps} rounds, one process per run; never fails on timing",
+        "vLLM's create_scheduler (one full-attention group, CPU), without a KV "
+        "connector and with the scripted BenchConnector (a synchronous external hit "
+        f"of {plan['cost']['hit_fraction']:.0%} of every prompt); trees run "
+        f"alternately, {reps} rounds of {plan['cost']['steps']} steps, one process "
+        "per run; ratio = tree / base per round; never fails on timing",
+        "hma_with_connector": "; ".join(
+            f"{label}: {'on' if v == [True] else 'off' if v == [False] else v}"
+            for label, v in hma.items()
+            if v
+        ),
         "errors": errors,
         "rows": rows,
     }
@@ -344,6 +397,198 @@ def print_table(report: dict) -> None:
         console.print(f"[red]{label} failed:[/red] {why}")
 
 
+MARKERS = "osD^vP*X"
+
+
+def tree_color(label: str) -> str:
+    """The same colour for a tree in every plot: stage k is ``Ck``, the peer C9."""
+    kind, _, num = label.partition(" ")
+    return f"C{int(num) % 9}" if kind == "stage" and num.isdigit() else "C9"
+
+
+def _categories(rows: list[dict], *keys: str) -> list[tuple]:
+    return list(dict.fromkeys(tuple(r[k] for k in keys) for r in rows))
+
+
+def plot_peak(report: dict, plt):
+    """Peak SWA blocks per group against L, one panel per (pattern, W), one line
+    per tree, the physical minimum dashed."""
+    rows = report["rows"]
+    panels = _categories(rows, "pattern", "W")
+    trees = list(dict.fromkeys(r["tree"] for r in rows))
+    cols = min(2, len(panels))
+    nrows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(
+        nrows, cols, figsize=(5.5 * cols, 3.8 * nrows), squeeze=False
+    )
+    for ax, (pattern, W) in zip(axes.flat, panels, strict=False):
+        for i, tree in enumerate(trees):
+            pts = [
+                r
+                for r in rows
+                if (r["tree"], r["pattern"], r["W"]) == (tree, pattern, W)
+            ]
+            ax.plot(
+                [p["L"] for p in pts],
+                [p["swa/group"] for p in pts],
+                marker=MARKERS[i % len(MARKERS)],
+                markersize=max(3, 8 - i),
+                color=tree_color(tree),
+                label=tree,
+            )
+        pts = [
+            r
+            for r in rows
+            if (r["tree"], r["pattern"], r["W"]) == (trees[0], pattern, W)
+        ]
+        ax.plot(
+            [p["L"] for p in pts],
+            [min(p["full"], p["swa min"]) for p in pts],
+            "k--",
+            label="physical minimum",
+        )
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log", base=2)
+        ax.set_title(f"{pattern}, W={W}")
+        ax.set_xlabel("external hit L (tokens)")
+        ax.set_ylabel("peak blocks per SWA group")
+        ax.grid(True, alpha=0.3)
+    for ax in axes.flat[len(panels) :]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle(
+        "Peak blocks per SWA group right after allocate_slots "
+        f"(B={report.get('block_size', 16)})"
+    )
+    return fig
+
+
+def plot_admission(report: dict, plt):
+    """Longest admitted hit and concurrency at the shared prefix, per (pattern, W):
+    HMA off (one group), each tree with HMA on, and the physical limit."""
+    rows = report["rows"]
+    cats = _categories(rows, "pattern", "W")
+    trees = list(dict.fromkeys(r["tree"] for r in rows))
+    series = ["HMA off"] + trees
+    width = 0.8 / len(series)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    panels = (
+        (
+            axes[0],
+            "longest hit",
+            "HMA off",
+            "physical",
+            "longest admitted hit (tokens)",
+        ),
+        (
+            axes[1],
+            "concurrent@8k",
+            "conc. HMA off",
+            "conc. physical",
+            "requests admitted together",
+        ),
+    )
+    for ax, key, off_key, phys_key, ylabel in panels:
+        for j, name in enumerate(series):
+            ys = []
+            for pattern, W in cats:
+                mine = [r for r in rows if (r["pattern"], r["W"]) == (pattern, W)]
+                if name == "HMA off":
+                    ys.append(mine[0][off_key])
+                else:
+                    ys.append(next((r[key] for r in mine if r["tree"] == name), 0))
+            xs = [i - 0.4 + width * (j + 0.5) for i in range(len(cats))]
+            label = name
+            if name == "HMA off":
+                label = "HMA off (v0.13.0 + connector)"
+            elif name == trees[0]:
+                label = f"{name} (HMA on, allocate-then-free)"
+            color = "0.6" if name == "HMA off" else tree_color(name)
+            ax.bar(xs, ys, width, label=label, color=color)
+        for i, (pattern, W) in enumerate(cats):
+            phys = next(
+                r[phys_key] for r in rows if (r["pattern"], r["W"]) == (pattern, W)
+            )
+            ax.hlines(
+                phys,
+                i - 0.45,
+                i + 0.45,
+                colors="k",
+                linestyles="--",
+                label="physical limit" if i == 0 else None,
+            )
+        ax.set_xticks(range(len(cats)))
+        ax.set_xticklabels([f"{p}\nW={w}" for p, w in cats])
+        ax.set_ylabel(ylabel)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0].set_title(
+        f"Longest external hit admitted ({report.get('budget_blocks')} blocks)"
+    )
+    axes[1].set_title("Concurrent requests with an 8k external prefix")
+    axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return fig
+
+
+def plot_cost(report: dict, plt):
+    """Ratio tree/base of the scheduler CPU time per step, median with min-max
+    bars, one panel per connector setting."""
+    rows = [r for r in report["rows"] if r["tree"] != report["rows"][0]["tree"]]
+    if not rows:
+        return None
+    conns = list(dict.fromkeys(r["connector"] for r in rows))
+    trees = list(dict.fromkeys(r["tree"] for r in rows))
+    width = 0.8 / len(trees)
+    fig, axes = plt.subplots(
+        1, len(conns), figsize=(6 * len(conns), 4.5), squeeze=False
+    )
+    for ax, conn in zip(axes.flat, conns, strict=True):
+        mine = [r for r in rows if r["connector"] == conn]
+        cats = _categories(mine, "mode", "requests")
+        for j, tree in enumerate(trees):
+            pts = [
+                next(
+                    (
+                        r
+                        for r in mine
+                        if (r["tree"], r["mode"], r["requests"]) == (tree, *c)
+                    ),
+                    None,
+                )
+                for c in cats
+            ]
+            xs = [i - 0.4 + width * (j + 0.5) for i in range(len(cats))]
+            med = [p["ratio median"] if p else float("nan") for p in pts]
+            lo = [p["ratio median"] - p["ratio min"] if p else 0 for p in pts]
+            hi = [p["ratio max"] - p["ratio median"] if p else 0 for p in pts]
+            ax.bar(
+                xs,
+                med,
+                width,
+                yerr=[lo, hi],
+                capsize=3,
+                label=tree,
+                color=tree_color(tree),
+            )
+        ax.axhline(1.0, color="k", linewidth=0.8)
+        ax.set_xticks(range(len(cats)))
+        ax.set_xticklabels([f"{m}\n{n} req" for m, n in cats])
+        ax.set_ylabel("CPU time per step / base")
+        ax.set_title("no connector" if conn == "none" else f"with {conn}")
+        ax.grid(True, axis="y", alpha=0.3)
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle(
+        "Scheduler CPU time per step vs base: median, bars min-max over rounds"
+    )
+    return fig
+
+
+PLOTS = {
+    "peak_blocks": plot_peak,
+    "admission": plot_admission,
+    "scheduler_cost": plot_cost,
+}
+
+
 def plot(report_name: str, report: dict, out: Path) -> Path | None:
     """A PNG next to the report when matplotlib is importable (else None)."""
     try:
@@ -353,25 +598,14 @@ def plot(report_name: str, report: dict, out: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    rows = report.get("rows", [])
-    if report_name != "peak_blocks" or not rows:
+    if report_name not in PLOTS or not report.get("rows"):
         return None
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for key in sorted({(r["tree"], r["pattern"], r["W"]) for r in rows}):
-        pts = [r for r in rows if (r["tree"], r["pattern"], r["W"]) == key]
-        ax.plot(
-            [p["L"] for p in pts],
-            [p["swa/group"] for p in pts],
-            marker="o",
-            label=f"{key[0]} {key[1]} W={key[2]}",
-        )
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log", base=2)
-    ax.set_xlabel("external hit L (tokens)")
-    ax.set_ylabel("peak SWA blocks per group")
-    ax.legend(fontsize=7)
+    fig = PLOTS[report_name](report, plt)
+    if fig is None:
+        return None
+    fig.tight_layout()
     path = out / f"{report_name}.png"
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return path
 
