@@ -12,11 +12,15 @@ selected stage and optionally on the vLLM 0.14.0 peer, alternating trees
 2. ``admission``: the longest external hit admitted and the number of concurrent
    requests with a long external prefix under a fixed KV budget, with HMA off and
    on, against the physical limit. Deterministic.
-3. ``scheduler_cost``: CPU time per schedule()+update_from_output() step, as the
-   ratio stage/base over interleaved repetitions (median, min, max). Never fails.
+3. ``scheduler_cost``: CPU time per schedule()+update_from_output() step with 64
+   and 256 requests, decode- and prefill-heavy, without a KV connector and with
+   the scripted ``BenchConnector`` (``bench/scenarios/_bench_connector.py``), as
+   the ratio stage/base over interleaved repetitions (median, min, max). Never
+   fails on timing.
 
-Results: ``build/reports/bench/<scenario>.json`` (+ ``.png`` plots when
-matplotlib is importable) and the tables on the terminal.
+Results: ``build/reports/bench/<scenario>.json``, one ``<scenario>.png`` plot each
+(matplotlib, when importable) and the tables on the terminal. Method and limits:
+``bench/README.md``.
 """
 
 from __future__ import annotations
@@ -192,6 +196,13 @@ def run_scenario(
     return json.loads(lines[-1][len(MARKER) :])
 
 
+def round_order(trees: list, i: int) -> list:
+    """The order of round ``i``: forward on even rounds, backward on odd ones
+    (A B C, C B A, A B C ...), so that no tree always runs first or last in a
+    round (a position effect of the machine then does not bias one ratio)."""
+    return list(trees) if i % 2 == 0 else list(reversed(trees))
+
+
 def alternate(
     cfg: Config,
     pyenv: env_mod.Env,
@@ -200,11 +211,11 @@ def alternate(
     args: dict,
     reps: int,
 ) -> tuple[dict[str, list[dict]], dict[str, str]]:
-    """Run ``name`` on every tree in turn, ``reps`` rounds (A B A B ...)."""
+    """Run ``name`` on every tree in turn, ``reps`` rounds; see :func:`round_order`."""
     results: dict[str, list[dict]] = {t.label: [] for t in trees}
     errors: dict[str, str] = {}
-    for _ in range(reps):
-        for t in trees:
+    for i in range(reps):
+        for t in round_order(trees, i):
             if t.label in errors:
                 continue
             try:

@@ -3,12 +3,13 @@ the real stage trees (skipped with a reason when build/env or a tree is missing)
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
 import pytest
 
-from hmastack import bench
+from hmastack import bench, docs
 from hmastack import config as config_mod
 from hmastack import env as env_mod
 
@@ -48,6 +49,119 @@ def test_register_adds_bench_command():
 
     args = build_parser().parse_args(["bench", "--quick", "--stages", "3", "--no-peer"])
     assert args.quick and args.no_peer and args.stages == "3"
+
+
+def _cost_run(ms: dict[tuple, float], work: int = 100) -> dict:
+    """One scheduler_cost run: rows keyed (connector, mode, requests) -> ms."""
+    return {
+        "rows": [
+            {
+                "connector": k[0],
+                "mode": k[1],
+                "requests": k[2],
+                "cpu_ms_per_step": v,
+                "scheduled_tokens": work,
+                "finished": 0,
+            }
+            for k, v in ms.items()
+        ]
+    }
+
+
+def test_cost_rows_pairs_rounds_by_setting():
+    a, b = ("none", "decode", 64), ("connector", "decode", 64)
+    results = {
+        "stage 0": [_cost_run({a: 1.0, b: 2.0}), _cost_run({a: 2.0, b: 2.0})],
+        # Rows in another order: matched by setting, not by position.
+        "stage 3": [_cost_run({b: 3.0, a: 1.5}), _cost_run({b: 1.0, a: 2.0})],
+        "v0.14.0": [_cost_run({a: 1.0, b: 2.0}, work=99)],
+    }
+    rows = {
+        (r["tree"], r["connector"]): r for r in bench.cost_rows(list(results), results)
+    }
+    base = rows[("stage 0", "none")]
+    assert (base["ratio min"], base["ratio median"], base["ratio max"]) == (1, 1, 1)
+    s3 = rows[("stage 3", "none")]
+    assert (s3["ratio min"], s3["ratio median"], s3["ratio max"]) == (1.0, 1.25, 1.5)
+    assert s3["reps"] == 2 and s3["work = base"] is True
+    s3c = rows[("stage 3", "connector")]
+    assert (s3c["ratio min"], s3c["ratio max"]) == (0.5, 1.5)
+    assert s3c["cpu ms min-max"] == "1.000-3.000"
+    peer = rows[("v0.14.0", "none")]
+    assert peer["reps"] == 1 and peer["work = base"] is False
+    assert bench.cost_rows(["stage 0"], {"stage 0": []}) == []
+
+
+def test_tree_colors_are_stable():
+    assert bench.tree_color("stage 0") == "C0"
+    assert bench.tree_color("stage 4") == "C4"
+    assert bench.tree_color("v0.14.0") == "C9"
+
+
+def _reports() -> dict[str, dict]:
+    trees = ["stage 0", "stage 3", "v0.14.0"]
+    peak = [
+        {
+            "tree": t,
+            "pattern": p,
+            "W": 512,
+            "L": L,
+            "full": L // B + 1,
+            "swa/group": L // B + 1 if t == "stage 0" else 33,
+            "swa min": 33,
+        }
+        for t in trees
+        for p in ("gemma3", "gptoss")
+        for L in (1024, 8192)
+    ]
+    admission = [
+        {
+            "tree": t,
+            "pattern": p,
+            "W": 512,
+            "longest hit": 10911 if t == "stage 0" else 62879,
+            "HMA off": 10895,
+            "physical": 62879,
+            "concurrent@8k": 1 if t == "stage 0" else 6,
+            "conc. HMA off": 1,
+            "conc. physical": 6,
+        }
+        for t in trees
+        for p in ("gemma3", "gptoss")
+    ]
+    a, b = ("none", "prefill", 256), ("connector", "prefill", 256)
+    runs = {
+        t: [_cost_run({a: 1.0, b: 2.0}), _cost_run({a: 1.2, b: 1.8})] for t in trees
+    }
+    return {
+        "peak_blocks": {"title": "peak", "block_size": B, "rows": peak},
+        "admission": {"title": "admission", "budget_blocks": 4096, "rows": admission},
+        "scheduler_cost": {"title": "cost", "rows": bench.cost_rows(trees, runs)},
+    }
+
+
+def test_every_scenario_has_a_plot_and_the_site_shows_it(project):
+    pytest.importorskip("matplotlib")
+    out = project.reports / "bench"
+    out.mkdir(parents=True)
+    for name, report in _reports().items():
+        (out / f"{name}.json").write_text(json.dumps(report))
+        path = bench.plot(name, report, out)
+        assert path == out / f"{name}.png"
+        assert path.read_bytes().startswith(b"\x89PNG")
+    site = docs.generate(project)
+    page = site.pages["benchmarks.md"]
+    for name in bench.SCENARIOS:
+        assert f"![{name}](assets/bench/{name}.png)" in page
+        assert f"assets/bench/{name}.png" in site.assets
+
+
+def test_no_plot_without_rows(tmp_path):
+    assert bench.plot("admission", {"rows": []}, tmp_path) is None
+    # Only the base measured: no ratio to draw.
+    rows = _reports()["scheduler_cost"]["rows"]
+    base_only = {"rows": [r for r in rows if r["tree"] == "stage 0"]}
+    assert bench.plot("scheduler_cost", base_only, tmp_path) is None
 
 
 # --- the scenarios inside the real trees ----------------------------------------
@@ -107,3 +221,33 @@ def test_admission_stage3_reaches_the_physical_limit():
     (r,) = _run(3, "admission", ADMIT_ARGS)["rows"]
     assert r["longest_hit"] == r["longest_hit_physical"] == 62879
     assert r["concurrent"] == r["concurrent_physical"] == 6
+
+
+COST_ARGS = {"sizes": [64], "modes": ["decode", "prefill"], "steps": 3}
+
+
+def test_scheduler_cost_with_the_scripted_connector_does_the_same_work():
+    base = _run(0, "scheduler_cost", COST_ARGS)["rows"]
+    stage3 = _run(3, "scheduler_cost", COST_ARGS)["rows"]
+    assert [bench.cost_key(r) for r in base] == [
+        ("none", "decode", 64),
+        ("none", "prefill", 64),
+        ("connector", "decode", 64),
+        ("connector", "prefill", 64),
+    ]
+    for mine, theirs in zip(stage3, base, strict=True):
+        # Timing aside, both trees schedule alike: the ratio compares like work.
+        for key in ("scheduled_tokens", "finished", "hit_tokens"):
+            assert mine[key] == theirs[key], (bench.cost_key(mine), key)
+    for r in base:
+        if r["connector"] == "connector":
+            # 3/4 of the prompt in whole blocks, reported for every new request.
+            assert r["hit_tokens"] == r["prompt_tokens"] * 3 // 4
+            calls = r["connector_calls"]
+            assert calls["matched"] >= calls["alloc"] > 0
+            assert r["hma"] is False  # 0.13.0 turns HMA off with a connector
+        if r["mode"] == "prefill":
+            assert r["pool_left"] > 0  # steady state: never ran out of requests
+            assert r["finished"] > 0
+        else:
+            assert r["scheduled_per_step"] == 64
