@@ -18,7 +18,8 @@ selected stage and optionally on the vLLM 0.14.0 peer, alternating trees
    the ratio stage/base over interleaved repetitions (median, min, max). Never
    fails on timing.
 
-Results: ``build/reports/bench/<scenario>.json``, one ``<scenario>.png`` plot each
+Results: ``build/reports/bench/<scenario>.json``, ``summary.md`` (the three
+results as Markdown tables), one ``<scenario>.png`` plot each
 (matplotlib, when importable) and the tables on the terminal. Method and limits:
 ``bench/README.md``.
 """
@@ -47,6 +48,7 @@ from hmastack.progress import CommandError, console, run, step
 MARKER = "HMASTACK_BENCH_JSON "
 PEER_KEY = "vllm-0-14"
 SCENARIOS = ("peak_blocks", "admission", "scheduler_cost")
+SUMMARY = "summary.md"  # the three results as Markdown tables, one column per tree
 
 COST = {
     "sizes": [64, 256],
@@ -112,6 +114,47 @@ def check_peak(report: dict) -> list[str]:
                 f"{r['full_blocks']} (want {want_full}), swa {r['swa_blocks']} "
                 f"(want {want_swa})"
             )
+    return bad
+
+
+GROUPS = {"gemma3": 6, "gptoss": 2}  # KV cache groups of each pattern
+
+
+def expected_admission(
+    groups: int, separate: bool, B: int, n: int, N: int, prefix: int
+) -> dict[str, int] | None:
+    """Admission figures that follow from the block counts alone (one null
+    block reserved): HMA off is one group of N // groups blocks; HMA on without
+    the separate external argument gives every group a block per token. With it
+    the figures are the physical limits, which the scenario computes (None)."""
+    per_req = math.ceil((prefix + n) / B)
+    off = N // groups - 1
+    out = {
+        "longest_hit_hma_off": off * B - n,
+        "concurrent_hma_off": off // per_req,
+    }
+    if not separate:
+        out["longest_hit"] = ((N - 1) // groups) * B - n
+        out["concurrent"] = (N - 1) // (groups * per_req)
+    return out
+
+
+def check_admission(report: dict, args: dict) -> list[str]:
+    """The mismatches between a tree's admission report and the block counts."""
+    bad = []
+    B, n = args["block_size"], args["new_tokens"]
+    N, prefix = args["num_blocks"], args["shared_prefix"]
+    sep = report["separate_external_arg"]
+    for r in report["rows"]:
+        want = expected_admission(GROUPS[r["pattern"]], sep, B, n, N, prefix)
+        if sep:
+            want["longest_hit"] = r["longest_hit_physical"]
+            want["concurrent"] = r["concurrent_physical"]
+        for key, value in want.items():
+            if r[key] != value:
+                bad.append(
+                    f"{r['pattern']} W={r['window']}: {key} {r[key]} (want {value})"
+                )
     return bad
 
 
@@ -278,8 +321,10 @@ def bench_admission(cfg, pyenv, trees, plan) -> dict:
         "shared_prefix": 8192,
     }
     results, errors = alternate(cfg, pyenv, trees, "admission", args, 1)
-    rows = []
+    rows, mismatches = [], []
     for label, runs in results.items():
+        if runs:
+            mismatches += [f"{label}: {m}" for m in check_admission(runs[0], args)]
         for r in runs[0]["rows"] if runs else []:
             rows.append(
                 {
@@ -301,6 +346,8 @@ def bench_admission(cfg, pyenv, trees, plan) -> dict:
         "KVCacheManager per probe; concurrent = requests with an 8k external "
         "prefix admitted in one step",
         "budget_blocks": 4096,
+        "checked": "exact" if not mismatches else "MISMATCH",
+        "mismatches": mismatches,
         "errors": errors,
         "rows": rows,
     }
@@ -621,6 +668,114 @@ def plot(report_name: str, report: dict, out: Path) -> Path | None:
     return path
 
 
+def _md(headers: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def summary_markdown(reports: dict[str, dict]) -> str:
+    """The three results as compact Markdown tables, one column per tree:
+    peak SWA blocks per group against the minimum, admission limits against
+    HMA off and the physical limit, scheduler-cost ratios with their spread."""
+    out = []
+    peak = reports.get("peak_blocks", {}).get("rows", [])
+    if peak:
+        trees = list(dict.fromkeys(r["tree"] for r in peak))
+        by = {(r["tree"], r["pattern"], r["W"], r["L"]): r for r in peak}
+        rows = []
+        for pattern, W, L in _categories(peak, "pattern", "W", "L"):
+            first = by[(trees[0], pattern, W, L)]
+            rows.append(
+                [pattern, W, L, first["full"], min(first["full"], first["swa min"])]
+                + [
+                    by[(t, pattern, W, L)]["swa/group"]
+                    if (t, pattern, W, L) in by
+                    else "-"
+                    for t in trees
+                ]
+            )
+        out.append(
+            "### Peak blocks per SWA group (one request, external hit L, B=16)\n"
+        )
+        out.append(
+            _md(["pattern", "W", "L", "full group", "SWA minimum", *trees], rows)
+        )
+    adm = reports.get("admission", {}).get("rows", [])
+    if adm:
+        trees = list(dict.fromkeys(r["tree"] for r in adm))
+        by = {(r["tree"], r["pattern"], r["W"]): r for r in adm}
+        budget = reports["admission"].get("budget_blocks", "?")
+        for title, key, off, phys in (
+            (
+                "Longest admitted external hit (tokens)",
+                "longest hit",
+                "HMA off",
+                "physical",
+            ),
+            (
+                "Requests with an 8k external prefix admitted together",
+                "concurrent@8k",
+                "conc. HMA off",
+                "conc. physical",
+            ),
+        ):
+            rows = []
+            for pattern, W in _categories(adm, "pattern", "W"):
+                first = by[(trees[0], pattern, W)]
+                rows.append(
+                    [pattern, W, first[off]]
+                    + [
+                        by[(t, pattern, W)][key] if (t, pattern, W) in by else "-"
+                        for t in trees
+                    ]
+                    + [first[phys]]
+                )
+            out.append(f"### {title}, budget {budget} blocks\n")
+            out.append(
+                _md(
+                    [
+                        "pattern",
+                        "W",
+                        "HMA off (v0.13.0 + connector)",
+                        f"{trees[0]} (HMA forced on)",
+                        *(f"{t} (HMA on)" for t in trees[1:]),
+                        "physical limit",
+                    ],
+                    rows,
+                )
+            )
+    cost = reports.get("scheduler_cost", {}).get("rows", [])
+    if cost:
+        trees = list(dict.fromkeys(r["tree"] for r in cost))
+        by = {(r["tree"], *cost_key(r)): r for r in cost}
+        rows = []
+        for key in _categories(cost, "connector", "mode", "requests"):
+            base = by.get((trees[0], *key))
+            cells = []
+            for t in trees[1:]:
+                r = by.get((t, *key))
+                if r is None:
+                    cells.append("-")
+                    continue
+                spread = f"{r['ratio min']:.2f}-{r['ratio max']:.2f}"
+                flag = "" if r.get("work = base", True) else " (other work)"
+                cells.append(f"{r['ratio median']:.2f} ({spread}){flag}")
+            rows.append([*key, base["cpu ms/step (median)"] if base else "-", *cells])
+        reps = max((r["reps"] for r in cost), default=0)
+        out.append(
+            f"### Scheduler CPU time per step, ratio to {trees[0]}: "
+            f"median (min-max) over {reps} rounds\n"
+        )
+        out.append(
+            _md(
+                ["connector", "mode", "requests", f"{trees[0]} ms/step", *trees[1:]],
+                rows,
+            )
+        )
+    return "\n".join(out)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     cfg = config_mod.load()
     failed = run_bench(cfg, args.quick, args.stages, args.no_peer)
@@ -677,6 +832,10 @@ def run_bench(cfg: Config, quick: bool, stages_text: str | None, no_peer: bool) 
         failed |= report.get("checked") == "MISMATCH" or any(
             label != "v0.14.0" for label in report["errors"]
         )
+    reports = {
+        name: json.loads((out / f"{name}.json").read_text()) for name in SCENARIOS
+    }
+    (out / SUMMARY).write_text(summary_markdown(reports))
     for label, why in skipped.items():
         console.print(f"[yellow]skipped {label}:[/yellow] {why}")
     console.print(f"bench reports in {out} ({time.time() - started:.0f}s)")

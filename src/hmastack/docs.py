@@ -816,6 +816,11 @@ def bench_page(cfg: Config, site: Site) -> str:
             "`build/reports/bench/`; none are there yet.\n"
         )
         return "\n".join(out)
+    summary = cfg.reports / "bench" / "summary.md"
+    if summary.is_file():
+        # The three results side by side, one column per tree (`hmastack bench`).
+        out.append("## Summary of the last run\n")
+        out.append(summary.read_text())
     for b in benches:
         out.append(f"## {b.title}\n")
         if b.scalars:

@@ -37,6 +37,27 @@ def test_check_peak_reports_a_mismatch():
     assert bench.check_peak({**rep, "rows": [bad]})
 
 
+def test_expected_admission_figures():
+    args = {"block_size": B, "new_tokens": 1, "num_blocks": 4096, "shared_prefix": 8192}
+    base = bench.expected_admission(6, False, B, 1, 4096, 8192)
+    assert base == {
+        "longest_hit_hma_off": 10895,
+        "concurrent_hma_off": 1,
+        "longest_hit": 10911,
+        "concurrent": 1,
+    }
+    assert bench.expected_admission(2, False, B, 1, 4096, 8192)["concurrent"] == 3
+    row = {"pattern": "gemma3", "window": 512, **base}
+    row |= {"longest_hit_physical": 62879, "concurrent_physical": 6}
+    rep = {"separate_external_arg": False, "rows": [row]}
+    assert bench.check_admission(rep, args) == []
+    # With the separate external argument: the physical limits, exactly.
+    rep = {"separate_external_arg": True, "rows": [row]}
+    assert len(bench.check_admission(rep, args)) == 2
+    row |= {"longest_hit": 62879, "concurrent": 6}
+    assert bench.check_admission(rep, args) == []
+
+
 def test_parse_stages():
     cfg = config_mod.load(ROOT)
     assert bench.parse_stages(None, cfg) == list(range(1, cfg.num_stages + 1))
@@ -149,11 +170,38 @@ def test_every_scenario_has_a_plot_and_the_site_shows_it(project):
         path = bench.plot(name, report, out)
         assert path == out / f"{name}.png"
         assert path.read_bytes().startswith(b"\x89PNG")
+    (out / bench.SUMMARY).write_text(bench.summary_markdown(_reports()))
     site = docs.generate(project)
     page = site.pages["benchmarks.md"]
+    assert "## Summary of the last run" in page
+    assert "### Longest admitted external hit" in page
     for name in bench.SCENARIOS:
         assert f"![{name}](assets/bench/{name}.png)" in page
         assert f"assets/bench/{name}.png" in site.assets
+
+
+def test_rounds_alternate_direction():
+    trees = ["A", "B", "C"]
+    assert [bench.round_order(trees, i) for i in range(3)] == [
+        ["A", "B", "C"],
+        ["C", "B", "A"],
+        ["A", "B", "C"],
+    ]
+
+
+def test_summary_has_the_three_tables_one_column_per_tree():
+    text = bench.summary_markdown(_reports())
+    assert text.count("### ") == 4  # peak, longest hit, concurrency, cost
+    peak, hit, conc, cost = text.split("### ")[1:]
+    assert "| gemma3 | 512 | 8192 | 513 | 33 | 513 | 33 | 33 |" in peak
+    assert "| gemma3 | 512 | 10895 | 10911 | 62879 | 62879 | 62879 |" in hit
+    assert "| gptoss | 512 | 1 | 1 | 6 | 6 | 6 |" in conc
+    # Ratios of the non-base trees: median (min-max) over the rounds.
+    assert "median (min-max) over 2 rounds" in cost
+    assert (
+        "| none | prefill | 256 | 1.1 | 1.00 (1.00-1.00) | 1.00 (1.00-1.00) |" in cost
+    )
+    assert bench.summary_markdown({}) == ""
 
 
 def test_no_plot_without_rows(tmp_path):
