@@ -20,7 +20,7 @@ test: $(BIN)/hmastack
 	$(BIN)/pytest
 
 lint: $(BIN)/hmastack
-	$(BIN)/ruff check src tests && $(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src tests bench && $(BIN)/ruff format --check src tests bench
 
 clean:
 	rm -rf build
