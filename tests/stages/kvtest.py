@@ -94,3 +94,25 @@ def steer_free_queue(block_pool, m2r: dict, r2m: dict, model_blocks: list) -> No
     for b in free:
         queue.remove(b)
     queue.append_n(head + [b for b in free if b.block_id not in head_ids])
+
+
+def compare_pool(block_pool, m2r: dict, state: dict, num_blocks: int) -> list[str]:
+    """Differences between a model state's pool (``ref``: ref count of model
+    blocks 1..num_blocks, ``freeQ``: its free queue) and vLLM's block pool,
+    through the bijection ``m2r`` (model block id -> vLLM block id; an unmapped
+    block has ref count 0)."""
+    problems = []
+    for m in range(1, num_blocks + 1):
+        x = m2r.get(m)
+        real_ref = block_pool.blocks[x].ref_cnt if x is not None else 0
+        if real_ref != state["ref"][m - 1]:
+            problems.append(
+                f"ref_cnt of model block {m} (vLLM {x}): model "
+                f"{state['ref'][m - 1]}, vLLM {real_ref}"
+            )
+    if block_pool.get_num_free_blocks() != len(state["freeQ"]):
+        problems.append(
+            f"free blocks: model {len(state['freeQ'])}, "
+            f"vLLM {block_pool.get_num_free_blocks()}"
+        )
+    return problems

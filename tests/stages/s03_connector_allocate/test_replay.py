@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvtest import make_request, steer_free_queue
+from kvtest import compare_pool, make_request, steer_free_queue
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -275,19 +275,7 @@ class Replay:
                         f"table {r}.{g}: model {state['table'][r][g]}, "
                         f"vLLM {real[g]} = {mapped} as model ids"
                     )
-        for m in range(1, self.N + 1):
-            x = self.m2r.get(m)
-            real_ref = self.pool.blocks[x].ref_cnt if x is not None else 0
-            if real_ref != state["ref"][m - 1]:
-                problems.append(
-                    f"ref_cnt of model block {m} (vLLM {x}): model "
-                    f"{state['ref'][m - 1]}, vLLM {real_ref}"
-                )
-        if self.pool.get_num_free_blocks() != len(state["freeQ"]):
-            problems.append(
-                f"free blocks: model {len(state['freeQ'])}, "
-                f"vLLM {self.pool.get_num_free_blocks()}"
-            )
+        problems += compare_pool(self.pool, self.m2r, state, self.N)
         model_cached = sum(1 for h in state["hash"] if h)
         if len(self.cached_hashes()) != model_cached:
             problems.append(

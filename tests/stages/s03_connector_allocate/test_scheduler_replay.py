@@ -76,7 +76,7 @@ from typing import Any
 
 import pytest
 import torch
-from kvtest import steer_free_queue
+from kvtest import compare_pool, steer_free_queue
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
@@ -696,19 +696,7 @@ class Replay:
         )
         if waiting != model_waiting:
             problems.append(f"waiting queue: model {model_waiting}, vLLM {waiting}")
-        for m in range(1, self.N + 1):
-            x = self.m2r.get(m)
-            real_ref = self.pool.blocks[x].ref_cnt if x is not None else 0
-            if real_ref != state["ref"][m - 1]:
-                problems.append(
-                    f"ref_cnt of model block {m} (vLLM {x}): model "
-                    f"{state['ref'][m - 1]}, vLLM {real_ref}"
-                )
-        if self.pool.get_num_free_blocks() != len(state["freeQ"]):
-            problems.append(
-                f"free blocks: model {len(state['freeQ'])}, "
-                f"vLLM {self.pool.get_num_free_blocks()}"
-            )
+        problems += compare_pool(self.pool, self.m2r, state, self.N)
         problems += self.compare_cache(state)
         return problems
 
