@@ -116,3 +116,23 @@ def compare_pool(block_pool, m2r: dict, state: dict, num_blocks: int) -> list[st
             f"vLLM {block_pool.get_num_free_blocks()}"
         )
     return problems
+
+
+class SkippedBlocksSpy:
+    """Records the ``remove_skipped_blocks`` calls vLLM makes on a KV cache
+    coordinator, so that a replay that frees the skipped blocks itself (to steer
+    the eviction, see ``steer_free_queue``) can still check that vLLM's own
+    ``allocate_slots`` asks for the same free."""
+
+    def __init__(self, coordinator):
+        self.calls: list[tuple[str, int]] = []
+        self._remove = coordinator.remove_skipped_blocks
+        coordinator.remove_skipped_blocks = self._record
+
+    def _record(self, request_id: str, num_computed_tokens: int) -> None:
+        self.calls.append((request_id, num_computed_tokens))
+        self._remove(request_id, num_computed_tokens)
+
+    def free_now(self, request_id: str, num_computed_tokens: int) -> None:
+        """The replay's own call (not recorded)."""
+        self._remove(request_id, num_computed_tokens)

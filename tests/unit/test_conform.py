@@ -58,16 +58,28 @@ def test_broken_tree_needs_exactly_one_match(project, tmp_path, text):
     assert "BREAKS" in err.value.hint
 
 
-def test_caught_needs_a_failure_of_each_kind():
+def test_caught_needs_a_verdict_of_each_kind():
     ok = conform.SuiteRun("a", "replay", passed=3)
-    bad_replay = conform.SuiteRun("b", "replay", passed=1, failed=1)
-    bad_random = conform.SuiteRun("c", "random", failed=1)
-    empty_random = conform.SuiteRun("d", "random")  # nothing ran: not a pass
+    bad_replay = conform.SuiteRun(
+        "b", "replay", passed=1, failed=1, first_failure="t.py::x: m.Mismatch: table"
+    )
+    bad_random = conform.SuiteRun(
+        "c",
+        "random",
+        failed=1,
+        first_failure="m.py::y: AssertionError: WindowBound violated: ('r0', 3)",
+    )
+    crashed = conform.SuiteRun(
+        "d", "replay", failed=1, first_failure="pytest exited with 4"
+    )
+    empty_random = conform.SuiteRun("e", "random")  # nothing ran: not a pass
     assert conform.caught([ok, bad_random]) == {"replay": False, "random": True}
     assert conform.caught([ok, bad_replay, bad_random]) == {
         "replay": True,
         "random": True,
     }
+    # A crash of the suite is not a catch.
+    assert conform.caught([crashed, bad_random]) == {"replay": False, "random": True}
     assert not empty_random.ok
 
 
@@ -96,6 +108,21 @@ def test_first_failure_names_the_test():
     assert conform._first_failure(chained) == (
         "m.py::test_m::runTest: AssertionError: NoTransferRace violated: ('r3', 1)"
     )
+
+
+@pytest.mark.parametrize(
+    "args", [["--traces", "0"], ["--depth", "1"], ["--examples", "0"]]
+)
+def test_too_small_counts_are_usage_errors(project, capsys, args):
+    assert cli.main(["conform", *args]) == 2
+    err = capsys.readouterr().err
+    assert f"{args[0]} {args[1]} is too small" in err and "hint" in err
+
+
+def test_break_and_no_break_exclude_each_other(project, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["conform", "--no-break", "--break", "publish-before-load"])
+    assert "not allowed with" in capsys.readouterr().err
 
 
 def test_unknown_break_is_a_usage_error(project, capsys):

@@ -36,7 +36,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvtest import compare_pool, make_request, steer_free_queue
+from kvtest import (
+    SkippedBlocksSpy,
+    compare_pool,
+    make_request,
+    steer_free_queue,
+)
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -101,6 +106,7 @@ class Replay:
             hash_block_size=self.B,
         )
         self.pool = self.manager.block_pool
+        self.skipped_spy = SkippedBlocksSpy(self.manager.coordinator)
         for k, r in enumerate(c["Req"]):
             base = 1000 * (k + 1)
             shared = list(range(c["Shared"]))
@@ -148,12 +154,14 @@ class Replay:
         r, a = ev["req"], ev["args"]
         request = self.requests[r]
         fresh = before["computed"][r] == 0
+        self.skipped_spy.calls.clear()
         if self.steer:
             if not fresh:
                 # allocate_slots frees the skipped blocks before it allocates;
                 # do it first so the freed blocks can be steered too (a second
-                # call finds them null and frees nothing).
-                self.manager.coordinator.remove_skipped_blocks(r, before["computed"][r])
+                # call finds them null and frees nothing). The spy checks
+                # below that allocate_slots still makes that call.
+                self.skipped_spy.free_now(r, before["computed"][r])
             self.steer_eviction(ev)
         cached_before = self.cached_real()
         # The keys of the cached blocks the model evicts in this step.
@@ -187,6 +195,12 @@ class Replay:
             )
         if new is None:
             raise Mismatch(f"allocate_slots refused ({a['predicted']} predicted)")
+        if not fresh and (r, before["computed"][r]) not in self.skipped_spy.calls:
+            raise Mismatch(
+                f"allocate_slots did not free the skipped blocks of {r} for "
+                f"{before['computed'][r]} computed tokens "
+                f"(remove_skipped_blocks calls: {self.skipped_spy.calls})"
+            )
         new_ids = new.get_block_ids()
         # Eviction: the model's evicted blocks (cached before, allocated now)
         # must be vLLM's evicted blocks, through the bijection.

@@ -76,7 +76,7 @@ from typing import Any
 
 import pytest
 import torch
-from kvtest import compare_pool, steer_free_queue
+from kvtest import SkippedBlocksSpy, compare_pool, steer_free_queue
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
@@ -317,6 +317,8 @@ class Replay:
         self.conn: ReplayConnector = conn
         self.pool = self.sched.kv_cache_manager.block_pool
         self.managers = self.sched.kv_cache_manager.coordinator.single_type_managers
+        self.skipped_spy = SkippedBlocksSpy(self.sched.kv_cache_manager.coordinator)
+        self.expect_skipped_free: tuple[str, int] | None = None
         assert len(self.managers) == len(GROUPS)
         # Record evictions (cached blocks handed out again) as vLLM makes them.
         self.evicted: list[int] = []
@@ -465,14 +467,17 @@ class Replay:
             request.spec_token_ids = [9000 + i for i in range(a["d"])]
         self.evicted.clear()
         self.conn.lookup.pop(r, None)
+        self.skipped_spy.calls.clear()
+        self.expect_skipped_free = None
         if self.steer:
             if r in self.managers[0].req_to_blocks:
                 # allocate_slots frees the skipped blocks before it allocates;
                 # do it first so the freed blocks can be steered too (the call
                 # in allocate_slots then finds them null and frees nothing).
-                self.sched.kv_cache_manager.coordinator.remove_skipped_blocks(
-                    r, request.num_computed_tokens - request.num_output_placeholders
-                )
+                # check_allocation verifies that allocate_slots makes that call.
+                n = request.num_computed_tokens - request.num_output_placeholders
+                self.skipped_spy.free_now(r, n)
+                self.expect_skipped_free = (r, n)
             order = [m for g in GROUPS for m in ev["blocks"][g]]
             steer_free_queue(self.pool, self.m2r, self.r2m, order)
         out = self.schedule([r], max(a["n"] + a["d"], 1))
@@ -490,6 +495,12 @@ class Replay:
                     f"prefix cache hit: vLLM {local} tokens, model {a['hit']} blocks"
                 )
         scheduled = out.num_scheduled_tokens.get(r, 0)
+        expected = self.expect_skipped_free
+        if expected is not None and expected not in self.skipped_spy.calls:
+            raise Mismatch(
+                f"allocate_slots did not free the skipped blocks {expected} "
+                f"(remove_skipped_blocks calls: {self.skipped_spy.calls})"
+            )
         if r in out.preempted_req_ids or scheduled != a["n"] + a["d"]:
             raise Mismatch(
                 f"schedule(): {r} scheduled {scheduled} tokens, preempted "
