@@ -136,3 +136,27 @@ class SkippedBlocksSpy:
     def free_now(self, request_id: str, num_computed_tokens: int) -> None:
         """The replay's own call (not recorded)."""
         self._remove(request_id, num_computed_tokens)
+
+
+def bind_new_blocks(
+    m2r: dict, r2m: dict, model_tables: dict, real_tables: dict, new_blocks: dict
+) -> None:
+    """Extend the bijection model block <-> vLLM block (``m2r``/``r2m``) with the
+    blocks one step allocated, position by position in each group's table.
+
+    ``model_tables`` and ``real_tables``: group -> block ids of one request after
+    the step; ``new_blocks``: group -> the model's block ids allocated in the
+    step. A block bound before (a freed block reused) is bound anew.
+    """
+    for group, model_ids in model_tables.items():
+        fresh = set(new_blocks[group])
+        for m, x in zip(model_ids, real_tables[group], strict=False):
+            if m not in fresh:
+                continue
+            old_x = m2r.pop(m, None)
+            if old_x is not None:
+                r2m.pop(old_x, None)
+            old_m = r2m.pop(x, None)
+            if old_m is not None:
+                m2r.pop(old_m, None)
+            m2r[m], r2m[x] = x, m

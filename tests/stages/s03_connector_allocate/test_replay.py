@@ -38,6 +38,7 @@ import pytest
 import torch
 from kvtest import (
     SkippedBlocksSpy,
+    bind_new_blocks,
     compare_pool,
     make_request,
     steer_free_queue,
@@ -135,15 +136,6 @@ class Replay:
             if not b.is_null and b.block_hash is not None
         }
 
-    def bind(self, m: int, x: int) -> None:
-        old_x = self.m2r.pop(m, None)
-        if old_x is not None:
-            self.r2m.pop(old_x, None)
-        old_m = self.r2m.pop(x, None)
-        if old_m is not None:
-            self.m2r.pop(old_m, None)
-        self.m2r[m], self.r2m[x] = x, m
-
     # ---- steps ----
     def steer_eviction(self, ev: dict) -> None:
         """The model's choice of new blocks at the head of vLLM's free queue."""
@@ -210,12 +202,9 @@ class Replay:
                 f"model evicts {sorted(model_evicted)}, vLLM evicts "
                 f"{sorted(self.r2m.get(x, x) for x in real_evicted)} (as model ids)"
             )
-        real = self.real_tables(r)
-        for g in GROUPS:
-            fresh_blocks = set(ev["blocks"][g])
-            for m, x in zip(after["table"][r][g], real[g], strict=False):
-                if m in fresh_blocks:
-                    self.bind(m, x)
+        bind_new_blocks(
+            self.m2r, self.r2m, after["table"][r], self.real_tables(r), ev["blocks"]
+        )
         # The model publishes one block per key; vLLM also publishes a block
         # whose key a cached block already has (BlockHashToBlockMap keeps both).
         # When the model evicts the key's block, vLLM still hits the other.

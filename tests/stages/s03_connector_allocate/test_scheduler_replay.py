@@ -76,7 +76,12 @@ from typing import Any
 
 import pytest
 import torch
-from kvtest import SkippedBlocksSpy, compare_pool, steer_free_queue
+from kvtest import (
+    SkippedBlocksSpy,
+    bind_new_blocks,
+    compare_pool,
+    steer_free_queue,
+)
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
@@ -445,15 +450,6 @@ class Replay:
             RequestStatus.RUNNING: "running",
         }.get(request.status, str(request.status))
 
-    def bind(self, m: int, x: int) -> None:
-        old_x = self.m2r.pop(m, None)
-        if old_x is not None:
-            self.r2m.pop(old_x, None)
-        old_m = self.r2m.pop(x, None)
-        if old_m is not None:
-            self.m2r.pop(old_m, None)
-        self.m2r[m], self.r2m[x] = x, m
-
     # ---- steps ----
     def allocate(self, before: dict, ev: dict) -> SchedulerOutput:
         r, a = ev["req"], ev["args"]
@@ -518,12 +514,9 @@ class Replay:
                 f"model evicts {sorted(model_evicted)}, vLLM evicts "
                 f"{sorted(self.r2m.get(x, x) for x in self.evicted)} (as model ids)"
             )
-        real = self.real_tables(r)
-        for g in GROUPS:
-            fresh_blocks = set(ev["blocks"][g])
-            for m, x in zip(after["table"][r][g], real[g], strict=False):
-                if m in fresh_blocks:
-                    self.bind(m, x)
+        bind_new_blocks(
+            self.m2r, self.r2m, after["table"][r], self.real_tables(r), ev["blocks"]
+        )
         if not a["async"]:
             self.inflight[r] = out
 
