@@ -41,7 +41,7 @@ from hmastack import env as env_mod
 from hmastack import matrix
 from hmastack.errors import HmastackError
 from hmastack.gitutil import git
-from hmastack.progress import console, run, step
+from hmastack.progress import console, step
 from hmastack.workspace import discover
 
 STAGE = 3
@@ -211,49 +211,41 @@ def run_suites(
             )
         summary_file = out_dir / f"{path.stem}.summary.json"
         summary_file.unlink(missing_ok=True)
-        environ = pyenv.test_environ([*trees, cfg.root / STAGE_TESTS]) | {
+        extra_env = {
             "HMASTACK_REPLAY_TRACES": str(traces),
             "HMASTACK_CONFORM_SUMMARY": str(summary_file),
         }
         if examples is not None:
-            environ["HMASTACK_RANDOM_EXAMPLES"] = str(examples)
+            extra_env["HMASTACK_RANDOM_EXAMPLES"] = str(examples)
         target = str(path)
         if broken:
-            environ["HMASTACK_RANDOM_NO_SHRINK"] = "1"
+            extra_env["HMASTACK_RANDOM_NO_SHRINK"] = "1"
             if suite.broken_only:
                 target = f"{path}::{suite.broken_only}"
-        args = [
-            str(pyenv.python),
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-rfE",
-            "-c",
-            str(cfg.root / STAGE_TESTS / "pytest.ini"),
-            "--rootdir",
-            str(cfg.root / STAGE_TESTS),
-            *(["-x"] if broken else []),
-            target,
-        ]
         log = out_dir / f"{path.stem}.log"
         start = time.monotonic()
         with step(f"{label}: {suite.name}"):
-            proc = run(args, cwd=cfg.root, env=environ, log=log, check=False)
-        counts, _ = matrix.parse_pytest_output(proc.stdout)
+            ran = matrix.run_pytest(
+                cfg,
+                pyenv,
+                (["-x"] if broken else []) + matrix.our_test_args(cfg, [target]),
+                cfg.root,
+                [*trees, cfg.root / STAGE_TESTS],
+                log,
+                extra_env,
+            )
         result = SuiteRun(
             suite.name,
             suite.kind,
-            passed=counts.get("passed", 0),
-            failed=counts.get("failed", 0) + counts.get("error", 0),
+            passed=ran.counts.get("passed", 0),
+            failed=ran.counts.get("failed", 0) + ran.counts.get("errors", 0),
             seconds=round(time.monotonic() - start, 1),
-            first_failure=_first_failure(proc.stdout),
+            first_failure=_first_failure(log.read_text()),
             log=str(log),
         )
-        if proc.returncode not in (0, 1) and result.failed == 0:
+        if ran.returncode not in (0, 1) and result.failed == 0:
             result.failed = 1  # collection error, crash: never a pass
-            result.first_failure = f"pytest exited with {proc.returncode}"
+            result.first_failure = f"pytest exited with {ran.returncode}"
         if summary_file.is_file():
             result.summary = json.loads(summary_file.read_text())
         results.append(result)

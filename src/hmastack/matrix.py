@@ -115,7 +115,10 @@ def run_pytest(
     cwd: Path,
     pythonpath: list[Path],
     log: Path,
+    extra_env: dict[str, str] | None = None,
 ) -> PytestResult:
+    """pytest in the CPU environment (``pyenv.test_environ`` plus ``extra_env``);
+    its output goes to ``log``."""
     cmd = [
         pyenv.python,
         "-m",
@@ -127,7 +130,8 @@ def run_pytest(
         "--timeout=900",
         *args,
     ]
-    proc = run(cmd, cwd=cwd, env=pyenv.test_environ(pythonpath), log=log, check=False)
+    environ = pyenv.test_environ(pythonpath) | (extra_env or {})
+    proc = run(cmd, cwd=cwd, env=environ, log=log, check=False)
     counts, failures = parse_pytest_output(proc.stdout)
     return PytestResult(counts, failures, proc.returncode, str(log))
 
@@ -203,6 +207,15 @@ def run_ruff(cfg: Config, tree_name: str, repo: Path) -> str:
     return f"FAIL ({log})"
 
 
+def our_test_args(cfg: Config, targets: list[str]) -> list[str]:
+    """pytest arguments that run our stage tests ``targets`` with their own
+    pytest.ini (not vLLM's) and ``tests/stages`` as the rootdir."""
+    stage_tests = cfg.root / "tests" / "stages"
+    return ["-c", str(stage_tests / "pytest.ini"), "--rootdir", str(stage_tests)] + [
+        str(t) for t in targets
+    ]
+
+
 def our_stage_tests(cfg: Config, k: int) -> list[Path]:
     root = cfg.root / "tests" / "stages"
     dirs = []
@@ -248,13 +261,7 @@ def run_stage(
             result.ours = run_pytest(
                 cfg,
                 pyenv,
-                [
-                    "-c",
-                    str(cfg.root / "tests" / "stages" / "pytest.ini"),
-                    "--rootdir",
-                    str(cfg.root / "tests" / "stages"),
-                    *map(str, ours),
-                ],
+                our_test_args(cfg, [str(p) for p in ours]),
                 cfg.root,
                 [*trees.values(), cfg.root / "tests" / "stages"],
                 logs / f"stage-{stage}-ours.log",

@@ -21,7 +21,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -330,24 +329,7 @@ def run_model(
     shutil.copyfile(settings.tla_file, workdir / settings.tla_file.name)
     shutil.copyfile(model.cfg, workdir / "model.cfg")
     cmd = tlc_command(java, jar, settings, model, workdir)
-    start = time.monotonic()
-    proc = subprocess.run(
-        cmd,
-        cwd=workdir,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        stdin=subprocess.DEVNULL,
-    )
-    seconds = round(time.monotonic() - start, 1)
-    (workdir / "tlc.log").write_text(proc.stdout)
-    try:
-        run = tlc.parse_tool_output(proc.stdout)
-    except tlc.ParseError:
-        run = tlc.TlcRun(result="error", errors=[proc.stdout[-2000:]])
-    if run.result == "pass" and proc.returncode != 0:
-        run.result = "error"
-        run.errors.append(f"TLC exited with code {proc.returncode}")
+    run, exit_code, seconds = tlc.run(cmd, workdir)
     report = {
         "model": model.name,
         "cfg": str(model.cfg.relative_to(settings.spec_dir.parent)),
@@ -358,7 +340,7 @@ def run_model(
         "states_generated": run.states_generated,
         "depth": run.depth,
         "seconds": seconds,
-        "exit_code": proc.returncode,
+        "exit_code": exit_code,
         "command": cmd,
         "errors": run.errors,
         # One entry per state: its variables (``event`` among them, naming the

@@ -16,7 +16,10 @@ Value syntax handled by :func:`parse_value`::
 from __future__ import annotations
 
 import re
+import subprocess
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 __all__ = [
@@ -337,3 +340,29 @@ def _key_text(key: Any) -> str:
     if isinstance(key, tuple):
         return "<<" + ", ".join(_key_text(k) for k in key) + ">>"
     return str(key)
+
+
+def run(cmd: list[str], workdir: Path) -> tuple[TlcRun, int, float]:
+    """Run a TLC command line (``-tool`` output) in ``workdir``; its output goes
+    to ``workdir/tlc.log``. Returns what TLC reported, its exit code and the
+    seconds it took. Unparsable output, or a pass with a non-zero exit code, is
+    an ``error`` result (never a pass)."""
+    start = time.monotonic()
+    proc = subprocess.run(
+        cmd,
+        cwd=workdir,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
+    seconds = round(time.monotonic() - start, 1)
+    (workdir / "tlc.log").write_text(proc.stdout)
+    try:
+        result = parse_tool_output(proc.stdout)
+    except ParseError:
+        result = TlcRun(result="error", errors=[proc.stdout[-2000:]])
+    if result.result == "pass" and proc.returncode != 0:
+        result.result = "error"
+        result.errors.append(f"TLC exited with code {proc.returncode}")
+    return result, proc.returncode, seconds

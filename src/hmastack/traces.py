@@ -22,9 +22,7 @@ import argparse
 import json
 import re
 import shutil
-import subprocess
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -142,22 +140,9 @@ def generate(
         str(depth),
         settings.module,
     ]
-    start = time.monotonic()
-    proc = subprocess.run(
-        cmd,
-        cwd=work,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        stdin=subprocess.DEVNULL,
-    )
-    (work / "tlc.log").write_text(proc.stdout)
-    try:
-        run = tlc.parse_tool_output(proc.stdout)
-    except tlc.ParseError:
-        run = tlc.TlcRun(result="error", errors=[proc.stdout[-2000:]])
-    if run.result != "pass" or proc.returncode != 0:
-        what = run.violated or "; ".join(run.errors)[:500] or f"exit {proc.returncode}"
+    run, exit_code, seconds = tlc.run(cmd, work)
+    if run.result != "pass":
+        what = run.violated or "; ".join(run.errors)[:500] or f"exit {exit_code}"
         raise HmastackError(
             f"TLC simulation of {name} failed: {run.result} ({what})",
             f"see {work / 'tlc.log'}",
@@ -189,7 +174,7 @@ def generate(
         "seed": seed,
         "num": num,
         "depth": depth,
-        "seconds": round(time.monotonic() - start, 1),
+        "seconds": seconds,
         "states_generated": run.states_generated,
         "traces": written,
     }

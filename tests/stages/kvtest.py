@@ -9,6 +9,14 @@ from __future__ import annotations
 
 import torch
 from hypothesis import HealthCheck, settings
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -16,6 +24,7 @@ from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
+    KVCacheGroupSpec,
     MambaSpec,
     SlidingWindowSpec,
 )
@@ -160,3 +169,69 @@ def bind_new_blocks(
             if old_m is not None:
                 m2r.pop(old_m, None)
             m2r[m], r2m[x] = x, m
+
+
+def compare_table(request_id: str, real: dict, model: dict, r2m: dict) -> list[str]:
+    """Differences between one request's block tables in vLLM (``real``: group ->
+    vLLM block ids) and in a model state (``model``: group -> model block ids,
+    0 the null block), through the bijection ``r2m`` (vLLM -> model id)."""
+    problems = []
+    for group, real_ids in real.items():
+        mapped = [0 if x == 0 else r2m.get(x, f"?{x}") for x in real_ids]
+        if mapped != model[group]:
+            problems.append(
+                f"table {request_id}.{group}: model {model[group]}, "
+                f"vLLM {real_ids} = {mapped} as model ids"
+            )
+    return problems
+
+
+def make_kv_cache_groups(
+    kinds: list[str], block_size: int, window: int
+) -> list[KVCacheGroupSpec]:
+    """One single-layer KV cache group per entry of ``kinds`` ("full" or
+    "sliding_window"; ``window`` in tokens), layers named ``layer<i>``."""
+    return [
+        KVCacheGroupSpec([f"layer{i}"], make_spec(kind, block_size, window))
+        for i, kind in enumerate(kinds)
+    ]
+
+
+def make_cpu_vllm_config(
+    block_size: int,
+    num_blocks: int,
+    kv_transfer_config: KVTransferConfig,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_model_len: int | None = None,
+) -> VllmConfig:
+    """A VllmConfig for a CPU Scheduler with prefix caching, chunked prefill and
+    a KV connector; the model is a hub config only (no weights, no
+    tokenizer). ``num_blocks`` includes the null block."""
+    model_config = ModelConfig(
+        model="facebook/opt-125m",
+        dtype="float16",
+        seed=0,
+        skip_tokenizer_init=True,
+        max_model_len=max_model_len,
+    )
+    config = VllmConfig(
+        model_config=model_config,
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=model_config.max_model_len,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+        ),
+        cache_config=CacheConfig(
+            block_size=block_size,
+            gpu_memory_utilization=0.9,
+            swap_space=0,
+            enable_prefix_caching=True,
+        ),
+        kv_transfer_config=kv_transfer_config,
+        device_config=DeviceConfig("cpu"),
+    )
+    config.cache_config.num_gpu_blocks = num_blocks
+    return config

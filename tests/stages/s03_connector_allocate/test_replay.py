@@ -40,6 +40,7 @@ from kvtest import (
     SkippedBlocksSpy,
     bind_new_blocks,
     compare_pool,
+    compare_table,
     make_request,
     steer_free_queue,
 )
@@ -270,14 +271,9 @@ class Replay:
     def compare(self, state: dict) -> list[str]:
         problems = []
         for r in self.requests:
-            real = self.real_tables(r)
-            for g in GROUPS:
-                mapped = [0 if x == 0 else self.r2m.get(x, f"?{x}") for x in real[g]]
-                if mapped != state["table"][r][g]:
-                    problems.append(
-                        f"table {r}.{g}: model {state['table'][r][g]}, "
-                        f"vLLM {real[g]} = {mapped} as model ids"
-                    )
+            problems += compare_table(
+                r, self.real_tables(r), state["table"][r], self.r2m
+            )
         problems += compare_pool(self.pool, self.m2r, state, self.N)
         model_cached = sum(1 for h in state["hash"] if h)
         if len(self.cached_hashes()) != model_cached:

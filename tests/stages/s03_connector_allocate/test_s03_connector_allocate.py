@@ -20,17 +20,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
-import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from kvtest import hypothesis_settings, make_request
+from kvtest import hypothesis_settings, make_kv_cache_groups, make_request
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
     KVCacheConfig,
-    KVCacheGroupSpec,
-    SlidingWindowSpec,
 )
 from vllm.v1.request import Request
 
@@ -105,17 +101,7 @@ class Driver:
     def __init__(self, layout: str, window: int, num_blocks: int, use_eagle: bool):
         self.kinds = LAYOUTS[layout]
         self.window = window
-        groups = [
-            KVCacheGroupSpec(
-                [f"layer{i}"],
-                FullAttentionSpec(BLOCK_SIZE, 1, 1, torch.float32)
-                if kind == "full"
-                else SlidingWindowSpec(
-                    BLOCK_SIZE, 1, 1, torch.float32, sliding_window=window
-                ),
-            )
-            for i, kind in enumerate(self.kinds)
-        ]
+        groups = make_kv_cache_groups(self.kinds, BLOCK_SIZE, window)
         self.manager = KVCacheManager(
             KVCacheConfig(
                 num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups

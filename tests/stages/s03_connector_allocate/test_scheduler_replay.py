@@ -80,14 +80,12 @@ from kvtest import (
     SkippedBlocksSpy,
     bind_new_blocks,
     compare_pool,
+    compare_table,
+    make_cpu_vllm_config,
     steer_free_queue,
 )
 from vllm.config import (
-    CacheConfig,
-    DeviceConfig,
     KVTransferConfig,
-    ModelConfig,
-    SchedulerConfig,
     VllmConfig,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -255,33 +253,17 @@ def make_vllm_config(block_size: int, num_blocks: int) -> VllmConfig:
     building it takes a few tens of ms; the Scheduler is new per trace)."""
     key = (block_size, num_blocks)
     if key not in _CONFIGS:
-        model_config = ModelConfig(
-            model=MODEL, dtype="float16", seed=0, skip_tokenizer_init=True
-        )
-        config = VllmConfig(
-            model_config=model_config,
-            scheduler_config=SchedulerConfig(
-                max_num_seqs=16,
-                max_num_batched_tokens=64,
-                max_model_len=model_config.max_model_len,
-                enable_chunked_prefill=True,
-                is_encoder_decoder=False,
-            ),
-            cache_config=CacheConfig(
-                block_size=block_size,
-                gpu_memory_utilization=0.9,
-                swap_space=0,
-                cache_dtype="auto",
-                enable_prefix_caching=True,
-            ),
-            kv_transfer_config=KVTransferConfig(
+        config = make_cpu_vllm_config(
+            block_size,
+            num_blocks,
+            KVTransferConfig(
                 kv_connector=ReplayConnector.__name__,
                 kv_connector_module_path=__name__,
                 kv_role="kv_both",
             ),
-            device_config=DeviceConfig("cpu"),
+            max_num_seqs=16,
+            max_num_batched_tokens=64,
         )
-        config.cache_config.num_gpu_blocks = num_blocks
         _CONFIGS[key] = config
     return _CONFIGS[key]
 
@@ -647,14 +629,9 @@ class Replay:
     def compare(self, state: dict) -> list[str]:
         problems = []
         for r in self.requests:
-            real = self.real_tables(r)
-            for g in GROUPS:
-                mapped = [0 if x == 0 else self.r2m.get(x, f"?{x}") for x in real[g]]
-                if mapped != state["table"][r][g]:
-                    problems.append(
-                        f"table {r}.{g}: model {state['table'][r][g]}, "
-                        f"vLLM {real[g]} = {mapped} as model ids"
-                    )
+            problems += compare_table(
+                r, self.real_tables(r), state["table"][r], self.r2m
+            )
             status = self.real_status(r)
             if status != state["status"][r]:
                 problems.append(

@@ -45,7 +45,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-import torch
 from hypothesis import Phase, event, settings
 from hypothesis import strategies as st
 from hypothesis.control import _current_build_context
@@ -55,13 +54,9 @@ from hypothesis.stateful import (
     invariant,
     rule,
 )
-from kvtest import hypothesis_settings
+from kvtest import hypothesis_settings, make_cpu_vllm_config, make_kv_cache_groups
 from vllm.config import (
-    CacheConfig,
-    DeviceConfig,
     KVTransferConfig,
-    ModelConfig,
-    SchedulerConfig,
     SpeculativeConfig,
     VllmConfig,
 )
@@ -78,10 +73,7 @@ from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
     KVCacheConfig,
-    KVCacheGroupSpec,
-    SlidingWindowSpec,
 )
 from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
@@ -263,18 +255,7 @@ class Setup:
 
 
 def make_scheduler(setup: Setup) -> Scheduler:
-    kinds = LAYOUTS[setup.layout]
-    groups = [
-        KVCacheGroupSpec(
-            [f"layer{i}"],
-            FullAttentionSpec(BLOCK_SIZE, 1, 1, torch.float32)
-            if kind == "full"
-            else SlidingWindowSpec(
-                BLOCK_SIZE, 1, 1, torch.float32, sliding_window=setup.window
-            ),
-        )
-        for i, kind in enumerate(kinds)
-    ]
+    groups = make_kv_cache_groups(LAYOUTS[setup.layout], BLOCK_SIZE, setup.window)
     speculative_config = None
     if setup.num_spec_tokens:
         speculative_config = SpeculativeConfig(
@@ -284,37 +265,20 @@ def make_scheduler(setup: Setup) -> Scheduler:
             # The scheduler only asks use_eagle() (lookahead slots for the
             # drafts); an eagle draft model cannot be built on CPU.
             object.__setattr__(speculative_config, "method", "eagle")
-    vllm_config = VllmConfig(
-        model_config=ModelConfig(
-            model="facebook/opt-125m",
-            dtype="float16",
-            seed=42,
-            skip_tokenizer_init=True,
-            max_model_len=MAX_MODEL_LEN,
-        ),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=4,
-            max_num_batched_tokens=setup.max_num_batched_tokens,
-            max_model_len=MAX_MODEL_LEN,
-            enable_chunked_prefill=True,
-            is_encoder_decoder=False,
-        ),
-        cache_config=CacheConfig(
-            block_size=BLOCK_SIZE,
-            gpu_memory_utilization=0.9,
-            swap_space=0,
-            enable_prefix_caching=True,
-        ),
-        kv_transfer_config=KVTransferConfig(
+    vllm_config = make_cpu_vllm_config(
+        BLOCK_SIZE,
+        setup.num_blocks,
+        KVTransferConfig(
             kv_connector=CONNECTOR_NAME,
             kv_role="kv_both",
             kv_load_failure_policy=setup.fail_policy,
         ),
-        device_config=DeviceConfig("cpu"),
+        max_num_seqs=4,
+        max_num_batched_tokens=setup.max_num_batched_tokens,
+        max_model_len=MAX_MODEL_LEN,
     )
     if speculative_config is not None:
         vllm_config.speculative_config = speculative_config
-    vllm_config.cache_config.num_gpu_blocks = setup.num_blocks
     scheduler = Scheduler(
         vllm_config=vllm_config,
         kv_cache_config=KVCacheConfig(
