@@ -50,7 +50,7 @@ class Config:
 
     @property
     def cache(self) -> Path:
-        return Path(os.environ.get("HMASTACK_CACHE", self.root / ".cache"))
+        return cache_dir()
 
     @property
     def patches(self) -> Path:
@@ -72,6 +72,16 @@ class Config:
     def workspace(self, name: str) -> Path:
         """The git repository of tree ``name`` where patches are edited."""
         return self.build / name
+
+
+def cache_dir() -> Path:
+    """Where downloads are kept: ``$HMASTACK_CACHE``, else ``$XDG_CACHE_HOME/hmastack``
+    (``~/.cache/hmastack``). User-level, so a fresh clone on the same machine (CI)
+    finds the sdists, wheels and the TLC jar again instead of downloading them."""
+    if env := os.environ.get("HMASTACK_CACHE"):
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "hmastack"
 
 
 def find_root(start: Path | None = None) -> Path:

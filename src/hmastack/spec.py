@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hmastack import tlc
+from hmastack import config, tlc
 from hmastack.base import sha256_file
 from hmastack.errors import HmastackError
 
@@ -152,7 +152,7 @@ def find_java() -> str:
 
 
 def _cache_dir(root: Path) -> Path:
-    return Path(os.environ.get("HMASTACK_CACHE", root / ".cache")) / "spec"
+    return config.cache_dir() / "spec"
 
 
 def _installed_jar() -> Path | None:

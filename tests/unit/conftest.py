@@ -72,5 +72,5 @@ def project(tmp_path, monkeypatch):
     write_project(root, sha)
     monkeypatch.setenv("HMASTACK_ROOT", str(root))
     monkeypatch.delenv("HMASTACK_BUILD", raising=False)
-    monkeypatch.delenv("HMASTACK_CACHE", raising=False)
+    monkeypatch.setenv("HMASTACK_CACHE", str(root / ".cache"))
     return config.load(root)

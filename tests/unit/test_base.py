@@ -33,6 +33,7 @@ def test_base_commit_id_is_the_same_on_two_machines(project, tmp_path, monkeypat
     shutil.copytree(project.cache, other / ".cache")
     write_project(other, project.tree("demo").sha256)
     monkeypatch.setenv("HMASTACK_ROOT", str(other))
+    monkeypatch.setenv("HMASTACK_CACHE", str(other / ".cache"))
     cfg2 = config.load(other)
     second = base.materialize(cfg2, cfg2.tree("demo"))
     assert first == second
