@@ -10,6 +10,14 @@ workspaces in ``build/<tree>`` are never touched), and runs:
   pinned ruff, on the Python files the stages touch.
 
 Results go to ``build/reports/stages.json`` and a table on the terminal.
+
+``--per-commit`` instead applies the series one commit at a time (plain
+``git am`` of the patch files in order, in clones under ``build/commits/``) and
+runs, at every commit, the selected vLLM suite (for commits of the vLLM tree)
+and ruff with the tree's own configuration on the files touched so far:
+``build/reports/commits.json`` and a table. Our stage tests are not run there:
+they test whole stages (the stage matrix runs them). About 7 minutes per vLLM
+commit on 2 cores, so ``hmastack run`` runs it and ``make test`` does not.
 """
 
 from __future__ import annotations
@@ -30,7 +38,14 @@ from hmastack.config import Config
 from hmastack.errors import HmastackError
 from hmastack.gitutil import git, is_repo
 from hmastack.progress import console, run, step
-from hmastack.workspace import Stage, apply_to, check_stage_number, discover
+from hmastack.workspace import (
+    Stage,
+    apply_patches,
+    apply_to,
+    check_stage_number,
+    discover,
+    series_patches,
+)
 
 DESELECT_REASONS = ("needs weights", "needs GPU", "needs torchvision", "needs ray")
 OUTCOMES = ("passed", "failed", "errors", "skipped", "deselected", "xfailed", "xpassed")
@@ -189,7 +204,7 @@ def touched_python_files(repo: Path, tag: str) -> list[str]:
     return [line for line in out.splitlines() if line.endswith(".py")]
 
 
-def run_ruff(cfg: Config, tree_name: str, repo: Path) -> str:
+def run_ruff(cfg: Config, tree_name: str, repo: Path, label: str = "") -> str:
     tree = cfg.tree(tree_name)
     files = touched_python_files(repo, f"refs/tags/{tree.tag}")
     if not files or not tree.ruff:
@@ -201,7 +216,7 @@ def run_ruff(cfg: Config, tree_name: str, repo: Path) -> str:
     )
     if check.returncode == 0 and fmt.returncode == 0:
         return "ok"
-    log = cfg.reports / "logs" / f"ruff-{tree_name}-{repo.parent.name}.log"
+    log = cfg.reports / "logs" / f"ruff-{tree_name}-{label or repo.parent.name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text(check.stdout + "\n" + fmt.stdout)
     return f"FAIL ({log})"
@@ -307,8 +322,128 @@ def run_matrix(
     return results
 
 
+# --- per commit ------------------------------------------------------------------
+
+
+@dataclass
+class CommitResult:
+    """One commit of the series, applied with the ones before it."""
+
+    tree: str
+    index: int  # 1-based position among the tree's commits
+    stage: int
+    patch: str
+    subject: str
+    head: str
+    vllm: PytestResult | None = None
+    ruff: str = ""
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return (self.vllm is None or self.vllm.ok) and self.ruff in ("ok", "n/a")
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data["ok"] = self.ok
+        return data
+
+
+def _commit_clone(cfg: Config, tree_name: str, slot: int) -> Path:
+    """A clone of the workspace of ``tree_name`` for per-commit job ``slot``."""
+    dest = cfg.build / "commits" / str(slot) / tree_name
+    if not is_repo(dest):
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        git(cfg.root, "clone", "-q", "--no-checkout", cfg.workspace(tree_name), dest)
+        name, _, email = cfg.base_author.partition("<")
+        git(dest, "config", "user.name", name.strip())
+        git(dest, "config", "user.email", email.rstrip(">").strip())
+    git(dest, "fetch", "-q", "--tags", cfg.workspace(tree_name))
+    return dest
+
+
+def run_commit(
+    cfg: Config,
+    pyenv: env_mod.Env,
+    tree_name: str,
+    patches: list[tuple[Stage, Path]],
+    index: int,
+    slot: int,
+    deselected: list[Deselected],
+) -> CommitResult:
+    """Apply the first ``index`` of ``patches`` in clone ``slot`` and check."""
+    start = time.monotonic()
+    tree = cfg.tree(tree_name)
+    repo = _commit_clone(cfg, tree_name, slot)
+    apply_patches(repo, tree, patches[:index])
+    git(repo, "clean", "-q", "-fdx")
+    stage, patch = patches[index - 1]
+    result = CommitResult(
+        tree_name,
+        index,
+        stage.number,
+        patch.name,
+        git(repo, "log", "-1", "--format=%s"),
+        git(repo, "rev-parse", "HEAD"),
+    )
+    label = f"commit-{tree_name}-{index:02d}"
+    with step(f"{label}: {result.subject[:70]}", live=False):
+        if tree_name == "vllm":
+            args = list(cfg.vllm_suite)
+            for entry in deselected:
+                if entry.is_file:
+                    args.append(f"--ignore={entry.node}")
+                else:
+                    args += ["--deselect", entry.node]
+            result.vllm = run_pytest(
+                cfg, pyenv, args, repo, [repo], cfg.reports / "logs" / f"{label}.log"
+            )
+        result.ruff = run_ruff(cfg, tree_name, repo, label)
+    result.seconds = round(time.monotonic() - start, 1)
+    return result
+
+
+def run_per_commit(cfg: Config, jobs: int = 2) -> list[CommitResult]:
+    """Every commit of every tree, each with the commits before it."""
+    stages = discover(cfg)
+    pyenv = env_mod.ensure(cfg)
+    deselected = load_deselected(cfg.deselected)
+    for tree in cfg.trees.values():
+        base_mod.materialize(cfg, tree)
+        if tree.ruff:
+            env_mod.ruff(cfg, tree.ruff)
+    tasks = [
+        (tree_name, patches, index)
+        for tree_name in cfg.trees
+        if (patches := series_patches(stages, tree_name))
+        for index in range(1, len(patches) + 1)
+    ]
+    jobs = max(1, jobs)
+
+    def worker(slot: int) -> list[CommitResult]:
+        return [
+            run_commit(cfg, pyenv, tree_name, patches, index, slot, deselected)
+            for tree_name, patches, index in tasks[slot::jobs]
+        ]
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        results = [r for part in pool.map(worker, range(jobs)) for r in part]
+    return sorted(results, key=lambda r: (r.tree != "vllm", r.tree, r.index))
+
+
 def cmd_test(args: argparse.Namespace) -> int:
     cfg = config_mod.load()
+    if args.per_commit:
+        commits = run_per_commit(cfg, jobs=args.jobs)
+        path = reports.write_commit_report(cfg, commits)
+        reports.print_commit_table(commits)
+        console.print(f"report: {path}")
+        for c in commits:
+            if c.vllm is not None and not c.vllm.ok:
+                console.print(f"{c.tree} {c.index}: see {c.vllm.log}", highlight=False)
+                for failure in c.vllm.failures[:20]:
+                    console.print(f"  {failure}", highlight=False)
+        return 0 if all(c.ok for c in commits) else 1
     if args.stage is not None:
         selected = [check_stage_number(cfg, args.stage)]
     else:
@@ -336,6 +471,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--stage", type=int, metavar="K", help="only stage K (0..N)")
     group.add_argument("--all", action="store_true", help="stages 0..N (default)")
+    group.add_argument(
+        "--per-commit",
+        action="store_true",
+        help="every commit of the series in turn: vLLM's suite and ruff "
+        "(build/reports/commits.json; slow: part of `hmastack run`)",
+    )
     parser.add_argument(
         "--jobs", type=int, default=2, help="stages tested at once (default 2)"
     )

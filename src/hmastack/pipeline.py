@@ -1,8 +1,9 @@
 """``hmastack run``: the main job, every step of the pipeline in order.
 
-base → env → apply (all stages into the workspaces) → stage matrix → model check
-→ conformance (TLC behaviours replayed, random schedules, broken copies)
-→ quick benchmarks → site, then one summary. A failing step is reported and the
+base → env → apply (all stages into the workspaces) → stage matrix → every
+commit (vLLM's suite and ruff per commit) → model check → conformance (TLC
+behaviours replayed, random schedules, broken copies) → quick benchmarks →
+site, then one summary. A failing step is reported and the
 later steps still run where they can, so one run shows everything that is red.
 """
 
@@ -59,10 +60,20 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise HmastackError(f"stages {', '.join(red)} are red")
         return f"stages 0..{cfg.num_stages} green"
 
+    def do_per_commit() -> str:
+        commits = matrix.run_per_commit(cfg, args.jobs)
+        reports.write_commit_report(cfg, commits)
+        reports.print_commit_table(commits)
+        red = [f"{c.tree} {c.index}" for c in commits if not c.ok]
+        if red:
+            raise HmastackError(f"commits {', '.join(red)} are red")
+        return f"{len(commits)} commits green"
+
     ok = do("base", do_base) and do("env", lambda: str(env.ensure(cfg).root))
     if ok:
         ok = do("apply", do_apply)
         ok = do("stage matrix", do_matrix) and ok
+        ok = do("every commit", do_per_commit) and ok
     spec_check = _optional("hmastack.spec", "run_all_for_pipeline")
     if spec_check is not None:
         ok = do("model check", lambda: spec_check(cfg)) and ok
@@ -88,8 +99,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "run",
-        help="the main job: base, env, apply, stage matrix, model, conformance, "
-        "benchmarks, site",
+        help="the main job: base, env, apply, stage matrix, every commit, model, "
+        "conformance, benchmarks, site",
     )
     parser.add_argument(
         "--jobs", type=int, default=2, help="stages tested at once (default 2)"

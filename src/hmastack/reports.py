@@ -15,9 +15,10 @@ from hmastack.config import Config
 from hmastack.progress import console
 
 if TYPE_CHECKING:
-    from hmastack.matrix import StageResult
+    from hmastack.matrix import CommitResult, StageResult
 
 STAGE_REPORT = "stages.json"
+COMMIT_REPORT = "commits.json"
 
 
 def write_stage_report(cfg: Config, results: Sequence[StageResult]) -> Path:
@@ -69,6 +70,53 @@ def print_stage_table(results: Sequence[StageResult]) -> None:
     print("| " + " | ".join(HEADERS) + " |")
     print("|" + "---|" * len(HEADERS))
     for row in stage_table_rows(results):
+        print("| " + " | ".join(row) + " |")
+
+
+def write_commit_report(cfg: Config, results: Sequence[CommitResult]) -> Path:
+    """build/reports/commits.json: one entry per commit of the series."""
+    path = cfg.reports / COMMIT_REPORT
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {
+        "generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": f"{platform.machine()}, {platform.python_version()}",
+        "commits": [r.to_json() for r in results],
+    }
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path
+
+
+COMMIT_HEADERS = ["tree", "#", "stage", "commit", "vLLM suite", "ruff", "seconds"]
+
+
+def commit_table_rows(results: Sequence[CommitResult]) -> list[list[str]]:
+    return [
+        [
+            r.tree,
+            str(r.index),
+            str(r.stage),
+            r.subject,
+            r.vllm.summary() if r.vllm else "-",
+            r.ruff,
+            f"{r.seconds:.0f}",
+            "green" if r.ok else "RED",
+        ]
+        for r in results
+    ]
+
+
+def print_commit_table(results: Sequence[CommitResult]) -> None:
+    headers = [*COMMIT_HEADERS, "result"]
+    if console.is_terminal:
+        table = Table(title="Per commit")
+        for header in headers:
+            table.add_column(header)
+        for row in commit_table_rows(results):
+            table.add_row(*row, style=None if row[-1] == "green" else "red")
+        console.print(table)
+    print("| " + " | ".join(headers) + " |")
+    print("|" + "---|" * len(headers))
+    for row in commit_table_rows(results):
         print("| " + " | ".join(row) + " |")
 
 

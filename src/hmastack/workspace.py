@@ -28,6 +28,10 @@ from hmastack.progress import console
 
 STAGE_DIR = re.compile(r"^(?P<num>\d\d)-(?P<slug>[a-z0-9][a-z0-9-]*)$")
 UPTO_FILE = "hmastack-upto"
+# git format-patch cuts file names at 64 characters by default, which the
+# "[Core][<title tag> K/N]" prefix mostly uses up; 200 keeps every subject
+# whole and the names well under the usual 255-byte limit.
+PATCH_FILENAME_MAX_LENGTH = 200
 
 
 @dataclass(frozen=True)
@@ -162,27 +166,41 @@ def apply_to(repo: Path, tree: Tree, stages: list[Stage], upto: int) -> int:
     resets to the base and raises :class:`ApplyError` naming stage, patch file and
     first failing hunk; the tree is never left half-applied.
     """
-    reset_to_base(repo, tree)
-    count = 0
-    for stage in stages[:upto]:
-        for patch in stage.patches_for(tree.name):
-            # --keep-non-patch: strip only "[PATCH n/m]" from the subject, keep
-            # vLLM's "[Core][...]" title tags.
-            proc = git_proc(
-                repo, "am", "--keep-non-patch", "--committer-date-is-author-date", patch
-            )
-            if proc.returncode != 0:
-                where = _first_failed_hunk(proc.stdout, patch)
-                reset_to_base(repo, tree)
-                raise ApplyError(
-                    f"stage {stage.name}: {patch.name} does not apply to {tree.name}: "
-                    f"{where}",
-                    f"{repo} was reset to {tree.tag}; rebase the patch (apply the "
-                    "stages before it, fix, commit, `hmastack export`)",
-                )
-            count += 1
+    count = apply_patches(repo, tree, series_patches(stages[:upto], tree.name))
     _upto_path(repo).write_text(str(upto))
     return count
+
+
+def series_patches(stages: list[Stage], tree_name: str) -> list[tuple[Stage, Path]]:
+    """The patch files of ``stages`` for one tree, in the order they apply."""
+    return [
+        (stage, patch) for stage in stages for patch in stage.patches_for(tree_name)
+    ]
+
+
+def apply_patches(repo: Path, tree: Tree, patches: list[tuple[Stage, Path]]) -> int:
+    """Reset ``repo`` to its base and ``git am`` ``patches`` one by one.
+
+    Returns the number applied. On failure resets to the base and raises
+    :class:`ApplyError` naming stage, patch file and first failing hunk.
+    """
+    reset_to_base(repo, tree)
+    for stage, patch in patches:
+        # --keep-non-patch: strip only "[PATCH n/m]" from the subject, keep
+        # vLLM's "[Core][...]" title tags.
+        proc = git_proc(
+            repo, "am", "--keep-non-patch", "--committer-date-is-author-date", patch
+        )
+        if proc.returncode != 0:
+            where = _first_failed_hunk(proc.stdout, patch)
+            reset_to_base(repo, tree)
+            raise ApplyError(
+                f"stage {stage.name}: {patch.name} does not apply to {tree.name}: "
+                f"{where}",
+                f"{repo} was reset to {tree.tag}; rebase the patch (apply the "
+                "stages before it, fix, commit, `hmastack export`)",
+            )
+    return len(patches)
 
 
 def ensure_safe_to_reset(cfg: Config, tree: Tree, repo: Path, stages: list[Stage]):
@@ -259,7 +277,8 @@ def commits_by_stage(cfg: Config, tree: Tree, repo: Path) -> dict[int, list[str]
 
 def render_stage(repo: Path, commits: list[str], out: Path) -> dict[str, bytes]:
     """``git format-patch`` of ``commits`` in a form that export after apply
-    reproduces byte for byte: zero commit ids, full index lines, no signature."""
+    reproduces byte for byte: zero commit ids, full index lines, no signature,
+    file names from the whole subject (``PATCH_FILENAME_MAX_LENGTH``)."""
     out.mkdir(parents=True, exist_ok=True)
     git(
         repo,
@@ -269,6 +288,7 @@ def render_stage(repo: Path, commits: list[str], out: Path) -> dict[str, bytes]:
         "--no-signature",
         "--full-index",
         "--no-color",
+        f"--filename-max-length={PATCH_FILENAME_MAX_LENGTH}",
         "--start-number",
         "1",
         "-o",

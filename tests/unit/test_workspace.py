@@ -52,6 +52,21 @@ def test_export_after_apply_reproduces_patches_byte_for_byte(project):
     assert subject == "[Core][Demo series 2/2] Change f7"
 
 
+def test_export_keeps_long_subjects_whole_in_file_names(project):
+    """git format-patch cuts names at 64 characters by default; export keeps
+    the whole subject of a vLLM-style title."""
+    base.materialize(project, project.tree("demo"))
+    workspace.apply(project, 2)
+    title = "Keep the blocks of a request aborted during its async load until reported"
+    commit_change(project, 1, "demo/core.py", "return 3", "return 33", title)
+    workspace.export(project, check=False)
+    (patch,) = project.patches.rglob("*.patch")
+    assert patch.name == (
+        "0001-Core-Demo-series-1-2-Keep-the-blocks-of-a-request-aborted-during-"
+        "its-async-load-until-reported.patch"
+    )
+
+
 def test_export_check_reports_drift(project):
     base.materialize(project, project.tree("demo"))
     workspace.apply(project, 2)

@@ -17,10 +17,10 @@ TLC finds two violations of the Legacy policy (vLLM 0.13.0), see
 Stage tests for stage k run on every tree >= k, so the expectations depend on
 the tree's API, not on a stage number: a tree whose ``allocate_slots`` takes
 ``num_external_computed_tokens`` (the series' stage 03) must not show the
-window-bound violation. The save race is NOT fixed by the series at the
-``KVCacheManager`` level (the model's Series pins such blocks in ``held``;
-the code has no counterpart): on such trees the race test is a strict xfail,
-so a fix shows up as an unexpected pass.
+window-bound violation, and a tree whose ``KVCacheManager`` takes
+``hold_freed_blocks`` (stage 03: the hold a KV connector asks for blocks its
+store still reads, ``KVConnectorBase_V1.request_blocks_freed``) must not show
+the save race when the connector's hook names the blocks being saved.
 """
 
 from __future__ import annotations
@@ -63,16 +63,22 @@ HAS_EXTERNAL = (
     "num_external_computed_tokens"
     in inspect.signature(KVCacheManager.allocate_slots).parameters
 )
+HAS_HOLD = "hold_freed_blocks" in inspect.signature(KVCacheManager).parameters
 
 
-def make_manager(num_blocks: int) -> KVCacheManager:
-    """Group 0 full attention, group 1 sliding window; ids 1..num_blocks-1."""
+def make_manager(num_blocks: int, saving: set[int] | None = None) -> KVCacheManager:
+    """Group 0 full attention, group 1 sliding window; ids 1..num_blocks-1.
+    With ``saving`` the manager holds the freed blocks among them, as the
+    scheduler does for a connector whose store reads them."""
     groups = [
         KVCacheGroupSpec(["full"], FullAttentionSpec(B, 1, 1, torch.float32)),
         KVCacheGroupSpec(
             ["swa"], SlidingWindowSpec(B, 1, 1, torch.float32, sliding_window=W)
         ),
     ]
+    hold = {}
+    if saving is not None:
+        hold["hold_freed_blocks"] = lambda req_id, block_ids: saving & set(block_ids)
     return KVCacheManager(
         KVCacheConfig(
             num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups
@@ -80,6 +86,7 @@ def make_manager(num_blocks: int) -> KVCacheManager:
         max_model_len=64,
         enable_caching=True,
         hash_block_size=B,
+        **hold,
     )
 
 
@@ -130,18 +137,17 @@ def test_legacy_race_reproduces():
     assert 3 in r2["swa"], f"block 3 re-allocated to r2 while r1's save reads it: {r2}"
 
 
-@pytest.mark.skipif(not HAS_EXTERNAL, reason="series allocate_slots only")
-@pytest.mark.xfail(
-    strict=True,
-    reason="the series frees skipped blocks a save still reads (the model's "
-    "Series pins them in `held` until finished_sending; KVCacheManager has no "
-    "counterpart): docs/conformance.md",
-)
+@pytest.mark.skipif(not HAS_HOLD, reason="series KVCacheManager with a hold only")
 def test_series_race_absent():
-    manager = make_manager(num_blocks=8)
+    """The connector's hook names the blocks its save reads: block 3 leaves
+    the sliding window table but stays held, and r2 gets other blocks."""
+    # One block more than the legacy run: block 3 stays held.
+    manager = make_manager(num_blocks=9, saving={1, 2, 3, 4})
     saving, freed, r2 = run_race(manager)
     assert not freed, f"blocks {freed} freed while the connector saves them"
     assert not (saving & set(r2["full"] + r2["swa"]))
+    assert [b.block_id for b in manager.held_blocks["r1"]] == [3]
+    assert manager.block_pool.blocks[3].ref_cnt == 1
 
 
 def allocate_external_async(manager: KVCacheManager, num_external: int):
