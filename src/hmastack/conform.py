@@ -13,8 +13,10 @@ patched vLLM (stage 03), and the same checks against deliberately broken copies.
    tree under ``build/conformance/broken-<name>/``, removes one protection of the
    series with a one-line edit and runs the same suites with ``-x`` (the random
    suite: only the state machine, without shrinking). A break counts as caught
-   when a replay suite and the random test both fail; the report gives the
-   first failing test and the seconds until the suite stopped.
+   when each kind of suite it names (``Break.caught_by``: a replay suite and
+   the random test, unless the model has no state that shows it) fails; the
+   report gives the first failing test and the seconds until the suite
+   stopped.
 
 Report: ``build/reports/conformance.json`` and a table. Exit status 1 when the
 series fails a suite or a break escapes the replayer or the random test (a
@@ -47,7 +49,7 @@ from hmastack.workspace import discover
 STAGE = 3
 STAGE_TESTS = Path("tests") / "stages"
 SUITE_DIR = STAGE_TESTS / "s03_connector_allocate"
-MODEL_CFG = SUITE_DIR / "fixtures" / "replay-small.cfg"
+MODEL_CFG = SUITE_DIR / "fixtures" / "replay-saves.cfg"
 # The committed fixtures use spec/tlc.toml's seed; CI draws other behaviours.
 DEFAULT_SEED = 20261130
 
@@ -84,6 +86,10 @@ class Break:
     path: str
     old: str
     new: str
+    # The kinds of suite that must catch it ("replay", "random").
+    caught_by: tuple[str, ...] = ("replay", "random")
+    # Why a kind of suite is not expected to catch it.
+    not_by_replay: str = ""
 
 
 BREAKS = {
@@ -138,8 +144,8 @@ BREAKS = {
             path="vllm/v1/core/sched/scheduler.py",
             old="num_computed_tokens = min(num_loaded_tokens, request.num_tokens)",
             new=(
-                "num_computed_tokens = min(self._get_num_block_table_tokens("
-                "self.kv_cache_manager.get_block_ids(request.request_id)), "
+                "num_computed_tokens = min(max(map(len, self.kv_cache_manager"
+                ".get_block_ids(request.request_id))) * self.block_size, "
                 "request.num_tokens)"
             ),
         ),
@@ -153,6 +159,33 @@ BREAKS = {
             path="vllm/v1/core/kv_cache_manager.py",
             old="if not self.enable_caching or delay_cache_blocks:",
             new="if not self.enable_caching:",
+        ),
+        Break(
+            name="free-in-flight",
+            protection=(
+                "skipped blocks are freed only after the steps that read or "
+                "write them returned (broken: the tokens of the steps in flight "
+                "count, as in 0.13.0)"
+            ),
+            path="vllm/v1/core/kv_cache_manager.py",
+            old="request.num_computed_tokens - request.num_in_flight_tokens",
+            new="request.num_computed_tokens",
+            caught_by=("random",),
+            not_by_replay=(
+                "the model never schedules a request's next step while its "
+                "current one is in flight (no asynchronous scheduling), so no "
+                "replayed state has tokens in flight at an allocation"
+            ),
+        ),
+        Break(
+            name="free-held-blocks",
+            protection=(
+                "blocks that a connector's store still reads are held when they "
+                "leave a block table (broken: freed at once)"
+            ),
+            path="vllm/v1/core/kv_cache_manager.py",
+            old="        if read_block_ids:\n",
+            new="        if False:\n",
         ),
     )
 }
@@ -278,14 +311,16 @@ def broken_tree(cfg: config_mod.Config, source: Path, brk: Break) -> Path:
 VERDICTS = ("Mismatch", " violated: ")
 
 
-def caught(runs: list[SuiteRun]) -> dict[str, bool]:
+def caught(
+    runs: list[SuiteRun], kinds: tuple[str, ...] = ("replay", "random")
+) -> dict[str, bool]:
     return {
         kind: any(
             not r.ok and any(v in r.first_failure for v in VERDICTS)
             for r in runs
             if r.kind == kind
         )
-        for kind in ("replay", "random")
+        for kind in kinds
     }
 
 
@@ -344,7 +379,7 @@ def conform(
         report["breaks"].append(
             {
                 **asdict(brk),
-                "caught": caught(runs),
+                "caught": caught(runs, brk.caught_by),
                 "runs": [asdict(r) | {"ok": r.ok} for r in runs],
             }
         )
@@ -395,6 +430,8 @@ def print_report(report: dict) -> None:
             f"{kind} {'caught it' if hit else 'MISSED it'}"
             for kind, hit in b["caught"].items()
         )
+        if b["not_by_replay"]:
+            verdict += f"; no replay expected: {b['not_by_replay']}"
         console.print(f"  break {b['name']} ({escape(b['protection'])}): {verdict}")
     console.print(f"report: {report['path']}")
 

@@ -64,9 +64,7 @@ GROUPS = ("full", "swa")
 # the blocks): replayed as no-ops, the comparison still runs after them.
 NO_OP = {"NoAbort", "AbortDelayed", "FinishDelayed"}
 # Event kinds not mapped: a trace stops being replayed at the first one.
-# SaveDone/held: the model's Series pins skipped blocks a save still reads
-# (`held`), KVCacheManager has no counterpart (the fixtures use Save = FALSE).
-SKIPPED_EVENTS = {"SaveDone"}
+SKIPPED_EVENTS: set[str] = set()
 
 
 class Mismatch(AssertionError):
@@ -88,6 +86,9 @@ class Replay:
     # Reorder vLLM's free queue to the model's eviction choice
     # (kvtest.steer_free_queue).
     steer: bool = True
+    # The model's saves (real block ids): a connector's hook tells the
+    # KVCacheManager which freed blocks a save still reads (`held`).
+    saves: dict = field(default_factory=dict)
 
     def __post_init__(self):
         c = self.constants
@@ -106,6 +107,7 @@ class Replay:
             max_model_len=1 << 10,
             enable_caching=True,
             hash_block_size=self.B,
+            hold_freed_blocks=lambda r, ids: self.saves.get(r, set()) & set(ids),
         )
         self.pool = self.manager.block_pool
         self.skipped_spy = SkippedBlocksSpy(self.manager.coordinator)
@@ -154,6 +156,13 @@ class Replay:
                 # do it first so the freed blocks can be steered too (a second
                 # call finds them null and frees nothing). The spy checks
                 # below that allocate_slots still makes that call.
+                # As allocate_slots: the blocks a save still reads are held.
+                self.manager._hold_blocks(
+                    r,
+                    self.manager.coordinator.get_skipped_blocks(
+                        r, before["computed"][r]
+                    ),
+                )
                 self.skipped_spy.free_now(r, before["computed"][r])
             self.steer_eviction(ev)
         cached_before = self.cached_real()
@@ -251,9 +260,29 @@ class Replay:
         self.manager.free(self.requests[r])
         self.requests[r].num_computed_tokens = after["computed"][r]
 
+    def save_done(self, before: dict, after: dict, ev: dict) -> None:
+        """finished_sending: held blocks are freed; a finished request's
+        delayed free happens now."""
+        r = ev["req"]
+        self.saves.pop(r, None)
+        self.manager.free_held_blocks(r)
+        if after["status"][r] == "done":
+            self.manager.free(self.requests[r])
+
+    def mirror_saves(self, state: dict) -> None:
+        self.saves = {
+            r: {self.m2r[m] for m in blocks if m in self.m2r}
+            for r, blocks in state.get("saves", {}).items()
+            if blocks
+        }
+
     def step(self, before: dict, after: dict) -> None:
         ev = after["event"]
         act = ev["act"]
+        # A save starts when the step runs (Execute): the hook knows it then.
+        self.mirror_saves(
+            after if act in ("Execute", "Finish", "FinishDelayed") else before
+        )
         if act == "AllocateSlots":
             self.allocate(before, after, ev)
         elif act in ("Execute", "Finish", "FinishDelayed"):
@@ -262,6 +291,8 @@ class Replay:
             self.finish_load(before, after, ev)
         elif act in ("LoadFailed", "Preempt", "Abort"):
             self.free_and_restart(before, after, ev)
+        elif act == "SaveDone":
+            self.save_done(before, after, ev)
         elif act in NO_OP:
             pass
         else:
@@ -275,6 +306,15 @@ class Replay:
                 r, self.real_tables(r), state["table"][r], self.r2m
             )
         problems += compare_pool(self.pool, self.m2r, state, self.N)
+        for r in self.requests:
+            held = sorted(
+                self.r2m.get(b.block_id, f"?{b.block_id}")
+                for b in self.manager.held_blocks.get(r, [])
+            )
+            if held != sorted(state.get("held", {}).get(r, [])):
+                problems.append(
+                    f"held {r}: model {sorted(state['held'][r])}, vLLM {held}"
+                )
         model_cached = sum(1 for h in state["hash"] if h)
         if len(self.cached_hashes()) != model_cached:
             problems.append(
@@ -295,7 +335,18 @@ class Replay:
 
 
 def model_state(state: dict) -> dict:
-    keys = ("event", "table", "ref", "freeQ", "hash", "computed", "len", "status")
+    keys = (
+        "event",
+        "table",
+        "ref",
+        "freeQ",
+        "hash",
+        "computed",
+        "len",
+        "status",
+        "saves",
+        "held",
+    )
     return {k: state[k] for k in keys}
 
 

@@ -34,7 +34,12 @@ its clients, its connector and the model runner):
 * the model runner's answer: ``update_from_output`` with the sampled tokens
   (``accepted`` + 1 at the end of the prompt, none for a prefill chunk),
   ``finished_recving`` when the model's load ends, ``invalid_block_ids`` (the
-  load's first full attention block) when it fails;
+  load's first full attention block) when it fails, ``finished_sending`` when
+  the model's saves end (``SaveDone``);
+* the saves: the connector's ``request_blocks_freed`` names the freed blocks
+  that the model's ``saves`` still read, and ``request_finished_all_groups``
+  delays the free while the model saves; the scheduler holds and frees the
+  blocks (compared with the model's ``held``);
 * a load that ended is taken up with ``Scheduler._update_waiting_for_remote_kv``
   and ``status = WAITING``, the first lines of ``schedule()``'s waiting loop,
   called directly because ``schedule()`` would also schedule the request in
@@ -119,7 +124,6 @@ GROUPS = ("full", "swa")
 MODEL = "facebook/opt-125m"  # config only (no weights, no tokenizer)
 
 # Stop causes: events or outcomes that the scheduler cannot follow faithfully.
-STOP_SAVE = "SaveDone/FinishDelayed: saves of a running request (no code counterpart)"
 STOP_DRAFT_WAITING = "draft tokens for a request leaving the waiting queue"
 STOP_FAIL_AFTER_HIT = (
     "load failure after a local hit: the scheduler keeps the hit, the model restarts"
@@ -167,9 +171,10 @@ class ReplayConnector(KVConnectorBase_V1, SupportsHMA):
     (taken once; no script: no external tokens). ``update_state_after_alloc``
     computes the blocks a load of the external tokens writes into from the
     block tables it gets (every group, null blocks skipped); an async load
-    stays in ``pending`` until ``finished_recving`` reports it. No saves:
-    ``request_finished_all_groups`` never delays the free (the model runs
-    with ``Save = FALSE``).
+    stays in ``pending`` until ``finished_recving`` reports it. ``saves``
+    (set by the replay from the model's saves) are the blocks its stores
+    still read: ``request_blocks_freed`` names them, and
+    ``request_finished_all_groups`` delays the free while there are any.
     """
 
     def __init__(
@@ -183,6 +188,7 @@ class ReplayConnector(KVConnectorBase_V1, SupportsHMA):
         # req_id -> (local hit tokens, load async) of the last lookup.
         self.lookup: dict[str, tuple[int, bool]] = {}
         self.pending: dict[str, tuple[list[int], ...]] = {}
+        self.saves: dict[str, set[int]] = {}
         self.finished_calls: list[str] = []
 
     def get_num_new_matched_tokens(
@@ -216,6 +222,11 @@ class ReplayConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: KVConnectorOutput):
         for req_id in connector_output.finished_recving or ():
             self.pending.pop(req_id, None)
+        for req_id in connector_output.finished_sending or ():
+            self.saves.pop(req_id, None)
+
+    def request_blocks_freed(self, request_id: str, block_ids: list[int]) -> set[int]:
+        return self.saves.get(request_id, set()) & set(block_ids)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         return KVConnectorMetadata()
@@ -227,7 +238,7 @@ class ReplayConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         self.finished_calls.append(request.request_id)
-        return False, None
+        return bool(self.saves.get(request.request_id)), None
 
     def start_load_kv(self, forward_context, **kwargs):
         pass
@@ -372,12 +383,14 @@ class Replay:
         tokens: dict[str, list[int]],
         finished_recving: set[str] | None = None,
         invalid_block_ids: set[int] | None = None,
+        finished_sending: set[str] | None = None,
     ) -> ModelRunnerOutput:
         ids = list(tokens)
         kv = None
-        if finished_recving or invalid_block_ids:
+        if finished_recving or invalid_block_ids or finished_sending:
             kv = KVConnectorOutput(
                 finished_recving=finished_recving,
+                finished_sending=finished_sending,
                 invalid_block_ids=invalid_block_ids or set(),
             )
         return ModelRunnerOutput(
@@ -396,6 +409,21 @@ class Replay:
             SchedulerOutput.make_empty(),
             self.runner_output({}, {r}, invalid_block_ids),
         )
+
+    def save_done(self, r: str) -> None:
+        """The worker reports the end of r's saves (no step in the output)."""
+        self.sched.update_from_output(
+            SchedulerOutput.make_empty(),
+            self.runner_output({}, finished_sending={r}),
+        )
+
+    def mirror_saves(self, state: dict) -> None:
+        """The connector's saves are the model's (through the bijection)."""
+        self.conn.saves = {
+            r: {self.m2r[m] for m in blocks if m in self.m2r}
+            for r, blocks in state["saves"].items()
+            if blocks
+        }
 
     def take_up_load(self, r: str) -> None:
         """The head of schedule()'s waiting loop for a request whose load ended."""
@@ -453,7 +481,10 @@ class Replay:
                 # do it first so the freed blocks can be steered too (the call
                 # in allocate_slots then finds them null and frees nothing).
                 # check_allocation verifies that allocate_slots makes that call.
-                n = request.num_computed_tokens - request.num_output_placeholders
+                n = request.num_computed_tokens - request.num_in_flight_tokens
+                # As allocate_slots: the blocks a save still reads are held.
+                manager = self.sched.kv_cache_manager
+                manager._hold_blocks(r, manager.coordinator.get_skipped_blocks(r, n))
                 self.skipped_spy.free_now(r, n)
                 self.expect_skipped_free = (r, n)
             order = [m for g in GROUPS for m in ev["blocks"][g]]
@@ -518,10 +549,8 @@ class Replay:
         r = ev["req"]
         if r not in self.conn.pending:
             raise Mismatch(f"the connector has no load of {r} in flight")
-        if ev["act"] == "FinishLoad" and before["status"][r] == "finishing":
-            raise Stop(STOP_SAVE, "FinishLoad of a finished request kept for a save")
         self.transfer_done(r)
-        if ev["act"] == "FinishLoad":
+        if ev["act"] == "FinishLoad" and before["status"][r] != "finishing":
             self.take_up_load(r)
             computed = self.requests[r].num_computed_tokens
             if computed != after["computed"][r]:
@@ -602,10 +631,15 @@ class Replay:
         before, after = states[k - 1], states[k]
         ev = after["event"]
         act = ev["act"]
+        # A save starts when the step runs (Execute): the connector knows it
+        # when the scheduler processes that step's output.
+        self.mirror_saves(
+            after if act in ("Execute", "Finish", "FinishDelayed") else before
+        )
         if act == "AllocateSlots":
             out = self.allocate(before, ev)
             self.check_allocation(before, after, ev, out)
-        elif act in ("Execute", "Finish"):
+        elif act in ("Execute", "Finish", "FinishDelayed"):
             self.execute(before, ev)
         elif act in ("FinishLoad", "FinishLoadFree"):
             self.finish_load(before, after, ev)
@@ -619,8 +653,8 @@ class Replay:
             self.sched.finish_requests(ev["req"], RequestStatus.FINISHED_ABORTED)
         elif act == "NoAbort":
             pass
-        elif act in ("SaveDone", "FinishDelayed"):
-            raise Stop(STOP_SAVE, act)
+        elif act == "SaveDone":
+            self.save_done(ev["req"])
         else:
             raise KeyError(act)
         return k
@@ -650,6 +684,14 @@ class Replay:
                 problems.append(
                     f"loads {r}: model {sorted(state['loads'][r])}, connector's "
                     f"pending load {loading} as model ids"
+                )
+            held = sorted(
+                self.r2m.get(b.block_id, f"?{b.block_id}")
+                for b in self.sched.kv_cache_manager.held_blocks.get(r, [])
+            )
+            if held != sorted(state["held"][r]):
+                problems.append(
+                    f"held {r}: model {sorted(state['held'][r])}, vLLM {held}"
                 )
             if (r in self.sched.recving_kv_req_ids) != bool(state["loads"][r]):
                 problems.append(
@@ -755,6 +797,8 @@ def model_state(state: dict) -> dict:
         "computed",
         "len",
         "loads",
+        "saves",
+        "held",
     )
     return {k: state[k] for k in keys}
 

@@ -32,16 +32,23 @@ state: Conservation, ExclusiveOwnership, NoTransferRace, RefCount,
 NullPrefix, WindowBound, ExactAdmission, NoPrematurePublish; and one
 property per failure path of stage 03 (issue "stage 03 failure paths"):
 
-| property | kind | checks |
-|---|---|---|
-| `InvalidKVRead` | shared invalid blocks | no scheduled step reads KV that a load failed to write and that no step wrote since |
-| `InFlightRead` | the in-flight fence | no block read or written by a step in flight is free |
-| `InvalidOutput` | failure reported after a later step | no token of a step that read invalid KV is appended or emitted |
-| `StoreHold` | a hold for in-flight stores | every block a store still reads is allocated, in the request's table or held for it |
-| `PlainConnectorBlocks` | connectors without HMA | such a connector loads into real blocks only |
-| `ResumeAfterLoad` | where an async load resumes | the resume point and the external count after a failure come from the loaded tokens |
-| `MambaRejected` | Mamba groups | creating the connector with a Mamba group fails |
-| `Progress` | the stall | with nothing pending outside the scheduler, some step schedules or finishes something |
+- `InvalidKVRead` (shared invalid blocks): no scheduled step reads KV that
+  a load failed to write and that no step wrote since;
+- `InFlightRead` (the in-flight fence): no block that a step in flight of a
+  running request reads or writes is free;
+- `InvalidOutput` (a failure reported after a later step): no token of a
+  step that read invalid KV is appended or emitted;
+- `StoreHold` (the hold for stores): every block a store still reads is
+  allocated, in the request's table or held for it;
+- `PlainConnectorBlocks` (connectors without HMA): such a connector loads
+  into real blocks only;
+- `ResumeAfterLoad` (where an async load resumes): the resume point, and the
+  external count after a failure, come from the loaded tokens;
+- `MambaRejected` (Mamba groups): creating the connector with a Mamba group
+  fails;
+- `Progress` (the stall): nothing scheduled for STALL_STEPS steps while
+  nothing runs, nothing is pending outside the scheduler and other waiting
+  requests hold blocks the first one needs.
 
 CI runs a fixed, derandomized set of examples (100 examples of at most 50
 rules). A larger run with a fresh random seed each time: set
@@ -381,9 +388,7 @@ def make_scheduler(setup: Setup) -> Scheduler:
     groups = make_kv_cache_groups(LAYOUTS[setup.layout], BLOCK_SIZE, setup.window)
     connector_cls = PlainScriptedConnector if setup.plain else ScriptedConnector
     vllm_config = make_vllm_config(setup, connector_cls)
-    assert vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is (
-        setup.plain
-    )
+    assert vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is (setup.plain)
     scheduler_cls = AsyncScheduler if setup.async_scheduling else Scheduler
     scheduler = scheduler_cls(
         vllm_config=vllm_config,
@@ -762,9 +767,7 @@ class Harness:
             group = groups[group_pick % len(groups)]
             self.invalid_block_ids |= set(group[first % len(group) :])
             _note("async load failed")
-            if any(
-                self.pool.blocks[b].ref_cnt > 1 for b in self.invalid_block_ids
-            ):
+            if any(self.pool.blocks[b].ref_cnt > 1 for b in self.invalid_block_ids):
                 _note("load failure on a shared block")
         self.finished_recving.add(req_id)
 
@@ -818,7 +821,9 @@ class Harness:
         out: dict[str, set[int]] = {}
         loads = list(self.connector.pending.items())
         for step in self.in_flight:
-            loads += [(r, load) for r, load in step.sync_loads.items() if self.running(r)]
+            loads += [
+                (r, load) for r, load in step.sync_loads.items() if self.running(r)
+            ]
         for req_id, load in loads:
             out.setdefault(req_id, set()).update(load.all_block_ids())
         for req_id, block_ids in self.connector.saving.items():
@@ -875,7 +880,11 @@ class Harness:
             start = connector.async_load_start[req_id]
             assert request.num_external_computed_tokens == max(
                 0, request.num_computed_tokens - start
-            ), (req_id, request.num_external_computed_tokens, request.num_computed_tokens)
+            ), (
+                req_id,
+                request.num_external_computed_tokens,
+                request.num_computed_tokens,
+            )
 
     def check_conservation(self, tables, held, free) -> None:
         null = self.pool.null_block
