@@ -706,10 +706,15 @@ class Harness:
         self.finished_recving.clear()
         self.finished_sending.clear()
         self.invalid_block_ids.clear()
-        num_output_tokens = {
-            r: scheduler.requests[r].num_output_tokens
+        # A request finished before this output (aborted, its blocks kept for
+        # a delayed free) has no client any more: its tokens reach nobody.
+        step.tainted = {
+            r
             for r in step.tainted
-            if r in scheduler.requests
+            if r in scheduler.requests and not scheduler.requests[r].is_finished()
+        }
+        num_output_tokens = {
+            r: scheduler.requests[r].num_output_tokens for r in step.tainted
         }
         engine_outputs = scheduler.update_from_output(step.output, model_runner_output)
         emitted = {
