@@ -43,6 +43,8 @@ class Config:
     plugin: Path
     vllm_suite: list[str]
     deselected: Path
+    # LMCache's own tests, run in the LMCache tree at the stages that patch it.
+    lmcache_suite: list[str] = field(default_factory=list)
 
     @property
     def build(self) -> Path:
@@ -130,6 +132,7 @@ def load(root: Path | None = None) -> Config:
             plugin=root / env["plugin"],
             vllm_suite=list(suite["vllm"]),
             deselected=root / suite["deselected"],
+            lmcache_suite=list(suite.get("lmcache", [])),
         )
     except (tomllib.TOMLDecodeError, KeyError, TypeError, ValueError) as exc:
         raise HmastackError(
