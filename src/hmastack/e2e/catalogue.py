@@ -1,0 +1,215 @@
+"""What the end-to-end set runs: scenarios, engine settings, expectations.
+
+A scenario's engine-side code is the function of the same name in
+``tests/e2e/hmastack_e2e/scenarios.py``; this module says where it runs (which
+stages, which engine settings, which model), what counts as passing, and whether
+it is in the CI-sized set (``--quick``).
+
+At every stage the connector matches what the stage supports: stages 0-2 run
+with HMA off and the plain connector (``CPUTestConnector``), stages 3 and 4 with
+HMA on and the HMA connector (``CPUTestHMAConnector``, ``SupportsHMA``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+HMA_FROM_STAGE = 3
+# Largest allowed |logprob difference| between a run with the connector and the
+# reference. HMA on vs off differ by ~2e-6 on these models (float32); a group
+# not loaded moves them by > 0.1.
+LOGPROB_TOLERANCE = 1e-4
+BLOCK_SIZE = 16
+WINDOW = 32
+
+
+@dataclass(frozen=True)
+class Engine:
+    """Engine settings shared by the scenarios of one process."""
+
+    name: str
+    pool_layer_blocks: int | None = None  # KV cache pool, in blocks of one layer
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 16
+    async_scheduling: bool = False
+
+
+ENGINES = {
+    e.name: e
+    for e in (
+        Engine("default"),
+        Engine("chunked", max_num_batched_tokens=32),
+        # 4 requests of 19 blocks growing by 6 blocks each: 60 blocks per layer
+        # (60 with HMA off) force preemptions.
+        Engine("tiny-pool", pool_layer_blocks=6 * 60),
+        # the facts file's stall: ~100 blocks, long async loads, small budget
+        Engine("stall", pool_layer_blocks=6 * 100, max_num_batched_tokens=64),
+        # room for 3 requests with a 512-token hit with HMA off
+        Engine("admission", pool_layer_blocks=6 * 110),
+        Engine("async-scheduling", async_scheduling=True),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str  # the engine-side function (dashes for underscores)
+    title: str
+    engine: str = "default"
+    model: str = "gemma-5to1"
+    ci: bool = False
+    # "equal": outputs equal the reference and the cached-token counts match;
+    # "caught": a negative control, the checks must fail (see `caught_by`);
+    # "equal-or-stall": a known engine stall is reported as such
+    expect: str = "equal"
+    caught_by: str | None = None  # "outputs" | "cached tokens" | "window"
+    stages: tuple[int, ...] | None = None  # None: every stage
+    # a known bug of the base that a stage fixes: before `fixed_at` the outputs
+    # must differ (the scenario reproduces it), from `fixed_at` on be equal
+    base_bug: str | None = None
+    fixed_at: int | None = None
+    hma: bool | None = None  # None: on from stage 3 (the stage's connector)
+    # P/D pair: the producer scenario run first in another process
+    producer: str | None = None
+    pythonhashseed: str = "0"
+    checks: tuple[str, ...] = field(default_factory=tuple)
+
+
+SCENARIOS: tuple[Scenario, ...] = (
+    Scenario("sync-load", "synchronous load", ci=True),
+    Scenario("async-load", "asynchronous load (WAITING_FOR_REMOTE_KVS)", ci=True),
+    Scenario("local-then-external", "local prefix-cache hit, then external", ci=True),
+    Scenario("ends-inside-block", "synchronous load ending inside a block"),
+    Scenario(
+        "ends-inside-block-async",
+        "asynchronous load ending inside a block",
+        ci=True,
+        base_bug=(
+            "an asynchronous load that ends inside a block resumes after all the "
+            "block's slots (the tokens after the hit in that block are never "
+            "computed)"
+        ),
+        fixed_at=3,
+    ),
+    Scenario("whole-prompt", "whole prompt loaded, last token recomputed (P/D)"),
+    Scenario(
+        "whole-prompt-async",
+        "whole prompt loaded asynchronously",
+        ci=True,
+    ),
+    Scenario("batch-shared-prefix", "four requests sharing the prefix at once"),
+    Scenario(
+        "load-failure",
+        "load failure (invalid blocks), recompute policy",
+        checks=("load failed",),
+    ),
+    Scenario(
+        "load-failure-async",
+        "asynchronous load failure, recompute policy",
+        ci=True,
+        checks=("load failed",),
+    ),
+    Scenario("chunked-prefill", "chunked prefill (32 tokens per step)", engine="chunked"),
+    Scenario(
+        "preemption",
+        "preemption under a tiny KV cache",
+        engine="tiny-pool",
+        checks=("preempted",),
+    ),
+    Scenario(
+        "memory-window",
+        "1024-token external hit: blocks per group",
+        ci=True,
+        checks=("window",),
+    ),
+    Scenario(
+        "admission",
+        "eight 512-token hits in a pool for three (HMA off)",
+        engine="admission",
+        checks=("admission",),
+    ),
+    Scenario(
+        "admission-hma-off",
+        "as admission, HMA off and the plain connector",
+        engine="admission",
+        hma=False,
+        stages=(3, 4),
+    ),
+    Scenario(
+        "sync-load",
+        "synchronous load, asynchronous scheduling",
+        engine="async-scheduling",
+    ),
+    Scenario("sync-load", "all-sliding-window model (one group)", model="mistral-swa"),
+    Scenario("sync-load", "1:1 sliding/full alternation", model="gemma-1to1"),
+    Scenario("sync-load", "chunked local attention (Llama-4-like)", model="llama4-chunk"),
+    Scenario(
+        "pd-load",
+        "P/D: another process loads what a producer stored",
+        ci=True,
+        producer="pd-store",
+    ),
+    Scenario(
+        "stall",
+        "two long async loads in a tiny pool (known stall)",
+        engine="stall",
+        ci=True,
+        expect="equal-or-stall",
+    ),
+    # --- negative controls: each check must bite ----------------------------------
+    Scenario(
+        "control-skip-group",
+        "control: one KV cache group (HMA off: one layer) not loaded",
+        ci=True,
+        expect="caught",
+        caught_by="outputs",
+    ),
+    Scenario(
+        "pd-load",
+        "control: consumer with another PYTHONHASHSEED finds 0 tokens",
+        ci=True,
+        expect="caught",
+        caught_by="cached tokens",
+        producer="pd-store",
+        pythonhashseed="1",
+    ),
+    Scenario(
+        "memory-window",
+        "control: the base with HMA forced on keeps every external block",
+        expect="caught",
+        caught_by="window",
+        hma=True,
+        stages=(0,),
+        checks=("window",),
+    ),
+)
+
+
+def scenario_id(s: Scenario) -> str:
+    """A scenario's unique name in the report: the function, plus what differs."""
+    parts = [s.name]
+    if s.model != "gemma-5to1":
+        parts.append(s.model)
+    if s.engine not in ("default",) and s.engine not in s.name:
+        parts.append(s.engine)
+    if s.pythonhashseed != "0":
+        parts.append(f"hashseed-{s.pythonhashseed}")
+    if s.hma is True:
+        parts.append("hma-forced")
+    return "/".join(parts)
+
+
+def selected(quick: bool) -> list[Scenario]:
+    return [s for s in SCENARIOS if s.ci or not quick]
+
+
+def hma_at(s: Scenario, stage: int) -> bool:
+    return s.hma if s.hma is not None else stage >= HMA_FROM_STAGE
+
+
+def connector_at(s: Scenario, stage: int) -> str:
+    return "hma" if hma_at(s, stage) else "plain"
+
+
+def runs_at(s: Scenario, stage: int) -> bool:
+    return s.stages is None or stage in s.stages
