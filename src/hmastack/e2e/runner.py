@@ -106,11 +106,12 @@ def plan_stage(stage: int, scenarios: list[cat.Scenario]) -> list[Process]:
                 wave=1,
             )
         else:
-            key = ("run", s.model, s.engine, hma, conn)
+            key = ("run", s.model, s.engine, hma, conn, s.name if s.isolated else "")
+            suffix = f"-{s.name}" if s.isolated else ""
             proc = procs.setdefault(
                 key,
                 Process(
-                    f"{s.model}-{s.engine}-{'hma' if hma else 'nohma'}-{conn}",
+                    f"{s.model}-{s.engine}-{'hma' if hma else 'nohma'}-{conn}{suffix}",
                     stage,
                     s.model,
                     hma,
@@ -178,9 +179,13 @@ def run_process(
     out_file = workdir / f"{proc.name}.out.json"
     log_file = workdir / f"{proc.name}.log"
     out_file.unlink(missing_ok=True)
-    plan_file.write_text(
-        json.dumps(proc.plan(models / proc.model, workdir / "store"), indent=1)
+    # One store per process; a P/D pair shares the producer's.
+    store = (
+        workdir
+        / "store"
+        / (f"pd-{proc.model}-{proc.hma}" if proc.namespace == "pd" else proc.name)
     )
+    plan_file.write_text(json.dumps(proc.plan(models / proc.model, store), indent=1))
     env = {**os.environ, **engine_environ(e2e, trees, support, proc.pythonhashseed)}
     timeout = PROCESS_TIMEOUT + SCENARIO_TIMEOUT * len(proc.functions)
     start = time.monotonic()
@@ -314,34 +319,20 @@ def judge_stage(
 ) -> list[Verdict]:
     """The verdicts of one stage from its finished processes (pure)."""
 
-    def find(pred: Callable[[Process], bool]) -> Process | None:
-        return next((p for p in procs if pred(p)), None)
-
     verdicts = []
     for s in scenarios:
         if not cat.runs_at(s, stage):
             continue
         hma = cat.hma_at(s, stage)
         conn = cat.connector_at(s, stage)
-        if s.producer:
-            proc = find(
-                lambda p: p.wave == 1
-                and p.functions == [s.name]
-                and p.model == s.model
-                and p.hma == hma
-                and p.pythonhashseed == s.pythonhashseed
-            )
-        else:
-            proc = find(
-                lambda p: p.connector == conn
-                and p.model == s.model
-                and p.engine.name == s.engine
-                and p.hma == hma
-                and p.wave == 0
-                and s.name in p.functions
-            )
-        ref = find(
-            lambda p: p.connector is None and p.model == s.model and p.hma == hma
+        proc = next((p for p in procs if _runs(p, s, hma, conn)), None)
+        ref = next(
+            (
+                p
+                for p in procs
+                if p.connector is None and p.model == s.model and p.hma == hma
+            ),
+            None,
         )
         run_entry = None
         if proc is not None:
@@ -365,11 +356,25 @@ def judge_stage(
     return verdicts
 
 
+def _runs(p: Process, s: cat.Scenario, hma: bool, conn: str) -> bool:
+    """Whether process ``p`` ran scenario ``s`` with the connector (not the
+    reference, not a P/D producer)."""
+    if p.connector != conn or p.model != s.model or p.hma != hma:
+        return False
+    if s.producer:
+        return (
+            p.wave == 1
+            and p.functions == [s.name]
+            and p.pythonhashseed == s.pythonhashseed
+        )
+    return p.wave == 0 and p.engine.name == s.engine and s.name in p.functions
+
+
 def _admission(verdicts: list[Verdict]) -> None:
     """With HMA on, more long-prefix requests run at once than with HMA off in
     the same memory (both runs at the same stage)."""
     on = next((v for v in verdicts if v.scenario == "admission" and v.hma), None)
-    off = next((v for v in verdicts if v.scenario == "admission-hma-off"), None)
+    off = next((v for v in verdicts if v.scenario == "admission/hma-off"), None)
     if on is None or off is None:
         return
     ok = admission_check(on, off)

@@ -165,6 +165,11 @@ def page(report_path: Path) -> str:
                 ],
             )
         )
+    from hmastack.e2e.catalogue import UNSUPPORTED
+
+    out.append("## Not run on the CPU engine\n")
+    out += [f"- **{what}**: {why}" for what, why in UNSUPPORTED.items()]
+    out.append("")
     bugs = {
         v["detail"]
         for v in report["verdicts"]

@@ -38,6 +38,7 @@ Per-request behaviour comes from ``kv_transfer_params`` (``SamplingParams.extra_
 ``load_delay_steps``    async: the load completes after this many worker steps
 ``max_hit_tokens``      cap on the external hit (a hit may end inside a block)
 ``fail_positions``      block positions whose load fails (reported as invalid)
+``fail_times``          how many load attempts of the request fail (default 1)
 ``save``                store this request's prompt blocks (default true)
 ``delay_free_steps``    keep the blocks this many steps after the request ends
 ``namespace``           the store's subfolder (default ``default``)
@@ -61,7 +62,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -98,6 +98,7 @@ class LoadSpec:
     is_async: bool
     delay_steps: int = 0
     fail_positions: list[int] = field(default_factory=list)
+    fail_times: int = 1
     skip_group: int | None = None
     skip_layer: int | None = None
 
@@ -113,9 +114,7 @@ class TestConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     # req_id -> (steps to keep, block ids per group) for delayed frees
-    delayed_frees: dict[str, tuple[int, list[list[int]]]] = field(
-        default_factory=dict
-    )
+    delayed_frees: dict[str, tuple[int, list[list[int]]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -163,6 +162,7 @@ class CPUTestConnector(KVConnectorBase_V1):
         self._async_loads: list[LoadSpec] = []
         self._invalid: set[int] = set()
         self._held: dict[str, list] = {}  # req_id -> [steps left, blocks, digest]
+        self._failed_attempts: dict[str, int] = {}
         INSTANCES.add(self)
 
     # --- helpers -----------------------------------------------------------------
@@ -228,6 +228,7 @@ class CPUTestConnector(KVConnectorBase_V1):
                 is_async=params.get("load", "sync") == "async",
                 delay_steps=int(params.get("load_delay_steps", 0)),
                 fail_positions=[int(x) for x in params.get("fail_positions", [])],
+                fail_times=int(params.get("fail_times", 1)),
                 skip_group=params.get("skip_group"),
                 skip_layer=params.get("skip_layer"),
             )
@@ -253,7 +254,7 @@ class CPUTestConnector(KVConnectorBase_V1):
             if req_id in cached.resumed_req_ids and new_ids is not None:
                 self._tables[req_id] = [list(t) for t in new_ids]
             elif new_ids is not None and req_id in self._tables:
-                for table, ids in zip(self._tables[req_id], new_ids):
+                for table, ids in zip(self._tables[req_id], new_ids, strict=False):
                     table.extend(ids)
             self._add_save(
                 meta,
@@ -331,8 +332,12 @@ class CPUTestConnector(KVConnectorBase_V1):
         nulls = self.stats.null_blocks_skipped_per_group.setdefault(
             spec.req_id, [0] * len(self.groups)
         )
+        attempt = self._failed_attempts.get(spec.req_id, 0)
+        fail = [p for p in spec.fail_positions if attempt < spec.fail_times]
+        if fail:
+            self._failed_attempts[spec.req_id] = attempt + 1
         for copy in spec.blocks:
-            if copy.position in spec.fail_positions:
+            if copy.position in fail:
                 failed = [b for b in copy.block_ids if b != NULL_BLOCK]
                 self._invalid.update(failed)
                 self.stats.failed_loads.setdefault(spec.req_id, []).extend(failed)

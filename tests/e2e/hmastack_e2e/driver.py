@@ -102,9 +102,9 @@ def main(argv: list[str]) -> int:
             entry["outcome"] = "error"
             entry["detail"] = traceback.format_exc()
         entry["observation"] = asdict(obs)
-        req_ids = {
-            r for r in session.scheduler.requests
-        } | _ids_since(session, first_id)
+        req_ids = {r for r in session.scheduler.requests} | _ids_since(
+            session, first_id
+        )
         if plan.connector in ("plain", "hma"):
             entry["connector"], seen = _connector_view(req_ids, seen)
         entry["seconds"] = round(time.monotonic() - t0, 2)

@@ -269,11 +269,19 @@ class Session:
         for req_id, request in sched.requests.items():
             obs.preemptions = max(obs.preemptions, request.num_preemptions)
             blocks = self.real_blocks(req_id)
-            total = blocks if total is None else [a + b for a, b in zip(total, blocks)]
+            total = (
+                blocks
+                if total is None
+                else [a + b for a, b in zip(total, blocks, strict=False)]
+            )
             if req_id in ids:
                 key = ids[req_id][0]
                 peak = obs.peak_blocks.get(key, [0] * len(blocks))
-                obs.peak_blocks[key] = [max(a, b) for a, b in zip(peak, blocks)]
+                obs.peak_blocks[key] = [
+                    max(a, b) for a, b in zip(peak, blocks, strict=False)
+                ]
         if total is not None:
             peak = obs.peak_total_blocks or [0] * len(total)
-            obs.peak_total_blocks = [max(a, b) for a, b in zip(peak, total)]
+            obs.peak_total_blocks = [
+                max(a, b) for a, b in zip(peak, total, strict=False)
+            ]

@@ -235,7 +235,11 @@ def main(argv: list[str]) -> int:
     names = argv[1:] or list(MODELS)
     for name in names:
         write_model(name, out / name)
-        tail = WINDOW + 8 if MODELS[name].sliding_layers == MODELS[name].num_layers else 4 * WINDOW
+        tail = (
+            WINDOW + 8
+            if MODELS[name].sliding_layers == MODELS[name].num_layers
+            else 4 * WINDOW
+        )
         print(name, json.dumps(check_context_dependence(out / name, tail)))
     return 0
 

@@ -113,7 +113,9 @@ def ends_inside_block(s: Session, c: bool, obs: Observation):
     a = _prefix() + _p(201, 40)
     b = _prefix() + _p(202, 40)
     out = _store(s, [("store-a", a)], c)
-    return out + s.run(_load([("hit-b", b, 200)], c, max_hit_tokens=200), observation=obs)
+    return out + s.run(
+        _load([("hit-b", b, 200)], c, max_hit_tokens=200), observation=obs
+    )
 
 
 @scenario
@@ -149,13 +151,15 @@ def batch_shared_prefix(s: Session, c: bool, obs: Observation):
     """Four requests with the stored prefix and different suffixes, together."""
     a = _prefix() + _p(201, 40)
     out = _store(s, [("store-a", a)], c)
-    rows = [(f"batch-{i}", _prefix() + _p(210 + i, 24 + 8 * i), PREFIX) for i in range(4)]
+    rows = [
+        (f"batch-{i}", _prefix() + _p(210 + i, 24 + 8 * i), PREFIX) for i in range(4)
+    ]
     return out + s.run(_load(rows, c), observation=obs)
 
 
 @scenario
 def load_failure(s: Session, c: bool, obs: Observation):
-    """The load of block position 6 fails (invalid blocks); the engine
+    """The first load of block position 6 fails (invalid blocks); the engine
     recomputes (kv_load_failure_policy=recompute). The cached-token count is
     not checked: the engine reports what it scheduled first."""
     a = _prefix() + _p(201, 40)
@@ -176,6 +180,19 @@ def load_failure_async(s: Session, c: bool, obs: Observation):
 
 
 @scenario
+def load_failure_persistent(s: Session, c: bool, obs: Observation):
+    """A connector whose load of block position 6 fails at every attempt
+    while its lookup keeps offering the hit (asynchronous load)."""
+    a = _prefix() + _p(201, 40)
+    b = _prefix() + _p(202, 40)
+    out = _store(s, [("store-a", a)], c)
+    rows = _load(
+        [("fail-b", b, None)], c, load="async", fail_positions=[6], fail_times=10**6
+    )
+    return out + s.run(rows, observation=obs)
+
+
+@scenario
 def chunked_prefill(s: Session, c: bool, obs: Observation):
     """With a token budget of 32 per step: the stored prompt is computed in
     chunks (saved across steps), the loading one computes its 104 new tokens in
@@ -188,12 +205,15 @@ def chunked_prefill(s: Session, c: bool, obs: Observation):
 
 @scenario
 def preemption(s: Session, c: bool, obs: Observation):
-    """Four requests with a 256-token external hit and 96 generated tokens in
-    a pool too small for all of them: some are preempted (and their prefix
-    loaded again when they resume)."""
-    a = _prefix() + _p(201, 40)
-    out = _store(s, [("store-a", a)], c)
-    rows = [(f"pre-{i}", _prefix() + _p(220 + i, 40), PREFIX) for i in range(4)]
+    """Four requests, each with its own stored 256-token prefix (no sharing),
+    a 256-token external hit and 96 generated tokens, in a pool too small for
+    all of them: some are preempted (and load their prefix again on resume)."""
+    prompts = [_p(300 + i, PREFIX) + _p(220 + i, 40) for i in range(4)]
+    out = _store(s, [(f"store-{i}", t) for i, t in enumerate(prompts)], c)
+    rows = [
+        (f"pre-{i}", t[:PREFIX] + _p(320 + i, 40), PREFIX)
+        for i, t in enumerate(prompts)
+    ]
     return out + s.run(_load(rows, c), max_tokens=96, observation=obs)
 
 
@@ -212,21 +232,25 @@ def memory_window(s: Session, c: bool, obs: Observation):
 
 @scenario
 def admission(s: Session, c: bool, obs: Observation):
-    """Eight requests with a 512-token external hit each, in a pool sized for
-    a few: how many run at once is recorded."""
-    a = _prefix(512) + _p(207, 40)
-    out = _store(s, [("store-512", a)], c)
-    rows = [(f"adm-{i}", _prefix(512) + _p(230 + i, 40), 512) for i in range(8)]
+    """Eight requests, each with its own stored 512-token prefix and a
+    512-token external hit, in a pool sized for three with HMA off: how many
+    run at once is recorded."""
+    prompts = [_p(400 + i, 512) + _p(230 + i, 40) for i in range(8)]
+    out = _store(s, [(f"store-{i}", t) for i, t in enumerate(prompts)], c)
+    rows = [(f"adm-{i}", t[:512] + _p(430 + i, 40), 512) for i, t in enumerate(prompts)]
     return out + s.run(_load(rows, c), max_tokens=4, observation=obs)
 
 
 @scenario
 def stall(s: Session, c: bool, obs: Observation):
-    """Two long asynchronous loads (640 tokens each) in a tiny pool with a
-    small token budget (the facts file's stall)."""
-    a = _prefix(640) + _p(208, 40)
-    out = _store(s, [("store-640", a)], c)
-    rows = [(f"stall-{i}", _prefix(640) + _p(240 + i, 40), 640) for i in range(3)]
+    """Two asynchronous loads of 752 tokens (47 blocks) each, with their own
+    prefixes, then 128 new tokens each, in a pool of ~100 blocks (HMA off) and
+    a budget of 128 tokens per step (the facts file's stall)."""
+    prompts = [_p(500 + i, 752) + _p(240 + i, 128) for i in range(2)]
+    out = _store(s, [(f"store-{i}", t) for i, t in enumerate(prompts)], c)
+    rows = [
+        (f"stall-{i}", t[:752] + _p(540 + i, 128), 752) for i, t in enumerate(prompts)
+    ]
     return out + s.run(_load(rows, c, load="async"), max_tokens=16, observation=obs)
 
 
@@ -260,6 +284,8 @@ def pd_load(s: Session, c: bool, obs: Observation):
     b = _prefix() + _p(202, 40)
     a = _prefix() + _p(201, 40)
     return s.run(
-        _load([("pd-b", b, _stored_prompt_hit(b)), ("pd-a2", a, _stored_prompt_hit(a))], c),
+        _load(
+            [("pd-b", b, _stored_prompt_hit(b)), ("pd-a2", a, _stored_prompt_hit(a))], c
+        ),
         observation=obs,
     )
