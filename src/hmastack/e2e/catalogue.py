@@ -38,6 +38,9 @@ class Engine:
 
     name: str
     pool_layer_blocks: int | None = None  # KV cache pool, in blocks of one layer
+    # with HMA on, if it needs another pool for the same effect (the series
+    # needs far fewer blocks per request)
+    pool_layer_blocks_hma: int | None = None
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 16
     async_scheduling: bool = False
@@ -49,8 +52,11 @@ ENGINES = {
         Engine("default"),
         Engine("chunked", max_num_batched_tokens=32),
         # 4 requests with their own 256-token prefix, 19 blocks each and growing
-        # by 6: 60 blocks (HMA off) force preemptions.
-        Engine("tiny-pool", pool_layer_blocks=6 * 60),
+        # by 6: 60 blocks (HMA off) force preemptions. With HMA on a request
+        # holds ~25 full-attention blocks and ~3 per sliding-window group:
+        # 150 blocks of one layer (a quarter of that memory) admit all four,
+        # then force preemptions as they grow.
+        Engine("tiny-pool", pool_layer_blocks=6 * 60, pool_layer_blocks_hma=150),
         # the facts file's stall: ~100 blocks (HMA off), two async loads of 47
         # blocks each, then 128 new tokens each (8 blocks) with 5 blocks free
         Engine("stall", pool_layer_blocks=6 * 100, max_num_batched_tokens=128),

@@ -61,7 +61,9 @@ class Process:
             "connector": self.connector,
             "hma": self.hma,
             "store_dir": str(store) if self.connector else None,
-            "pool_layer_blocks": self.engine.pool_layer_blocks,
+            "pool_layer_blocks": self.engine.pool_layer_blocks_hma
+            if self.hma and self.engine.pool_layer_blocks_hma is not None
+            else self.engine.pool_layer_blocks,
             "max_num_batched_tokens": self.engine.max_num_batched_tokens,
             "max_num_seqs": self.engine.max_num_seqs,
             "async_scheduling": self.engine.async_scheduling,
@@ -150,6 +152,9 @@ def engine_environ(
         ),
         "PYTHONHASHSEED": seed,
         "TORCH_COMPILE_DISABLE": "1",
+        # vLLM 0.13.0 turns HMA off for chunked local attention unless this is
+        # set (a latency concern on GPU); the Llama-4-like model needs it on.
+        "VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE": "1",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
