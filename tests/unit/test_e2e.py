@@ -337,3 +337,14 @@ def test_page_tables(tmp_path):
     table = site.result_table(report)
     assert "| `sync-load` | t | ✓ equal · 0.0e+00 · 256/256 |" in table
     assert "caught ✓" in site.controls_table(report)
+
+
+def test_reports_of_single_stages_merge():
+    old = {"quick": False, "stages": [0, 3], "runs": [{"stage": 0}, {"stage": 3}],
+           "verdicts": [{"stage": 0, "x": 1}, {"stage": 3, "x": "old"}]}  # fmt: skip
+    new = {"quick": False, "stages": [3], "runs": [{"stage": 3}],
+           "verdicts": [{"stage": 3, "x": "new"}]}  # fmt: skip
+    merged = runner.merge_report(old, new)
+    assert merged["stages"] == [0, 3]
+    assert merged["verdicts"] == [{"stage": 0, "x": 1}, {"stage": 3, "x": "new"}]
+    assert runner.merge_report({**old, "quick": True}, new) == new

@@ -410,26 +410,57 @@ def run_e2e(
         n = sum(1 for s in scenarios if cat.runs_at(s, k))
         with step(f"stage {k}: {n} scenarios in engine processes ({jobs} at once)"):
             runs.append(run_stage(cfg, e2e, k, trees, scenarios, jobs, models))
-    report = {
-        "generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "quick": quick,
-        "stages": stages,
-        "tolerance": cat.LOGPROB_TOLERANCE,
-        "seconds": round(time.monotonic() - start, 1),
-        "runs": [
-            {
-                "stage": r.stage,
-                "seconds": round(r.seconds, 1),
-                "processes": r.processes,
-            }
-            for r in runs
-        ],
-        "verdicts": [v.to_json() for r in runs for v in r.verdicts],
-    }
     path = cfg.reports / REPORT
+    report = merge_report(
+        _previous(path),
+        {
+            "generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "quick": quick,
+            "stages": stages,
+            "tolerance": cat.LOGPROB_TOLERANCE,
+            "seconds": round(time.monotonic() - start, 1),
+            "runs": [
+                {
+                    "stage": r.stage,
+                    "seconds": round(r.seconds, 1),
+                    "processes": r.processes,
+                }
+                for r in runs
+            ],
+            "verdicts": [v.to_json() for r in runs for v in r.verdicts],
+        },
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1) + "\n")
     return report
+
+
+def _previous(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def merge_report(previous: dict | None, new: dict) -> dict:
+    """``new`` plus the stages of ``previous`` it did not run (same set only:
+    a quick report never mixes with a full one). ``seconds`` stays this run's."""
+    if not previous or previous.get("quick") != new["quick"]:
+        return new
+    kept = [k for k in previous.get("stages", []) if k not in new["stages"]]
+    return {
+        **new,
+        "stages": sorted(kept + new["stages"]),
+        "runs": sorted(
+            [r for r in previous.get("runs", []) if r["stage"] in kept] + new["runs"],
+            key=lambda r: r["stage"],
+        ),
+        "verdicts": sorted(
+            [v for v in previous.get("verdicts", []) if v["stage"] in kept]
+            + new["verdicts"],
+            key=lambda v: v["stage"],
+        ),
+    }
 
 
 def failures(report: dict) -> list[str]:
