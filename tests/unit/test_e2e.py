@@ -203,15 +203,21 @@ def test_every_catalogued_scenario_exists_engine_side(monkeypatch):
 def test_plan_stage_processes():
     procs = runner.plan_stage(3, cat.selected(quick=True))
     refs = [p for p in procs if p.connector is None]
-    assert {(p.model, p.hma) for p in refs} == {("gemma-5to1", True)}
-    assert all(p.connector == "hma" for p in procs if p.connector)
+    # LMCache 0.3.11 (stages 0-3) keeps HMA off: its reference too
+    assert {(p.model, p.hma) for p in refs} == {
+        ("gemma-5to1", True),
+        ("gemma-5to1", False),
+    }
+    assert {p.connector for p in procs if p.connector} == {"hma", "lmcache"}
+    assert not any(p.hma for p in procs if p.connector == "lmcache")
+    assert all(p.hma for p in runner.plan_stage(4, cat.selected(True)) if p.connector)
     consumers = [p for p in procs if p.wave == 1]
     assert sorted(p.pythonhashseed for p in consumers) == ["0", "1"]
     assert [p.functions for p in procs if "pd-store" in p.functions] == [["pd-store"]]
     stall = [p for p in procs if p.connector and "stall" in p.functions]
     assert stall and stall[0].functions == ["stall"]  # isolated
     base = runner.plan_stage(0, cat.selected(quick=True))
-    assert all(p.connector in (None, "plain") for p in base)
+    assert all(p.connector in (None, "plain", "lmcache") for p in base)
     assert not any(p.hma for p in base)
 
 

@@ -91,6 +91,9 @@ class Scenario:
     # its own engine process: it may stall the engine (the scenarios after it
     # in a shared process would not run)
     isolated: bool = False
+    # None: the stage's test connector; "lmcache": vLLM's LMCacheConnectorV1
+    # with the stage's LMCache tree (HMA on only where both support it: stage 4)
+    connector: str | None = None
 
 
 SCENARIOS: tuple[Scenario, ...] = (
@@ -184,7 +187,23 @@ SCENARIOS: tuple[Scenario, ...] = (
         expect="equal-or-stall",
         isolated=True,
     ),
+    Scenario(
+        "lmcache-load",
+        "LMCache's own storage path (adapter, engine, local CPU backend)",
+        connector="lmcache",
+        ci=True,
+        isolated=True,
+    ),
     # --- negative controls: each check must bite ----------------------------------
+    Scenario(
+        "control-lmcache-skip-layer",
+        "control: LMCache's load leaves one layer of each group unwritten",
+        connector="lmcache",
+        ci=True,
+        isolated=True,
+        expect="caught",
+        caught_by="outputs",
+    ),
     Scenario(
         "control-skip-group",
         "control: one KV cache group (HMA off: one layer) not loaded",
@@ -233,11 +252,20 @@ def selected(quick: bool) -> list[Scenario]:
     return [s for s in SCENARIOS if s.ci or not quick]
 
 
+LMCACHE_HMA_FROM_STAGE = 4
+
+
 def hma_at(s: Scenario, stage: int) -> bool:
-    return s.hma if s.hma is not None else stage >= HMA_FROM_STAGE
+    if s.hma is not None:
+        return s.hma
+    if s.connector == "lmcache":
+        return stage >= LMCACHE_HMA_FROM_STAGE
+    return stage >= HMA_FROM_STAGE
 
 
 def connector_at(s: Scenario, stage: int) -> str:
+    if s.connector is not None:
+        return s.connector
     return "hma" if hma_at(s, stage) else "plain"
 
 

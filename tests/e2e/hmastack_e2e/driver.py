@@ -107,6 +107,10 @@ def main(argv: list[str]) -> int:
         )
         if plan.connector in ("plain", "hma"):
             entry["connector"], seen = _connector_view(req_ids, seen)
+        elif plan.connector == "lmcache":
+            from hmastack_e2e import lmcache_cpu
+
+            entry["connector"] = {"lmcache_copies": dict(lmcache_cpu.COPIES)}
         entry["seconds"] = round(time.monotonic() - t0, 2)
         result["scenarios"][name] = entry
         out_path.write_text(json.dumps(result, indent=1))

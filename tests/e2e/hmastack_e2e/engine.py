@@ -198,7 +198,7 @@ class Session:
             req_id = f"{key}#{self._next_id}"
             self._next_id += 1
             ids[req_id] = (key, tokens, params, expected)
-            if params is not None:
+            if params is not None and self.plan.connector in ("plain", "hma"):
                 params = {"namespace": self.namespace, **params}
             extra = {"kv_transfer_params": params} if params else None
             sampling = SamplingParams(

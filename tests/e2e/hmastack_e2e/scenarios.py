@@ -289,3 +289,33 @@ def pd_load(s: Session, c: bool, obs: Observation):
         ),
         observation=obs,
     )
+
+
+@scenario
+def lmcache_load(s: Session, c: bool, obs: Observation):
+    """LMCache's own path (chunks of 256 tokens, local CPU backend): a prompt
+    is stored during its steps; after the local prefix cache is emptied, two
+    prompts sharing its first chunk load it (256 tokens each)."""
+    a = _prefix() + _p(201, 40)
+    b = _prefix() + _p(202, 40)
+    out = s.run([("store-a", a, None, 0)])
+    s.reset_prefix_cache()
+    return out + s.run(
+        [
+            ("hit-b", b, None, PREFIX if c else None),
+            ("hit-a", a, None, PREFIX if c else None),
+        ],
+        observation=obs,
+    )
+
+
+@scenario
+def control_lmcache_skip_layer(s: Session, c: bool, obs: Observation):
+    """Negative control: as lmcache-load, but the copy into vLLM's KV cache
+    leaves the first layer of every copy call (of every KV cache group)
+    unwritten. Must be caught as not equal."""
+    if c:
+        from hmastack_e2e import lmcache_cpu
+
+        lmcache_cpu.SKIP_LAYER = 0
+    return lmcache_load(s, c, obs)
