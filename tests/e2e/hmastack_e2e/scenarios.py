@@ -319,3 +319,15 @@ def control_lmcache_skip_layer(s: Session, c: bool, obs: Observation):
 
         lmcache_cpu.SKIP_LAYER = 0
     return lmcache_load(s, c, obs)
+
+
+SERVER_PROMPT = 296
+
+
+@scenario
+def server_smoke(s: Session, c: bool, obs: Observation):
+    """The reference of the server smoke test (``server.py``): the same
+    prompt twice in-process. With a connector the driver runs ``vllm serve``
+    instead of this function."""
+    a = _prefix() + _p(201, SERVER_PROMPT - PREFIX)
+    return s.run([("first", a, None, None)]) + s.run([("second", a, None, None)])
