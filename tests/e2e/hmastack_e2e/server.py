@@ -113,7 +113,11 @@ def run(plan, prompt: list[int], log: Path) -> list[dict]:
                         "prompt_len": len(prompt),
                         "tokens": list(choice.token_ids or []),
                         "logprobs": [],
-                        "num_cached_tokens": details.cached_tokens if details else None,
+                        # vLLM leaves prompt_tokens_details out when nothing
+                        # was cached
+                        "num_cached_tokens": (details.cached_tokens or 0)
+                        if details
+                        else 0,
                         "expected_cached": expected,
                         "kv_transfer_params": None,
                         # the server returns logprobs as token strings, and
