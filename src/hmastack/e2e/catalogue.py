@@ -91,6 +91,8 @@ class Scenario:
     # its own engine process: it may stall the engine (the scenarios after it
     # in a shared process would not run)
     isolated: bool = False
+    # what a stall or failure of this scenario means (shown on the page)
+    note: str | None = None
     # None: the stage's test connector; "lmcache": vLLM's LMCacheConnectorV1
     # with the stage's LMCache tree (HMA on only where both support it: stage 4)
     connector: str | None = None
@@ -139,6 +141,14 @@ SCENARIOS: tuple[Scenario, ...] = (
         checks=("load failed",),
         isolated=True,
         expect="equal-or-stall",
+        note=(
+            "from stage 3 on, a request whose asynchronous load failed in a model "
+            "with sliding-window groups is recomputed from token 0 "
+            "(can_recompute_from), so it asks the connector again; a connector "
+            "that offers the same hit and fails again makes it loop in "
+            "WAITING_FOR_REMOTE_KVS for ever (the base recomputes from the failed "
+            "block and finishes)"
+        ),
     ),
     Scenario(
         "chunked-prefill", "chunked prefill (32 tokens per step)", engine="chunked"
@@ -157,7 +167,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     ),
     Scenario(
         "admission",
-        "eight 512-token hits in a pool for three (HMA off)",
+        "eight 512-token hits in a pool that holds three with HMA off",
         engine="admission",
         checks=("admission",),
     ),
@@ -186,6 +196,12 @@ SCENARIOS: tuple[Scenario, ...] = (
         ci=True,
         expect="equal-or-stall",
         isolated=True,
+        note=(
+            "base bug: two requests back from their asynchronous loads wait in "
+            "WAITING holding 94 of 99 blocks, each needs 8 more for its next chunk, "
+            "none runs, so none frees: the engine stalls (stages 0-2); from stage 3 "
+            "the same memory holds both (sliding-window groups keep ~3 blocks)"
+        ),
     ),
     Scenario(
         "server-smoke",

@@ -152,6 +152,8 @@ def judge(
     if outcome in ("stall", "error", "hang", "not run"):
         v.outcome = outcome
         v.detail = str(run.get("detail", ""))[-2000:]
+        if outcome == "stall" and s.note:
+            v.detail = f"{s.note} ({v.detail})"
         v.passed = outcome == "stall" and s.expect == "equal-or-stall"
         return v
     if reference is None or reference.get("outcome") != "ran":
