@@ -60,6 +60,15 @@ ENGINES = {
         # the facts file's stall: ~100 blocks (HMA off), two async loads of 47
         # blocks each, then 128 new tokens each (8 blocks) with 5 blocks free
         Engine("stall", pool_layer_blocks=6 * 100, max_num_batched_tokens=128),
+        # the same with HMA on in a pool that its loads nearly fill too: 125
+        # blocks of one layer hold both loads (47 + 5 x 2 blocks each) with 10
+        # free, each then needs 8 blocks per group for its 128 new tokens
+        Engine(
+            "stall-tight",
+            pool_layer_blocks=6 * 100,
+            pool_layer_blocks_hma=125,
+            max_num_batched_tokens=128,
+        ),
         # room for 3 requests with a 512-token hit with HMA off
         Engine("admission", pool_layer_blocks=6 * 110),
     )
@@ -216,6 +225,20 @@ SCENARIOS: tuple[Scenario, ...] = (
         connector="lmcache",
         ci=True,
         isolated=True,
+    ),
+    Scenario(
+        "stall",
+        "as stall, the pool nearly filled by the loads with HMA on too",
+        engine="stall-tight",
+        ci=True,
+        expect="equal-or-stall",
+        isolated=True,
+        stages=(3, 4),
+        note=(
+            "stages 3-4: two requests back from their asynchronous loads wait "
+            "holding 114 of 124 blocks, each needs 48 more (8 per group) for its "
+            "next chunk: the engine stalls as the base does (facts file)"
+        ),
     ),
     # --- negative controls: each check must bite ----------------------------------
     Scenario(
