@@ -847,6 +847,8 @@ def bench_page(cfg: Config, site: Site) -> str:
 
 def generate(cfg: Config, docs_dir: Path | None = None) -> Site:
     """Every generated page, asset and marker block, and the nav."""
+    from hmastack.e2e import site as e2e_site  # it uses md_table from here
+
     docs_dir = docs_dir or cfg.root / "docs"
     stages = load_stages(cfg)
     report = site_reports.load_stage_report(cfg)
@@ -855,6 +857,7 @@ def generate(cfg: Config, docs_dir: Path | None = None) -> Site:
         site.pages[s.page] = stage_page(cfg, s, stages, report)
     site.pages["model-results.md"] = model_page(cfg)
     site.pages["benchmarks.md"] = bench_page(cfg, site)
+    site.pages[e2e_site.PAGE] = e2e_site.page(cfg.reports / "e2e.json")
     site.assets["assets/regions.svg"] = site_svg.regions_svg().encode()
     site.blocks = {
         "series-table": series_table(stages, report),
@@ -890,6 +893,7 @@ def generate(cfg: Config, docs_dir: Path | None = None) -> Site:
         {"Stages": [{f"{s.stage.number:02d} {s.stage.slug}": s.page} for s in stages]}
     )
     nav.append({"Benchmarks": "benchmarks.md"})
+    nav.append({"End to end": e2e_site.PAGE})
     for title, page in (
         ("Apply the stack", "apply.md"),
         ("Reviewer checklist", "checklist.md"),
