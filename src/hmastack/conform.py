@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -207,20 +206,16 @@ class SuiteRun:
         return self.failed == 0 and self.passed > 0
 
 
-def _first_failure(output: str) -> str:
-    match = re.search(r"^(?:FAILED|ERROR) (\S+)(?: - (.*))?$", output, flags=re.M)
-    if not match:
+def _first_failure(ran: matrix.PytestResult) -> str:
+    """``test_name: message`` of the first failed test of ``ran`` (its JUnit
+    message: the exception that ended it, e.g. the property the random test
+    names), at most 300 characters; empty when nothing failed."""
+    if not ran.failures:
         return ""
-    test = match.group(1).rpartition("/")[2]
-    message = match.group(2)
-    if not message:
-        # pytest -q leaves it out: the last exception line of the traceback (a
-        # chained exception's, e.g. the property named by the random test).
-        errors = re.findall(
-            r"^E\s+(\S*(?:Error|Mismatch|Exception)\b.*)$", output, flags=re.M
-        )
-        message = errors[-1] if errors else ""
-    return f"{test}: {message.strip()}"[:300]
+    node = ran.failures[0]
+    message = ran.messages.get(node, "").splitlines()
+    test = node.rpartition("/")[2]
+    return f"{test}: {message[0] if message else ''}".strip()[:300]
 
 
 def run_suites(
@@ -273,7 +268,7 @@ def run_suites(
             passed=ran.counts.get("passed", 0),
             failed=ran.counts.get("failed", 0) + ran.counts.get("errors", 0),
             seconds=round(time.monotonic() - start, 1),
-            first_failure=_first_failure(log.read_text()),
+            first_failure=_first_failure(ran),
             log=str(log),
         )
         if ran.returncode not in (0, 1) and result.failed == 0:

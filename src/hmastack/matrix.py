@@ -32,6 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import junitparser
+
 from hmastack import base as base_mod
 from hmastack import config as config_mod
 from hmastack import env as env_mod
@@ -87,9 +89,10 @@ def load_deselected(path: Path) -> list[Deselected]:
 @dataclass
 class PytestResult:
     counts: dict[str, int] = field(default_factory=dict)
-    failures: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)  # node ids, in run order
     returncode: int = 0
     log: str = ""
+    messages: dict[str, str] = field(default_factory=dict)  # node id -> message
 
     @property
     def ok(self) -> bool:
@@ -105,11 +108,13 @@ class PytestResult:
         return text
 
 
-def parse_pytest_output(output: str) -> tuple[dict[str, int], list[str]]:
-    """Counts from pytest's closing line and the ids of failed tests.
+def parse_pytest_output(output: str) -> dict[str, int]:
+    """The outcome counts of pytest's closing line.
 
     ``"3 failed, 287 passed, 9 deselected in 95.1s"`` gives
-    ``{"failed": 3, "passed": 287, "deselected": 9}``.
+    ``{"failed": 3, "passed": 287, "deselected": 9, ...}`` (every key of
+    ``OUTCOMES``). Only the ``deselected`` count is taken from here: JUnit XML has
+    no record of deselected tests.
     """
     counts = dict.fromkeys(OUTCOMES, 0)
     closing = [ln for ln in output.splitlines() if re.search(r" in [\d.]+s", ln)]
@@ -118,9 +123,58 @@ def parse_pytest_output(output: str) -> tuple[dict[str, int], list[str]]:
             word = {"error": "errors"}.get(word, word)
             if word in counts:
                 counts[word] = int(num)
-    # Summary lines name a test node ("FAILED tests/x.py::test_y - ..."); vLLM's own
-    # log lines ("ERROR 11-30 09:10:11 ...") do not.
-    failures = re.findall(r"^(?:FAILED|ERROR) (\S+\.py(?:::\S+)?)", output, flags=re.M)
+    return counts
+
+
+class _PytestCase(junitparser.TestCase):
+    """A test case of ``junit_family=xunit1``: it names its file too."""
+
+    file = junitparser.Attr()
+
+
+def _node_id(case: junitparser.TestCase) -> str:
+    """pytest's node id (``tests/x.py::TestC::test_y[p]``) of a ``junit_family=
+    xunit1`` test case, which carries the file next to the dotted class name."""
+    file = _PytestCase.fromelem(case).file or ""
+    if not file:
+        return f"{case.classname}::{case.name}"
+    module = file.removesuffix(".py").replace("/", ".")
+    inner = (case.classname or "").removeprefix(module).lstrip(".")
+    parts = [file, *([inner] if inner else []), *([case.name] if case.name else [])]
+    return "::".join(parts)
+
+
+def read_junit(path: Path) -> tuple[dict[str, int], dict[str, str]]:
+    """Outcome counts, and the node ids of failed or erroring tests with their
+    messages (in run order), from the JUnit XML that pytest wrote
+    (``--junitxml``, family ``xunit1``).
+
+    ``xfailed`` is a skip of type ``pytest.xfail``; a strict ``xpassed`` is a
+    failure, a non-strict one a pass (as pytest's own summary counts them).
+    Raises :class:`HmastackError` when the file is missing or not JUnit XML.
+    """
+    try:
+        xml = junitparser.JUnitXml.fromfile(str(path))
+    except (OSError, ValueError, SyntaxError) as exc:  # ParseError is a SyntaxError
+        raise HmastackError(
+            f"{path}: pytest wrote no readable JUnit XML ({exc}); see the log "
+            "next to it for why the run stopped"
+        ) from exc
+    suites = [xml] if isinstance(xml, junitparser.TestSuite) else list(xml)
+    counts = dict.fromkeys(OUTCOMES, 0)
+    failures: dict[str, str] = {}
+    for suite in suites:
+        for case in suite:
+            kinds = {type(r).__name__ for r in case.result}
+            if kinds & {"Error", "Failure"}:
+                counts["errors" if "Error" in kinds else "failed"] += 1
+                bad = [r for r in case.result if type(r).__name__ != "Skipped"]
+                failures[_node_id(case)] = (bad[0].message or "").strip()
+            elif "Skipped" in kinds:
+                xfail = any(r.type == "pytest.xfail" for r in case.result)
+                counts["xfailed" if xfail else "skipped"] += 1
+            else:
+                counts["passed"] += 1
     return counts, failures
 
 
@@ -134,7 +188,10 @@ def run_pytest(
     extra_env: dict[str, str] | None = None,
 ) -> PytestResult:
     """pytest in the CPU environment (``pyenv.test_environ`` plus ``extra_env``);
-    its output goes to ``log``."""
+    its output goes to ``log`` and its outcomes, read back by :func:`read_junit`,
+    to the JUnit XML file next to it (``log`` with suffix ``.xml``)."""
+    junit = log.with_suffix(".xml")
+    junit.unlink(missing_ok=True)
     cmd = [
         pyenv.python,
         "-m",
@@ -144,12 +201,19 @@ def run_pytest(
         "no:cacheprovider",
         "-rfE",
         "--timeout=900",
+        f"--junitxml={junit}",
+        "-o",
+        "junit_family=xunit1",
         *args,
     ]
     environ = pyenv.test_environ(pythonpath) | (extra_env or {})
     proc = run(cmd, cwd=cwd, env=environ, log=log, check=False)
-    counts, failures = parse_pytest_output(proc.stdout)
-    return PytestResult(counts, failures, proc.returncode, str(log))
+    if not junit.exists() and proc.returncode in (4, 5):  # usage error / none run
+        counts, failures = dict.fromkeys(OUTCOMES, 0), {}
+    else:
+        counts, failures = read_junit(junit)
+    counts["deselected"] = parse_pytest_output(proc.stdout)["deselected"]
+    return PytestResult(counts, list(failures), proc.returncode, str(log), failures)
 
 
 @dataclass

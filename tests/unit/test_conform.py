@@ -3,9 +3,12 @@ the real run is tests/matrix/test_conformance.py)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
-from hmastack import cli, conform
+from hmastack import cli, conform, matrix
 from hmastack.errors import HmastackError
 from hmastack.gitutil import git
 
@@ -83,31 +86,58 @@ def test_caught_needs_a_verdict_of_each_kind():
     assert not empty_random.ok
 
 
-def test_first_failure_names_the_test():
-    out = (
-        "....F\n=== short test summary info ===\n"
-        "FAILED tests/x.py::test_y[trace-0003] - test_replay.Mismatch: table r1\n"
-        "1 failed, 4 passed in 1.0s\n"
+CHAINED = """
+class Mismatch(Exception):
+    pass
+
+def test_ok():
+    pass
+
+def test_replay():
+    raise Mismatch("trace-0002.json step 4")
+
+def test_property():
+    try:
+        assert 1 not in {1, 2}
+    except AssertionError as exc:
+        raise AssertionError("NoTransferRace violated: ('r3', 1)") from exc
+"""
+
+
+def test_first_failure_names_the_test(tmp_path):
+    """From a real pytest run's JUnit XML: the first failed test and the message
+    of the exception that ended it (the chained one's, as the random test
+    names the violated property)."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_m.py").write_text(CHAINED)
+    junit = tmp_path / "m.xml"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={junit}",
+            "-o",
+            "junit_family=xunit1",
+            "tests/test_m.py",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        check=False,
     )
-    assert conform._first_failure(out) == (
-        "x.py::test_y[trace-0003]: test_replay.Mismatch: table r1"
+    counts, failures = matrix.read_junit(junit)
+    ran = matrix.PytestResult(counts, list(failures), 1, "", failures)
+    assert conform._first_failure(ran).startswith(
+        "test_m.py::test_replay: test_m.Mismatch: trace-0002.json step 4"
     )
-    assert conform._first_failure("5 passed in 1.0s\n") == ""
-    quiet = (
-        "E   test_replay.Mismatch: trace-0002.json step 4\n"
-        "FAILED tests/x.py::test_y[trace-0002]\n1 failed in 1.0s\n"
+    ran.failures = ran.failures[1:]
+    assert conform._first_failure(ran) == (
+        "test_m.py::test_property: AssertionError: NoTransferRace violated: ('r3', 1)"
     )
-    assert conform._first_failure(quiet) == (
-        "x.py::test_y[trace-0002]: test_replay.Mismatch: trace-0002.json step 4"
-    )
-    chained = (
-        "E   AssertionError: ('r3', 1)\nE   assert 1 not in {1, 2}\n"
-        "E   AssertionError: NoTransferRace violated: ('r3', 1)\n"
-        "E   Falsifying example:\nFAILED tests/m.py::test_m::runTest\n"
-    )
-    assert conform._first_failure(chained) == (
-        "m.py::test_m::runTest: AssertionError: NoTransferRace violated: ('r3', 1)"
-    )
+    assert conform._first_failure(matrix.PytestResult({"passed": 5})) == ""
 
 
 @pytest.mark.parametrize(

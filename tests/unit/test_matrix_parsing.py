@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,24 +12,104 @@ from hmastack.errors import HmastackError
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_parse_pytest_closing_line_and_failures():
-    output = "\n".join(
-        [
-            "ERROR 11-30 09:10:11 [core.py:1] engine failed",
-            "FAILED tests/v1/core/test_a.py::test_x[1-True] - AssertionError",
-            "ERROR tests/v1/core/test_b.py::test_y - RuntimeError",
-            "1 failed, 287 passed, 9 deselected, 1 error, 14 warnings in 95.10s",
-        ]
-    )
-    counts, failures = matrix.parse_pytest_output(output)
-    assert counts["passed"] == 287
-    assert counts["failed"] == 1
-    assert counts["errors"] == 1
+def test_deselected_count_comes_from_the_closing_line():
+    output = "1 failed, 287 passed, 9 deselected, 1 error, 14 warnings in 95.10s"
+    counts = matrix.parse_pytest_output(output)
     assert counts["deselected"] == 9
-    assert failures == [
-        "tests/v1/core/test_a.py::test_x[1-True]",
-        "tests/v1/core/test_b.py::test_y",
+    assert counts["passed"] == 287
+
+
+SAMPLE = """
+import pytest
+
+def test_pass_that_logs_like_vllm():
+    print("ERROR 11-30 09:10:11 [core.py:1] engine failed")
+
+def test_fail():
+    assert 1 == 2
+
+@pytest.fixture
+def broken():
+    raise RuntimeError("setup")
+
+def test_error(broken):
+    pass
+
+@pytest.mark.skip(reason="no GPU")
+def test_skip():
+    pass
+
+@pytest.mark.xfail(strict=True)
+def test_xfail():
+    assert False
+
+@pytest.mark.xfail(strict=True)
+def test_xpass_strict():
+    pass
+
+class TestGroup:
+    @pytest.mark.parametrize("n", [1, 2])
+    def test_param(self, n):
+        assert n == 1
+
+def test_deselected_one():
+    pass
+"""
+
+
+def test_junit_outcomes_of_a_real_pytest_run(tmp_path):
+    """A real pytest run (this interpreter's) over one file of every outcome:
+    the counts and failed node ids come from its JUnit XML, vLLM-style ``ERROR``
+    log lines of a passing test are not failures."""
+    sample = tmp_path / "tests" / "v1" / "test_sample.py"
+    sample.parent.mkdir(parents=True)
+    sample.write_text(SAMPLE)
+    junit = tmp_path / "out.xml"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-s",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={junit}",
+            "-o",
+            "junit_family=xunit1",
+            "--deselect",
+            "tests/v1/test_sample.py::test_deselected_one",
+            "tests/v1/test_sample.py",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert "ERROR 11-30" in proc.stdout
+    counts, failures = matrix.read_junit(junit)
+    assert counts["passed"] == 2  # the logging test and TestGroup n=1
+    assert counts["failed"] == 3  # test_fail, strict xpass, TestGroup n=2
+    assert counts["errors"] == 1
+    assert counts["skipped"] == 1
+    assert counts["xfailed"] == 1
+    assert "assert 1 == 2" in failures["tests/v1/test_sample.py::test_fail"]
+    assert "RuntimeError: setup" in failures["tests/v1/test_sample.py::test_error"]
+    assert sorted(failures) == [
+        "tests/v1/test_sample.py::TestGroup::test_param[2]",
+        "tests/v1/test_sample.py::test_error",
+        "tests/v1/test_sample.py::test_fail",
+        "tests/v1/test_sample.py::test_xpass_strict",
     ]
+    assert matrix.parse_pytest_output(proc.stdout)["deselected"] == 1
+
+
+def test_unreadable_junit_names_the_file(tmp_path):
+    bad = tmp_path / "vllm.xml"
+    bad.write_text("not xml")
+    with pytest.raises(HmastackError, match="vllm.xml: pytest wrote no readable"):
+        matrix.read_junit(bad)
+    with pytest.raises(HmastackError, match="missing.xml"):
+        matrix.read_junit(tmp_path / "missing.xml")
 
 
 def test_result_is_red_on_failures_or_bad_exit():
