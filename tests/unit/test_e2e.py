@@ -303,11 +303,18 @@ def test_known_base_bug_must_show_before_its_fix():
     assert not _judge(s, same, ref, stage=0).passed
 
 
-def test_stall_is_its_own_outcome():
+def test_stall_passes_only_as_the_known_base_stall_before_its_fix():
     stall = {"outcome": "stall", "detail": "no progress"}
-    s = cat.Scenario("stall", "t", expect="equal-or-stall")
-    assert _judge(s, stall, None).outcome == "stall" and _judge(s, stall, None).passed
+    s = cat.Scenario("stall", "t", base_bug="stalls", fixed_at=3, base_bug_stalls=True)
+    v = _judge(s, stall, None, stage=0)
+    assert v.outcome == "stall" and v.passed
+    assert not _judge(s, stall, None, stage=3).passed  # fixed there: a stall is red
     assert not _judge(SYNC, stall, None).passed
+    # Before the fix the stall must show: finishing there means it does not bite.
+    ref = _run([_req("hit", [5, 7], LP)])
+    finished = _run([_req("hit", [5, 7], LP, 256, 256)])
+    assert not _judge(s, finished, ref, stage=0).passed
+    assert _judge(s, finished, ref, stage=3).passed
 
 
 def test_window_check():

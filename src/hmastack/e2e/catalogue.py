@@ -83,8 +83,7 @@ class Scenario:
     model: str = "gemma-5to1"
     ci: bool = False
     # "equal": outputs equal the reference and the cached-token counts match;
-    # "caught": a negative control, the checks must fail (see `caught_by`);
-    # "equal-or-stall": a known engine stall is reported as such
+    # "caught": a negative control, the checks must fail (see `caught_by`)
     expect: str = "equal"
     caught_by: str | None = None  # "outputs" | "cached tokens" | "window"
     stages: tuple[int, ...] | None = None  # None: every stage
@@ -92,6 +91,7 @@ class Scenario:
     # must differ (the scenario reproduces it), from `fixed_at` on be equal
     base_bug: str | None = None
     fixed_at: int | None = None
+    base_bug_stalls: bool = False  # the base bug shows as an engine stall
     hma: bool | None = None  # None: on from stage 3 (the stage's connector)
     # P/D pair: the producer scenario run first in another process
     producer: str | None = None
@@ -149,14 +149,13 @@ SCENARIOS: tuple[Scenario, ...] = (
         "async load failing at every attempt while the hit is offered again",
         checks=("load failed",),
         isolated=True,
-        expect="equal-or-stall",
         note=(
-            "from stage 3 on, a request whose asynchronous load failed in a model "
-            "with sliding-window groups is recomputed from token 0 "
-            "(can_recompute_from), so it asks the connector again; a connector "
-            "that offers the same hit and fails again makes it loop in "
-            "WAITING_FOR_REMOTE_KVS for ever (the base recomputes from the failed "
-            "block and finishes)"
+            "a request whose asynchronous load failed in a model with "
+            "sliding-window groups starts over at token 0 from stage 3 on "
+            "(can_recompute_from); before stage-03 patch 'No new KV load after one "
+            "failed at the first block' it asked the connector again, got the same "
+            "hit and failed again, for ever (stall at stage 3, measured); now it "
+            "computes its tokens"
         ),
     ),
     Scenario(
@@ -203,13 +202,18 @@ SCENARIOS: tuple[Scenario, ...] = (
         "two long async loads in a tiny pool (known stall)",
         engine="stall",
         ci=True,
-        expect="equal-or-stall",
         isolated=True,
+        base_bug=(
+            "two requests back from their asynchronous loads wait in WAITING "
+            "holding 94 of 99 blocks, each needs 8 more for its next chunk, none "
+            "runs, so none frees: the engine stalls"
+        ),
+        fixed_at=3,
+        base_bug_stalls=True,
         note=(
-            "base bug: two requests back from their asynchronous loads wait in "
-            "WAITING holding 94 of 99 blocks, each needs 8 more for its next chunk, "
-            "none runs, so none frees: the engine stalls (stages 0-2); from stage 3 "
-            "the same memory holds both (sliding-window groups keep ~3 blocks)"
+            "stages 0-2 stall (the base bug); from stage 3 the waiting requests give "
+            "their blocks up when nothing else can run (stage-03 patch 7), and the "
+            "sliding-window groups keep ~3 blocks each"
         ),
     ),
     Scenario(
@@ -231,13 +235,13 @@ SCENARIOS: tuple[Scenario, ...] = (
         "as stall, the pool nearly filled by the loads with HMA on too",
         engine="stall-tight",
         ci=True,
-        expect="equal-or-stall",
         isolated=True,
         stages=(3, 4),
         note=(
             "stages 3-4: two requests back from their asynchronous loads wait "
             "holding 114 of 124 blocks, each needs 48 more (8 per group) for its "
-            "next chunk: the engine stalls as the base does (facts file)"
+            "next chunk; without stage-03 patch 7 the engine stalled here as the "
+            "base does (measured on the three-commit stage 03), with it they finish"
         ),
     ),
     # --- negative controls: each check must bite ----------------------------------

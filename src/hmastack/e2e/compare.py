@@ -149,12 +149,14 @@ def judge(
         "external_tokens": conn.get("external_tokens", {}),
     }
     findings = list(conn.get("findings", []))
+    base_bug_shows = bool(s.base_bug and s.fixed_at is not None and stage < s.fixed_at)
     if outcome in ("stall", "error", "hang", "not run"):
         v.outcome = outcome
         v.detail = str(run.get("detail", ""))[-2000:]
         if outcome == "stall" and s.note:
             v.detail = f"{s.note} ({v.detail})"
-        v.passed = outcome == "stall" and s.expect == "equal-or-stall"
+        # A stall passes only as the known base bug a later stage fixes.
+        v.passed = outcome == "stall" and base_bug_shows and s.base_bug_stalls
         return v
     if reference is None or reference.get("outcome") != "ran":
         v.outcome = "error"
@@ -197,13 +199,16 @@ def judge(
         v.checks["preempted"] = (obs.get("preemptions") or 0) > 0
     if "window" in s.checks:
         v.checks["window"] = _window_ok(v, run)
-    expected_equal = not (s.base_bug and s.fixed_at is not None and stage < s.fixed_at)
+    expected_equal = not base_bug_shows
     if s.expect == "caught":
         failed = [name for name, ok in v.checks.items() if not ok]
         v.caught_by = ", ".join(failed) or None
         v.passed = s.caught_by in failed
     elif expected_equal:
         v.passed = all(v.checks.values())
+    elif s.base_bug_stalls:
+        v.passed = False  # the known stall did not show: the scenario does not bite
+        v.detail = f"known base stall (fixed at stage {s.fixed_at}) did not show"
     else:
         # the known base bug must show: a check fails (with a connector that
         # loads whole blocks the outputs may still be equal; the engine's
