@@ -322,11 +322,46 @@ def results_block(info: StageInfo, report: site_reports.StageReport | None) -> s
     return text
 
 
+def commits_block(info: StageInfo, commits: site_reports.CommitReport | None) -> str:
+    """The stage's commits as ``hmastack test --per-commit`` ran them: each with
+    the commits before it, vLLM's selected suite and ruff."""
+    if not info.patches:
+        return ""
+    head = "## Every commit\n\n"
+    if commits is None:
+        return head + (
+            "Not run yet: `hmastack test --per-commit` (part of `make run`) applies "
+            "the series commit by commit and runs vLLM's selected suite and ruff at "
+            "each.\n"
+        )
+    rows = []
+    for p in info.patches:
+        entry = commits.rows.get(p.path.name)
+        if entry is None:
+            rows.append([tree_title(p.tree), p.subject, "not run", "-", "-"])
+            continue
+        suite = (
+            site_reports.pytest_summary(entry.get("vllm"))
+            if entry.get("vllm")
+            else "- (LMCache commit: LMCache's suite runs per stage)"
+        )
+        verdict = "green" if entry.get("ok") else "**red**"
+        rows.append(
+            [tree_title(p.tree), p.subject, suite, entry.get("ruff", "-"), verdict]
+        )
+    return head + (
+        f"From `build/reports/commits.json` ({commits.generated}): each commit "
+        "applied with `git am` onto the base with the commits before it.\n\n"
+        + md_table(["tree", "commit", "vLLM suite", "ruff", "result"], rows)
+    )
+
+
 def stage_page(
     cfg: Config,
     info: StageInfo,
     stages: list[StageInfo],
     report: site_reports.StageReport | None,
+    commits: site_reports.CommitReport | None = None,
 ) -> str:
     s = info.stage
     readme = widen_nested_lists(
@@ -373,6 +408,7 @@ def stage_page(
             f"`patches/{s.name}/` yet; its page fills in when they are exported.\n"
         )
     else:
+        out.append(commits_block(info, commits))
         out.append("## Diffstat\n")
         for tree, patches in trees.items():
             out.append(diffstat_table(combined_files(patches), tree))
@@ -852,9 +888,10 @@ def generate(cfg: Config, docs_dir: Path | None = None) -> Site:
     docs_dir = docs_dir or cfg.root / "docs"
     stages = load_stages(cfg)
     report = site_reports.load_stage_report(cfg)
+    commits = site_reports.load_commit_report(cfg)
     site = Site()
     for s in stages:
-        site.pages[s.page] = stage_page(cfg, s, stages, report)
+        site.pages[s.page] = stage_page(cfg, s, stages, report, commits)
     site.pages["model-results.md"] = model_page(cfg)
     site.pages["benchmarks.md"] = bench_page(cfg, site)
     site.pages[e2e_site.PAGE] = e2e_site.page(cfg.reports / "e2e.json")

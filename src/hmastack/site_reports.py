@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hmastack.config import Config
-from hmastack.reports import STAGE_REPORT
+from hmastack.reports import COMMIT_REPORT, STAGE_REPORT
 
 # --- stage matrix (build/reports/stages.json, written by `hmastack test`) --------
 
@@ -37,6 +37,27 @@ def load_stage_report(cfg: Config) -> StageReport | None:
     return StageReport(
         str(data.get("generated", "")), str(data.get("machine", "")), rows
     )
+
+
+# --- every commit (build/reports/commits.json, `hmastack test --per-commit`) ----
+
+
+@dataclass
+class CommitReport:
+    generated: str
+    rows: dict[str, dict]  # patch file name -> its entry
+
+
+def load_commit_report(cfg: Config) -> CommitReport | None:
+    """The per-commit report, keyed by patch file name; None if not run yet or
+    unreadable."""
+    path = cfg.reports / COMMIT_REPORT
+    try:
+        data = json.loads(path.read_text())
+        rows = {Path(c["patch"]).name: c for c in data["commits"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return CommitReport(str(data.get("generated", "")), rows)
 
 
 def pytest_summary(result: dict | None) -> str:
