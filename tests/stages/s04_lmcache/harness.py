@@ -82,10 +82,12 @@ def first_read_position(spec: KVCacheSpec, position: int) -> int:
 
 
 class _Layer:
-    """What the adapter reads from vLLM's forward context: ``kv_cache``."""
+    """What the adapter reads from vLLM's forward context: ``kv_cache``, and
+    ``kv_sharing_target_layer_name`` as vLLM's ``Attention`` has it."""
 
-    def __init__(self, kv_cache: torch.Tensor):
+    def __init__(self, kv_cache: torch.Tensor, kv_sharing_target: str | None = None):
         self.kv_cache = [kv_cache]
+        self.kv_sharing_target_layer_name = kv_sharing_target
 
 
 @dataclass
@@ -151,11 +153,21 @@ class Engine:
             for g, group in enumerate(self.worker_config.kv_cache_groups)
             for name in group.layer_names
         }
+        # Layers that reuse another layer's KV cache are in the forward
+        # context (with the target's tensor) but in no KV cache group; the
+        # model's writes and reads go through their targets.
+        layers = {n: _Layer(t) for n, t in self.buffers.items()}
+        for name, target in layout.kv_sharing_targets().items():
+            layers[name] = _Layer(self.buffers[target], target)
         self.forward_context = ForwardContext(
-            no_compile_layers={n: _Layer(t) for n, t in self.buffers.items()},
+            no_compile_layers=dict(
+                sorted(layers.items(), key=lambda kv: int(kv[0].split(".")[2]))
+            ),
             attn_metadata={},
             virtual_engine=0,
         )
+        # Called right after each step's wait_for_save (tests set it).
+        self.after_save = None
         self.requests: dict[str, Request] = {}
         self.loads: dict[str, Load] = {}  # of the last step
         self.finished: list[Finished] = []
@@ -226,6 +238,8 @@ class Engine:
         self.check_reads(so)
         self.forward(so)
         self.worker.wait_for_save()
+        if self.after_save is not None:
+            self.after_save(so)
         self.worker.clear_connector_metadata()
         self.check_null_block()
         sending, recving = self.worker.get_finished(so.finished_req_ids)

@@ -50,14 +50,17 @@ LLAMA = "hmellor/tiny-random-LlamaForCausalLM"  # 2 layers, 4 KV heads of 4
 
 @dataclass(frozen=True)
 class Layer:
-    """One layer: ``kind`` "full", "sliding", "chunked" or "mamba";
+    """One layer: ``kind`` "full", "sliding", "chunked", "mamba" or "shared";
     ``window`` the sliding window or attention chunk size in tokens; KV heads
-    and head size (None: the model config's)."""
+    and head size (None: the model config's); for "shared", ``target`` is the
+    index of the layer whose KV cache it reuses (vLLM's
+    ``kv_sharing_target_layer_name``: no KV cache spec of its own)."""
 
     kind: str
     window: int | None = None
     num_kv_heads: int | None = None
     head_size: int | None = None
+    target: int | None = None
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,14 @@ class Layout:
 
     def layer_name(self, i: int) -> str:
         return f"model.layers.{i}.self_attn.attn"
+
+    def kv_sharing_targets(self) -> dict[str, str]:
+        """Sharing layer -> the layer whose KV cache it reuses (names)."""
+        return {
+            self.layer_name(i): self.layer_name(layer.target)
+            for i, layer in enumerate(self.layers)
+            if layer.kind == "shared" and layer.target is not None
+        }
 
 
 def _pattern(kinds: str, window: int | None) -> tuple[Layer, ...]:
@@ -93,6 +104,18 @@ def llama4_like(chunk: int = 384) -> Layout:
     """Llama 4: three chunked-local-attention layers per full-attention
     (NoPE) layer; vLLM makes three chunked local groups and one full one."""
     return Layout(f"llama4-like(A={chunk})", GEMMA3, _pattern("CCCF" * 3, chunk))
+
+
+def gemma3n_like(window: int = 512) -> Layout:
+    """Gemma-3n: the last layers reuse the KV cache of earlier layers of the
+    same attention type (``kv_sharing_target_layer_name``); vLLM gives them no
+    KV cache spec, so they are in no KV cache group of the configuration the
+    connector gets. Here layers 10 (sliding) and 11 (full) reuse layers 4 and
+    5."""
+    layers = list(_pattern("SSSSSF" * 2, window))
+    layers[10] = Layer("shared", target=4)
+    layers[11] = Layer("shared", target=5)
+    return Layout(f"gemma3n-like(W={window})", GEMMA3, tuple(layers))
 
 
 def full_attention_only() -> Layout:
@@ -170,7 +193,7 @@ def layer_specs(layout: Layout, vllm_config: VllmConfig) -> dict[str, KVCacheSpe
     specs: dict[str, KVCacheSpec] = {}
     attention_page = None
     for i, layer in enumerate(layout.layers):
-        if layer.kind == "mamba":
+        if layer.kind in ("mamba", "shared"):
             continue
         common = dict(
             block_size=BLOCK_SIZE,

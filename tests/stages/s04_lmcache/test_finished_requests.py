@@ -8,6 +8,11 @@ finishes in the step that completes a chunk has that chunk stored, from each
 layer's own group's real blocks, before vLLM frees them; null ids are never
 read. The test then overwrites every block the request held (as the next
 requests would) and loads the prefix back.
+
+A chunk is stored only with every token in a real block of every group (a
+reader with HMA off reads them all): the windows here keep the finishing
+chunk's tokens; a chunk whose first tokens left the window before it
+completed is not stored (``test_chunk_contents.py``).
 """
 
 from __future__ import annotations
@@ -22,14 +27,15 @@ from s04_lmcache.layouts import BLOCK_SIZE
 
 @pytest.mark.parametrize(
     "layout",
-    [layouts.gemma3_like(128), layouts.gpt_oss_like(), layouts.llama4_like()],
+    [layouts.gemma3_like(512), layouts.gpt_oss_like(384), layouts.llama4_like()],
     ids=lambda lay: lay.name,
 )
 def test_request_finishing_in_the_step_that_completes_a_chunk(make_engine, layout):
     engine: Engine = make_engine(layout, hma=True)
-    # Prefill 0..499, then decode: the 13th output token is sampled by the
-    # step that computes token 511, which completes chunk 256..511.
-    a = engine.add(list(range(3000, 3500)), max_tokens=13)
+    # Prefill 0..799, then decode: the 225th output token is sampled by the
+    # step that computes token 1023, which completes chunk 768..1023; the
+    # tables start with null blocks (tokens 0..511, 0..639, 0..767).
+    a = engine.add(list(range(3000, 3800)), max_tokens=225)
     while not engine.finished:
         engine.step()
     (finished,) = engine.finished
@@ -44,23 +50,18 @@ def test_request_finishing_in_the_step_that_completes_a_chunk(make_engine, layou
     ]
     assert all(tables[g][0] == 0 for g in windowed)  # null ids in those tables
 
-    # What LMCache holds for chunk 256..511: in each layer, the request's KV
-    # for tokens in real blocks of the layer's group, zeros for tokens in
-    # null blocks (never the null block's content).
-    tokens = list(a.all_token_ids[: 2 * CHUNK])
-    chunk = engine.stored_chunks(tokens)[1]
+    # What LMCache holds for chunk 768..1023: in each layer, the request's
+    # KV of every token (never zeros, never the null block's content).
+    tokens = list(a.all_token_ids[: 4 * CHUNK])
+    chunk = engine.stored_chunks(tokens)[3]
     assert chunk is not None
     for layer, name in enumerate(engine.buffers):
         table = tables[engine.group_of_layer[name]]
-        want = engine.expected_kv(tokens, layer)[CHUNK:]
-        for t in range(CHUNK):
-            k = chunk[0, layer, t]
-            assert not bool((k == NULL_BLOCK_SENTINEL).any()), (name, t)
-            if table[(CHUNK + t) // BLOCK_SIZE] == 0:
-                assert not bool(k.any()), (name, CHUNK + t)
-            else:
-                assert bool((k == want[t]).all()), (name, CHUNK + t)
-                assert bool((chunk[1, layer, t] == -want[t]).all())
+        assert table[3 * CHUNK // BLOCK_SIZE] != 0, name
+        want = engine.expected_kv(tokens, layer)[3 * CHUNK :]
+        assert not bool((chunk[:, layer] == NULL_BLOCK_SENTINEL).any()), name
+        assert bool((chunk[0, layer] == want[:, None]).all()), name
+        assert bool((chunk[1, layer] == -want[:, None]).all()), name
 
     # The freed blocks are reused: overwrite them all, then load the prefix.
     for name, buf in engine.buffers.items():
@@ -69,5 +70,5 @@ def test_request_finishing_in_the_step_that_completes_a_chunk(make_engine, layou
     assert engine.scheduler.reset_prefix_cache()
     b = engine.add(tokens + [1, 2, 3])
     engine.step()  # checks every token B's attention reads
-    assert engine.loads[b.request_id].num_external_tokens == 2 * CHUNK
+    assert engine.loads[b.request_id].num_external_tokens == 4 * CHUNK
     engine.run()

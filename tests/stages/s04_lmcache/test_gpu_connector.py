@@ -58,3 +58,75 @@ def test_gpu_connector_copies_each_layer_with_its_group_row(kernel):
     assert torch.equal(stored[:, 1], data[:, 1])
     assert not stored[:, 0, :2].any() and not stored[:, 2, :2].any()
     assert torch.equal(stored[:, 2, 2:], data[:, 2, 2:])
+
+
+def _memory_obj(data):
+    from lmcache.v1.memory_management import (
+        MemoryFormat,
+        MemoryObjMetadata,
+        TensorMemoryObj,
+    )
+
+    metadata = MemoryObjMetadata(
+        data.shape, data.dtype, 0, data.numel() * 4, 1, fmt=MemoryFormat.KV_2LTD
+    )
+    return TensorMemoryObj(data, metadata, None)
+
+
+@pytest.mark.parametrize("group_ids", [None, [0, 0, 0]], ids=["no-groups", "one"])
+def test_store_zeroes_null_slots_with_one_group(kernel, group_ids):
+    """One KV cache group whose table starts with null blocks (a model whose
+    layers all use one sliding window): the 1-D slot mapping has -1 there.
+    The store writes zeros for those tokens, not what the memory object (a
+    reused LMCache buffer) or the null block held, on every store path."""
+    from lmcache.v1.gpu_connector import VLLMPagedMemGPUConnectorV2
+
+    connector = VLLMPagedMemGPUConnectorV2(hidden_dim_size=8, num_layers=3)
+    if group_ids is not None:
+        connector.set_kv_cache_group_ids(group_ids)
+    kv_caches = [torch.full((2, 4, BLOCK_SIZE, 1, 8), 5.0) for _ in range(3)]
+    for t in kv_caches:
+        t[:, 0] = -1.0  # the null block
+    kernel.register(kv_caches)
+    stored = torch.full((2, 3, 4, 8), 7.0)  # stale content of a reused buffer
+    slot_mapping = torch.tensor([-1, -1, 34, 35])
+    connector.from_gpu(
+        _memory_obj(stored), 0, 4, kvcaches=kv_caches, slot_mapping=slot_mapping
+    )
+    assert not stored[:, :, :2].any()
+    assert bool((stored[:, :, 2:] == 5.0).all())
+
+
+def test_transfers_reuse_their_buffers(kernel, monkeypatch):
+    """The device buffers a grouped copy needs are allocated by the first
+    transfer (sized by the chunk) and reused: later stores and loads, of a
+    full or a shorter chunk, allocate no tensor."""
+    from lmcache.v1 import gpu_connector as gc
+
+    connector = gc.VLLMPagedMemGPUConnectorV2(
+        hidden_dim_size=8, num_layers=3, chunk_size=4
+    )
+    connector.set_kv_cache_group_ids([1, 0, 1])
+    kv_caches = [torch.zeros(2, 4, BLOCK_SIZE, 1, 8) for _ in range(3)]
+    kernel.register(kv_caches)
+    slot_mapping = torch.tensor([[16, 17, 18, 19], [-1, -1, 34, 35]])
+
+    def transfer(num_tokens: int) -> None:
+        data = torch.ones(2, 3, num_tokens, 8)
+        kwargs = dict(kvcaches=kv_caches, slot_mapping=slot_mapping)
+        connector.to_gpu(_memory_obj(data), 0, num_tokens, **kwargs)
+        connector.from_gpu(_memory_obj(data), 0, num_tokens, **kwargs)
+
+    transfer(4)
+    allocations = []
+    for name in ("empty", "zeros", "full", "empty_like", "zeros_like"):
+        original = getattr(torch, name)
+
+        def counting(*args, _original=original, _name=name, **kwargs):
+            allocations.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(torch, name, counting)
+    transfer(4)
+    transfer(2)
+    assert allocations == []
