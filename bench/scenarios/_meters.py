@@ -39,6 +39,7 @@ import gc
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 
@@ -99,30 +100,29 @@ class Instructions(Meter):
     def _monitor(self, *command: str) -> str:
         """Send a callgrind monitor command to this process through vgdb.
 
-        This process waits blocked; vgdb reaches valgrind's gdbserver through
-        ptrace then. (Spinning until vgdb ends would also do, but a varying
-        number of spins leaves the memory allocator in a varying state, which
-        shows in the counts of the next measured calls.)"""
-        try:
-            proc = subprocess.run(
+        This process waits blocked in ``waitpid``; vgdb reaches valgrind's
+        gdbserver through ptrace then. The wait allocates the same Python
+        objects every time: a loop whose number of turns depends on timing (a
+        spin until vgdb ends, or ``communicate`` with a timeout) would leave the
+        memory allocator in a varying state, and that shows in the counts of
+        the measured calls that follow."""
+        with tempfile.TemporaryFile() as out:
+            proc = subprocess.Popen(
                 [self.vgdb, f"--pid={os.getpid()}", *command],
-                stdout=subprocess.PIPE,
+                stdout=out,
                 stderr=subprocess.STDOUT,
-                timeout=300,
-                check=False,
+                stdin=subprocess.DEVNULL,
             )
-        except subprocess.TimeoutExpired:
+            code = proc.wait()
+            out.seek(0)
+            text = out.read().decode(errors="replace")
+        if code != 0 or "error" in text.lower():
             raise VgdbError(
-                f"vgdb {' '.join(command)}: no answer in 300 s (vgdb needs ptrace "
-                "to reach a blocked process)"
-            ) from None
-        out = proc.stdout.decode(errors="replace")
-        if proc.returncode != 0 or "error" in out.lower():
-            raise VgdbError(
-                f"vgdb {' '.join(command)} failed ({proc.returncode}): {out.strip()}"
-                " (is this process running under valgrind --tool=callgrind?)"
+                f"vgdb {' '.join(command)} failed ({code}): {text.strip()} (is this "
+                "process running under valgrind --tool=callgrind, and may vgdb "
+                "ptrace it?)"
             )
-        return out
+        return text
 
     def begin(self, label: str) -> None:
         super().begin(label)

@@ -33,7 +33,7 @@ import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from tabulate import tabulate
@@ -65,8 +65,11 @@ FULL = {
     "cost": {"settings": bench_cost.ALL_SETTINGS, "steps": 30, "reps": 3},
     "counts": {
         "settings": bench_cost.ALL_SETTINGS,
-        "steps": 10,
-        "reps": 2,
+        "steps": 8,
+        "reps": 1,
+        # One more round of the base and the last stage: the spread.
+        "repeat_rounds": 1,
+        "repeat_trees": 2,
         "witness_settings": bench_cost.settings(sizes=(64,)),
     },
     "commits": True,
@@ -79,9 +82,11 @@ QUICK = {
     "cost": {"settings": bench_cost.QUICK_SETTINGS, "steps": 10, "reps": 1},
     "counts": {
         "settings": bench_cost.QUICK_SETTINGS,
-        "steps": 8,
+        "steps": 6,
         "reps": 1,
-        "repeat_base": True,
+        # One more round of the base: the spread.
+        "repeat_rounds": 1,
+        "repeat_trees": 1,
         "witness_settings": bench_cost.WITNESS_QUICK,
     },
     "commits": False,
@@ -99,8 +104,8 @@ class Context:
     trees: list[BenchTree]
     plan: dict
     quick: bool
-    instructions: bool = True
-    extra: dict = field(default_factory=dict)
+    # The marker and the fork server of the instruction counts (None: skipped).
+    counting: tuple | None = None
 
 
 @dataclass(frozen=True)
@@ -196,7 +201,7 @@ def check_admission(report: dict, args: dict) -> list[str]:
 
 
 def _run_each(cfg, pyenv, trees, name, args):
-    return alternate(trees, 1, lambda t: run_scenario(cfg, pyenv, t, name, args))
+    return alternate(trees, 1, lambda t, _: run_scenario(cfg, pyenv, t, name, args))
 
 
 # --- the scenarios ----------------------------------------------------------------
@@ -752,8 +757,10 @@ SCENARIOS: list[Scenario] = [
         plot_admission,
         _memory_failed,
     ),
-    Scenario("scheduler_instructions", run_instructions, plot_ratios, _count_failed),
+    # CPU time before the counts: the fork server of the counts imports vLLM's
+    # dependencies under valgrind meanwhile (the timings are noisy anyway).
     Scenario("scheduler_cost", run_cpu_time, plot_ratios),
+    Scenario("scheduler_instructions", run_instructions, plot_ratios, _count_failed),
 ]
 
 
@@ -775,6 +782,31 @@ def run_for_pipeline(cfg: Config) -> str:
             f"see {cfg.reports / 'bench'} and build/logs/bench/",
         )
     return f"quick set, reports in {cfg.reports / 'bench'}"
+
+
+def _run_scenarios(
+    ctx: Context, out: Path, skipped: dict, failures: list, reports: dict
+) -> None:
+    for scenario in SCENARIOS:
+        t0 = time.monotonic()
+        with step(f"bench {scenario.name}"):
+            report = scenario.run(ctx)
+        # A tree that cannot run a scenario is skipped with its reason; the peer
+        # may lack what our env provides.
+        for label, why in report.get("errors", {}).items():
+            if label == PEER_LABEL:
+                skipped[label] = why
+            else:
+                failures.append(f"{scenario.name}: {label} failed: {why}")
+        failures += [f"{scenario.name}: {f}" for f in scenario.failed(report)]
+        report["skipped"] = skipped
+        report["quick"] = bool(ctx.quick)
+        report["seconds"] = round(time.monotonic() - t0)
+        report["generated"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        (out / f"{scenario.name}.json").write_text(json.dumps(report, indent=2) + "\n")
+        plot(scenario.name, report, out)
+        print_table(report)
+        reports[scenario.name] = report
 
 
 def run_bench(
@@ -799,32 +831,20 @@ def run_bench(
             trees.append(BenchTree(PEER_LABEL, path))
         else:
             skipped[PEER_LABEL] = why
-    ctx = Context(cfg, pyenv, trees, plan, quick, instructions)
+    ctx = Context(cfg, pyenv, trees, plan, quick)
     out = cfg.reports / "bench"
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
     failures: list[str] = []
     reports = {}
-    for scenario in SCENARIOS:
-        t0 = time.monotonic()
-        with step(f"bench {scenario.name}"):
-            report = scenario.run(ctx)
-        # A tree that cannot run a scenario is skipped with its reason; the peer
-        # may lack what our env provides.
-        for label, why in report.get("errors", {}).items():
-            if label == PEER_LABEL:
-                skipped[label] = why
-            else:
-                failures.append(f"{scenario.name}: {label} failed: {why}")
-        failures += [f"{scenario.name}: {f}" for f in scenario.failed(report)]
-        report["skipped"] = skipped
-        report["quick"] = bool(quick)
-        report["seconds"] = round(time.monotonic() - t0)
-        report["generated"] = time.strftime("%Y-%m-%d %H:%M:%S")
-        (out / f"{scenario.name}.json").write_text(json.dumps(report, indent=2) + "\n")
-        plot(scenario.name, report, out)
-        print_table(report)
-        reports[scenario.name] = report
+    try:
+        if instructions:
+            with step("start the instruction counts (marker probe, fork server)"):
+                ctx.counting = bench_cost.start_counting(cfg, pyenv, trees[0])
+        _run_scenarios(ctx, out, skipped, failures, reports)
+    finally:
+        if ctx.counting is not None:
+            ctx.counting[1].close()
     (out / SUMMARY).write_text(summary_markdown(reports))
     for label, why in skipped.items():
         console.print(f"[yellow]skipped {label}:[/yellow] {why}")

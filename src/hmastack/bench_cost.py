@@ -38,6 +38,7 @@ from hmastack.bench_trees import (
     Slowdown,
     alternate,
     parse_output,
+    round_order,
     run_scenario,
     scenario_environ,
     scenario_script,
@@ -74,11 +75,14 @@ def settings(
 
 
 ALL_SETTINGS = settings()
-# The quick set: 64 requests; the plain full-attention case and every layout
-# with the connector (where the series' code paths run).
+# The quick set: 64 requests; the plain full-attention case, the connector's
+# prefill path and both hybrid layouts with the connector (where the series'
+# code paths run).
 QUICK_SETTINGS = [
     {"layout": "full", "connector": "none", "mode": "decode", "requests": 64},
-    *settings(connectors=("connector",), sizes=(64,)),
+    {"layout": "full", "connector": "connector", "mode": "prefill", "requests": 64},
+    {"layout": "gemma3", "connector": "connector", "mode": "decode", "requests": 64},
+    {"layout": "gptoss", "connector": "connector", "mode": "prefill", "requests": 64},
 ]
 WITNESS_QUICK = [ALL_SETTINGS[0]]  # full, none, decode, 64
 
@@ -169,7 +173,7 @@ def cpu_time(cfg: Config, pyenv: env_mod.Env, trees: list[BenchTree], plan: dict
     results, errors = alternate(
         trees,
         plan["reps"],
-        lambda t: run_scenario(cfg, pyenv, t, SCENARIO, args),
+        lambda t, _: run_scenario(cfg, pyenv, t, SCENARIO, args),
     )
     for runs in results.values():
         for run in runs:
@@ -229,6 +233,13 @@ class ForkServer:
             env={**os.environ, **environ},
             cwd=cfg.root,
         )
+        self.preload_failed: list[str] | None = None  # known once it is ready
+
+    def wait_ready(self) -> None:
+        """Wait until the parent has imported its preload (it starts at once and
+        imports while other scenarios run)."""
+        if self.preload_failed is not None:
+            return
         ready = self._read_until_done()
         if ready is None or not ready[1].get("ready"):
             raise CommandError(
@@ -247,6 +258,7 @@ class ForkServer:
         return None
 
     def run(self, tree: BenchTree, args: dict) -> dict:
+        self.wait_ready()
         command = {"tree": str(tree.path), "script": SCENARIO, "args": args}
         self._log.write(f"### {tree.label}: {json.dumps(args)}\n")
         self.proc.stdin.write(json.dumps(command) + "\n")
@@ -309,19 +321,39 @@ def preload_modules(cfg: Config, pyenv: env_mod.Env, tree: BenchTree) -> list[st
     return run_scenario(cfg, pyenv, tree, SCENARIO, {"list_modules": True})["modules"]
 
 
+def start_counting(
+    cfg: Config, pyenv: env_mod.Env, base: BenchTree
+) -> tuple[callgrind.Callgrind, ForkServer]:
+    """Pick the marker and start the fork server (its preload runs in the
+    background while the other scenarios run natively)."""
+    environ = {**os.environ, **scenario_environ(cfg, pyenv, [])}
+    cg = callgrind.probe_marker(
+        pyenv.python, scenario_script(cfg, SCENARIO).parent, environ
+    )
+    out = cfg.build / "bench" / "callgrind"
+    shutil.rmtree(out, ignore_errors=True)
+    return cg, ForkServer(cfg, pyenv, cg, preload_modules(cfg, pyenv, base), out)
+
+
+# Each round of counts runs with another ballast (see scheduler_cost.ballast):
+# the spread of a tree's counts over rounds is their sensitivity to where the
+# memory allocator places things, not a timing noise (identical runs repeat).
+BALLASTS = (0, 3000, 12000, 40000)
+
+
 def instruction_counts(
     cfg: Config,
     pyenv: env_mod.Env,
     trees: list[BenchTree],
     plan: dict,
     cg: callgrind.Callgrind,
+    server: ForkServer,
     witness: BenchTree | None = None,
 ) -> dict:
-    """Instructions per step of every setting on every tree, ``plan["reps"]``
-    alternating rounds (plus one more run of the base with ``repeat_base``);
+    """Instructions per step of every setting on every tree in alternation,
+    ``plan["reps"]`` rounds, then ``plan["repeat"]`` more rounds of the trees
+    named there (the base, the last stage), each round with its own ballast;
     then the profiles of the rows above :data:`THRESHOLD` and the witness."""
-    out = cfg.build / "bench" / "callgrind"
-    shutil.rmtree(out, ignore_errors=True)
     started = time.monotonic()
     args = {
         "meter": "instructions",
@@ -330,21 +362,29 @@ def instruction_counts(
         "steps": plan["steps"],
         "settings": plan["settings"],
     }
-    preload = preload_modules(cfg, pyenv, trees[0])
-    with ForkServer(cfg, pyenv, cg, preload, out) as server:
-        results, errors = alternate(trees, plan["reps"], lambda t: server.run(t, args))
-        if plan.get("repeat_base") and not errors.get(trees[0].label):
-            results[trees[0].label].append(server.run(trees[0], args))
-        witness_runs = {}
-        if witness is not None:
-            wargs = {**args, "settings": plan["witness_settings"]}
-            try:
-                witness_runs = {
-                    trees[0].label: [server.run(trees[0], wargs)],
-                    witness.label: [server.run(witness, wargs)],
-                }
-            except CommandError as exc:
-                errors[witness.label] = exc.message.splitlines()[-1][:300]
+
+    def run_one(tree: BenchTree, i: int) -> dict:
+        return server.run(tree, {**args, "ballast": BALLASTS[i % len(BALLASTS)]})
+
+    results, errors = alternate(trees, plan["reps"], run_one)
+    again = [t for t in trees if t.label in plan.get("repeat", ())]
+    for i in range(plan["reps"], plan["reps"] + plan.get("repeat_rounds", 0)):
+        for t in round_order(again, i):
+            if t.label not in errors:
+                try:
+                    results[t.label].append(run_one(t, i))
+                except CommandError as exc:
+                    errors[t.label] = exc.message.splitlines()[-1][:300]
+    witness_runs = {}
+    if witness is not None:
+        wargs = {**args, "settings": plan["witness_settings"]}
+        try:
+            witness_runs = {
+                trees[0].label: [server.run(trees[0], wargs)],
+                witness.label: [server.run(witness, wargs)],
+            }
+        except CommandError as exc:
+            errors[witness.label] = exc.message.splitlines()[-1][:300]
     labels = [t.label for t in trees]
     rows = ratio_rows(labels, results, "instructions_per_step")
     for r in rows:
@@ -356,8 +396,14 @@ def instruction_counts(
         f"callgrind (marker {cg.marker}, instrumentation on only for the measured "
         "steps, one child per run forked from a parent holding vLLM's "
         f"dependencies), trees alternating; {plan['reps']} round(s) of "
-        f"{plan['steps']} steps; ratio = tree / base per round; a ratio above "
-        f"{THRESHOLD} gets a profile",
+        f"{plan['steps']} steps"
+        + (
+            f", {plan.get('repeat_rounds', 0)} more of {', '.join(plan['repeat'])}"
+            if plan.get("repeat_rounds")
+            else ""
+        )
+        + f", each round with its own ballast {BALLASTS}; ratio = tree / base "
+        f"per round; a ratio above {THRESHOLD} gets a profile",
         "unit": "instructions per step",
         "marker": cg.marker,
         "steps": plan["steps"],

@@ -270,9 +270,9 @@ def round_order(trees: list, i: int) -> list:
 def alternate(
     trees: list[BenchTree], reps: int, run_one
 ) -> tuple[dict[str, list[dict]], dict[str, str]]:
-    """``run_one(tree)`` on every tree in turn, ``reps`` rounds (see
-    :func:`round_order`); the results per tree label in round order, and the
-    first error of each tree that failed (it is not run again)."""
+    """``run_one(tree, i)`` on every tree in turn, ``reps`` rounds (``i`` the
+    round, see :func:`round_order`); the results per tree label in round order,
+    and the first error of each tree that failed (it is not run again)."""
     results: dict[str, list[dict]] = {t.label: [] for t in trees}
     errors: dict[str, str] = {}
     for i in range(reps):
@@ -280,7 +280,7 @@ def alternate(
             if t.label in errors:
                 continue
             try:
-                results[t.label].append(run_one(t))
+                results[t.label].append(run_one(t, i))
             except CommandError as exc:
                 errors[t.label] = exc.message.splitlines()[-1][:300]
     return results, errors
