@@ -29,6 +29,7 @@ import shutil
 import statistics
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from hmastack import callgrind
@@ -348,7 +349,7 @@ def instruction_counts(
     plan: dict,
     cg: callgrind.Callgrind,
     server: ForkServer,
-    witness: BenchTree | None = None,
+    witness: Witness | None = None,
 ) -> dict:
     """Instructions per step of every setting on every tree in alternation,
     ``plan["reps"]`` rounds, then ``plan["repeat"]`` more rounds of the trees
@@ -377,14 +378,16 @@ def instruction_counts(
                     errors[t.label] = exc.message.splitlines()[-1][:300]
     witness_runs = {}
     if witness is not None:
+        # Against the stage it is a copy of: the slowdown alone makes the
+        # difference, whatever the series itself costs.
         wargs = {**args, "settings": plan["witness_settings"]}
         try:
             witness_runs = {
-                trees[0].label: [server.run(trees[0], wargs)],
-                witness.label: [server.run(witness, wargs)],
+                witness.of.label: [server.run(witness.of, wargs)],
+                witness.tree.label: [server.run(witness.tree, wargs)],
             }
         except CommandError as exc:
-            errors[witness.label] = exc.message.splitlines()[-1][:300]
+            errors[witness.tree.label] = exc.message.splitlines()[-1][:300]
     labels = [t.label for t in trees]
     rows = ratio_rows(labels, results, "instructions_per_step")
     for r in rows:
@@ -416,9 +419,7 @@ def instruction_counts(
     flagged = [r for r in rows if r["ratio median"] > THRESHOLD]
     report["profiles"] = profiles(cfg, pyenv, trees, results, flagged, plan)
     if witness is not None:
-        report["witness"] = check_witness(
-            cfg, pyenv, trees[0], witness, witness_runs, plan
-        )
+        report["witness"] = check_witness(cfg, pyenv, witness, witness_runs, plan)
     report["seconds"] = round(time.monotonic() - started)
     return report
 
@@ -541,22 +542,32 @@ def _profile(tree_label, k, base_runs, tree_runs, py_base, py_tree, cfg) -> dict
     return entry
 
 
+@dataclass(frozen=True)
+class Witness:
+    """A slowed copy (``tree``) of a stage tree (``of``)."""
+
+    tree: BenchTree
+    of: BenchTree
+
+
 def check_witness(
     cfg: Config,
     pyenv: env_mod.Env,
-    base: BenchTree,
-    witness: BenchTree,
+    witness: Witness,
     runs: dict[str, list[dict]],
     plan: dict,
 ) -> dict:
-    """The witness is caught when some setting's ratio exceeds the threshold and
-    the Python profile of every such setting names the slowed function first."""
-    entry = {"tree": witness.label, "slowdown": witness.note, "caught": False}
-    if not runs.get(witness.label):
+    """The witness is caught when some setting's ratio to the stage it copies
+    exceeds the threshold and the Python profile of every such setting names
+    the slowed function first."""
+    tree, of = witness.tree, witness.of
+    entry = {"tree": tree.label, "of": of.label, "slowdown": tree.note}
+    entry["caught"] = False
+    if not runs.get(tree.label):
         entry["why"] = "the slowed tree did not run"
         return entry
-    rows = ratio_rows([base.label, witness.label], runs, "instructions_per_step")
-    rows = [r for r in rows if r["tree"] == witness.label]
+    rows = ratio_rows([of.label, tree.label], runs, "instructions_per_step")
+    rows = [r for r in rows if r["tree"] == tree.label]
     entry["rows"] = [
         {k: r[k] for k in ("layout", "connector", "mode", "requests", "ratio median")}
         for r in rows
@@ -565,8 +576,7 @@ def check_witness(
     if not above:
         entry["why"] = f"no ratio above {THRESHOLD}"
         return entry
-    trees = [base, witness]
-    found = profiles(cfg, pyenv, trees, runs, above, plan)
+    found = profiles(cfg, pyenv, [of, tree], runs, above, plan)
     entry["profiles"] = found
     named = [(p.get("python_functions") or [{}])[0].get("function", "") for p in found]
     entry["named"] = named
@@ -576,9 +586,6 @@ def check_witness(
     if not entry["caught"]:
         entry["why"] = f"the profile names {named}, not {SLOWDOWN.qualname}"
     return entry
-
-
-# --- output -----------------------------------------------------------------------
 
 
 def spread_summary(report: dict) -> dict:

@@ -312,7 +312,8 @@ def page(cfg: Config, site: Any) -> str:
         if witness:
             out.append("## Witness: a slowed stage is caught\n")
             out.append(
-                f"`{witness['tree']}`: {witness.get('slowdown', '')}. "
+                f"`{witness['tree']}`: {witness.get('slowdown', '')}; ratios to "
+                f"{witness.get('of', 'the stage it copies')}. "
                 + (
                     "Caught"
                     if witness.get("caught")

@@ -13,6 +13,7 @@ import pytest
 from hmastack import bench, bench_cost, bench_trees, docs
 from hmastack import config as config_mod
 from hmastack import env as env_mod
+from hmastack.errors import HmastackError
 
 ROOT = Path(__file__).resolve().parents[2]
 B = 16
@@ -337,3 +338,52 @@ def test_scheduler_cost_with_the_scripted_connector_does_the_same_work():
             assert r["finished"] > 0
         else:
             assert r["scheduled_per_step"] == 64
+
+
+# --- trees: per-commit prefixes and the slowed copy --------------------------------
+
+
+def test_insert_statement_goes_after_the_docstring():
+    source = (
+        "class A:\n"
+        "    def f(self, x):\n"
+        '        """Doc.\n\n        More."""\n'
+        "        return x\n"
+        "\n"
+        "def g():\n"
+        "    return 1\n"
+    )
+    out = bench_trees.insert_statement(source, "A.f", "x += 1")
+    assert out.splitlines()[5] == "        x += 1"
+    ns: dict = {}
+    exec(compile(out, "m", "exec"), ns)
+    assert ns["A"]().f(1) == 2
+    assert "    y = 0\n    return 1" in bench_trees.insert_statement(
+        source, "g", "y = 0"
+    )
+    with pytest.raises(HmastackError, match="no function A.h"):
+        bench_trees.insert_statement(source, "A.h", "pass")
+    with pytest.raises(HmastackError, match="no class B"):
+        bench_trees.insert_statement(source, "B.f", "pass")
+
+
+def test_commit_trees_are_the_proper_prefixes_of_a_stage():
+    from hmastack import workspace
+    from hmastack.gitutil import git
+
+    cfg = config_mod.load(ROOT)
+    if not (cfg.workspace("vllm") / ".git").exists():
+        pytest.skip("no vLLM workspace: run `hmastack base` first")
+    series = workspace.discover(cfg)
+    multi = [s.number for s in series if len(s.patches_for("vllm")) > 1]
+    if not multi:
+        pytest.skip("no stage has several vLLM commits")
+    k = multi[0]
+    trees = bench_trees.commit_trees(cfg, [k])
+    n = len(series[k - 1].patches_for("vllm"))
+    assert [t.label for t in trees] == [f"stage {k}.{j}" for j in range(1, n)]
+    before = sum(len(s.patches_for("vllm")) for s in series[: k - 1])
+    for j, t in enumerate(trees, 1):
+        count = git(t.path, "rev-list", "--count", "v0.13.0..HEAD").strip()
+        assert int(count) == before + j
+        assert f"{k}/{cfg.num_stages}]" in t.note  # the commit's subject
