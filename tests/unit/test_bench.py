@@ -387,3 +387,80 @@ def test_commit_trees_are_the_proper_prefixes_of_a_stage():
         count = git(t.path, "rev-list", "--count", "v0.13.0..HEAD").strip()
         assert int(count) == before + j
         assert f"{k}/{cfg.num_stages}]" in t.note  # the commit's subject
+
+
+def test_the_page_opens_with_headline_and_plots_then_method(project):
+    pytest.importorskip("matplotlib")
+    out = project.reports / "bench"
+    out.mkdir(parents=True)
+    reports = _reports()
+    counts = reports["scheduler_instructions"]
+    counts["threshold"] = bench_cost.THRESHOLD
+    counts["profiles"] = [
+        {
+            "tree": "stage 3",
+            "setting": "gemma3-connector-prefill-256",
+            "instructions base": 1000,
+            "instructions": 1030,
+            "bytecodes base": 100,
+            "bytecodes": 110,
+            "python_functions": [
+                {
+                    "function": "vllm/v1/core/kv_cache_manager.py:KVCacheManager.f",
+                    "self base": 10,
+                    "self": 20,
+                    "self difference": 10,
+                    "share": 1.0,
+                    "inclusive difference": 10,
+                    "calls base": 1,
+                    "calls": 1,
+                }
+            ],
+            "c_functions": [
+                {
+                    "function": "_PyEval_EvalFrameDefault [libpython3.11.so.1.0]",
+                    "base": 500,
+                    "other": 530,
+                    "difference": 30,
+                    "share": 1.0,
+                }
+            ],
+        }
+    ]
+    counts["witness"] = {
+        "tree": "stage 4 slowed",
+        "of": "stage 4",
+        "slowdown": "a loop",
+        "caught": True,
+        "rows": [
+            {
+                "layout": "full",
+                "connector": "none",
+                "mode": "decode",
+                "requests": 64,
+                "ratio median": 1.05,
+            }
+        ],
+        "named": ["vllm/v1/core/kv_cache_manager.py:KVCacheManager.allocate_slots"],
+    }
+    for name, report in reports.items():
+        (out / f"{name}.json").write_text(json.dumps(report))
+        bench.plot(name, report, out)
+    (out / "run.json").write_text(json.dumps({"quick": True, "seconds": 300}))
+    page = docs.generate(project).pages["benchmarks.md"]
+    order = [
+        page.index("## Headline"),
+        page.index("## Plots"),
+        page.index("## Scheduler instructions per step"),
+        page.index("## Where the cost goes"),
+        page.index("## Witness"),
+        page.index("## Method"),
+    ]
+    assert order == sorted(order)
+    headline = page[order[0] : order[1]]
+    assert "**Peak blocks**" in headline and "**Admission**" in headline
+    assert "**Witness**: stage 4 slowed" in headline and "is caught" in headline
+    assert "not measured yet" in headline  # throughput: no report yet
+    assert "quick set" in headline and "300 s" in headline
+    assert "`vllm/v1/core/kv_cache_manager.py:KVCacheManager.f`" in page
+    assert "`_PyEval_EvalFrameDefault [libpython3.11.so.1.0]`" in page
