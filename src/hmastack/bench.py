@@ -65,12 +65,12 @@ FULL = {
     "cost": {"settings": bench_cost.ALL_SETTINGS, "steps": 30, "reps": 3},
     "counts": {
         "settings": bench_cost.ALL_SETTINGS,
-        "steps": 8,
+        "steps": 6,
         "reps": 1,
         # One more round of the base and the last stage: the spread.
         "repeat_rounds": 1,
         "repeat_trees": 2,
-        "witness_settings": bench_cost.settings(sizes=(64,)),
+        "witness_settings": [s for s in bench_cost.ALL_SETTINGS if s["requests"] == 64],
     },
     "commits": True,
     "peer_cost": True,

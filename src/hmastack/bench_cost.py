@@ -75,7 +75,11 @@ def settings(
     ]
 
 
-ALL_SETTINGS = settings()
+# The full set: the full-attention layout in every combination, the hybrid
+# layouts with external hits (the connector), where the series' paths run.
+ALL_SETTINGS = settings(layouts=("full",)) + settings(
+    layouts=("gemma3", "gptoss"), connectors=("connector",)
+)
 # The quick set: 64 requests; the plain full-attention case, the connector's
 # prefill path and both hybrid layouts with the connector (where the series'
 # code paths run).
@@ -409,6 +413,7 @@ def instruction_counts(
         f"per round; a ratio above {THRESHOLD} gets a profile",
         "unit": "instructions per step",
         "marker": cg.marker,
+        "hardware_counters": callgrind.hardware_counters(),
         "steps": plan["steps"],
         "threshold": THRESHOLD,
         "trees": {t.label: t.note for t in trees if t.note},

@@ -94,6 +94,28 @@ class Callgrind:
         return cmd
 
 
+def hardware_counters() -> str:
+    """Whether this machine exposes the CPU's instruction counter to ``perf``
+    (the faster alternative to callgrind): ``perf stat -x, -e instructions true``
+    prints a count, or ``<not supported>`` (as in this virtual machine)."""
+    perf = shutil.which("perf")
+    if perf is None:
+        return "perf is not installed"
+    proc = subprocess.run(
+        [perf, "stat", "-x,", "-e", "instructions", "true"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    first = (proc.stderr.strip().splitlines() or [""])[0]
+    value = first.split(",")[0]
+    if proc.returncode == 0 and value.isdigit():
+        return f"supported ({value} instructions for `true`)"
+    return (
+        f"not supported (`perf stat -e instructions true`: {first or proc.returncode})"
+    )
+
+
 def locate() -> tuple[str, str]:
     """The paths of ``valgrind`` and ``vgdb``; :class:`HmastackError` if missing."""
     valgrind, vgdb = shutil.which("valgrind"), shutil.which("vgdb")
