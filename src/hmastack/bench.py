@@ -315,30 +315,27 @@ def count_trees(ctx: Context) -> list[BenchTree]:
 
 
 def run_instructions(ctx: Context) -> dict:
-    if not ctx.instructions:
+    if ctx.counting is None:
         return {
             "title": "Scheduler instructions per step",
             "skipped": "--no-instructions",
             "errors": {},
             "rows": [],
         }
-    cg = callgrind.probe_marker(ctx.pyenv.python, bench_trees_environ(ctx))
+    cg, server = ctx.counting
     trees = count_trees(ctx)
-    last = max(
-        int(t.label.split()[1]) for t in ctx.trees if t.label.startswith("stage")
-    )
-    witness = slowed_tree(ctx.cfg, last, bench_cost.SLOWDOWN) if last else None
+    stages = [t for t in ctx.trees if t.label.startswith("stage ")]
+    last = stages[-1]
+    plan = {**ctx.plan["counts"]}
+    plan["repeat"] = [stages[0].label, last.label][: plan.get("repeat_trees", 2)]
+    witness = None
+    if last is not stages[0]:
+        k = int(last.label.split()[1])
+        slowed = slowed_tree(ctx.cfg, k, bench_cost.SLOWDOWN)
+        witness = bench_cost.Witness(slowed, last)
     return bench_cost.instruction_counts(
-        ctx.cfg, ctx.pyenv, trees, ctx.plan["counts"], cg, witness
+        ctx.cfg, ctx.pyenv, trees, plan, cg, server, witness
     )
-
-
-def bench_trees_environ(ctx: Context) -> dict:
-    import os
-
-    from hmastack.bench_trees import scenario_environ
-
-    return {**os.environ, **scenario_environ(ctx.cfg, ctx.pyenv, [])}
 
 
 def _memory_failed(report: dict) -> list[str]:
