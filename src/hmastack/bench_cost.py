@@ -209,8 +209,8 @@ def cpu_time(cfg: Config, pyenv: env_mod.Env, trees: list[BenchTree], plan: dict
 
 class ForkServer:
     """The parent process of the counted runs (``_forkserver.py`` under
-    callgrind). ``run(tree, args)`` forks one child that runs the scenario in
-    ``tree``; the result rows carry the child's instruction counts."""
+    callgrind). :meth:`run_batch` forks one child per job, ``parallel`` at a
+    time; the result rows carry each child's instruction counts."""
 
     def __init__(
         self,
@@ -219,13 +219,15 @@ class ForkServer:
         cg: callgrind.Callgrind,
         preload: list[str],
         out: Path,
+        parallel: int = 2,
     ):
-        self.cfg, self.cg, self.out = cfg, cg, out
+        self.cfg, self.cg, self.out, self.parallel = cfg, cg, out, parallel
         out.mkdir(parents=True, exist_ok=True)
         script = scenario_script(cfg, "_forkserver")
-        log = cfg.build / "logs" / "bench" / "forkserver.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        self._log = log.open("w")
+        self.logs = cfg.build / "logs" / "bench"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self._log = (self.logs / "forkserver.log").open("w")
+        self._jobs = 0
         environ = scenario_environ(cfg, pyenv, [])
         self.proc = subprocess.Popen(
             [
@@ -243,19 +245,9 @@ class ForkServer:
         )
         self.preload_failed: list[str] | None = None  # known once it is ready
 
-    def wait_ready(self) -> None:
-        """Wait until the parent has imported its preload (it starts at once and
-        imports while other scenarios run)."""
-        if self.preload_failed is not None:
-            return
-        ready = self._read_until_done()
-        if ready is None or not ready[1].get("ready"):
-            raise CommandError(
-                ["_forkserver.py"], self.proc.poll() or 1, ready[0] if ready else ""
-            )
-        self.preload_failed = ready[1].get("preload_failed", [])
-
-    def _read_until_done(self) -> tuple[str, dict] | None:
+    def _next_report(self) -> tuple[str, dict] | None:
+        """The parent's next ``HMASTACK_FORK_DONE`` line (and what it printed
+        before it); None when it ended."""
         lines = []
         for line in self.proc.stdout:
             self._log.write(line)
@@ -265,23 +257,66 @@ class ForkServer:
             lines.append(line)
         return None
 
-    def run(self, tree: BenchTree, args: dict) -> dict:
-        self.wait_ready()
-        command = {"tree": str(tree.path), "script": SCENARIO, "args": args}
-        self._log.write(f"### {tree.label}: {json.dumps(args)}\n")
-        self.proc.stdin.write(json.dumps(command) + "\n")
-        self.proc.stdin.flush()
-        got = self._read_until_done()
-        if got is None:
+    def wait_ready(self) -> None:
+        """Wait until the parent has imported its preload (it starts at once and
+        imports while other scenarios run)."""
+        if self.preload_failed is not None:
+            return
+        ready = self._next_report()
+        if ready is None or not ready[1].get("ready"):
             raise CommandError(
-                ["_forkserver.py", tree.label],
-                self.proc.poll() or 1,
-                "the fork server ended",
+                ["_forkserver.py"], self.proc.poll() or 1, ready[0] if ready else ""
             )
-        output, done = got
+        self.preload_failed = ready[1].get("preload_failed", [])
+
+    def run_batch(
+        self, jobs: list[tuple[BenchTree, dict]]
+    ) -> list[dict | CommandError]:
+        """Run every (tree, scenario arguments) job; per job, in order, its
+        result (rows with ``instructions``) or the error it ended with."""
+        self.wait_ready()
+        batch = []
+        for tree, args in jobs:
+            self._jobs += 1
+            output = self.logs / f"count-{self._jobs:03d}-{tree.slug}.log"
+            batch.append(
+                {
+                    "id": len(batch),
+                    "tree": str(tree.path),
+                    "script": SCENARIO,
+                    "args": args,
+                    "output": str(output),
+                }
+            )
+            self._log.write(f"### job {self._jobs}: {tree.label} -> {output.name}\n")
+        self.proc.stdin.write(
+            json.dumps({"parallel": self.parallel, "jobs": batch}) + "\n"
+        )
+        self.proc.stdin.flush()
+        done: dict[int, dict] = {}
+        while True:
+            got = self._next_report()
+            if got is None:
+                raise CommandError(
+                    ["_forkserver.py"], self.proc.poll() or 1, "the fork server ended"
+                )
+            if got[1].get("batch"):
+                break
+            done[got[1]["id"]] = got[1]
+        results: list[dict | CommandError] = []
+        for job, (tree, _) in zip(batch, jobs, strict=True):
+            try:
+                results.append(self._result(tree, job, done.get(job["id"])))
+            except CommandError as exc:
+                results.append(exc)
+        return results
+
+    def _result(self, tree: BenchTree, job: dict, done: dict | None) -> dict:
+        output = Path(job["output"]).read_text(errors="replace")
         result = parse_output(output)
-        if done["exit"] != 0 or result is None:
-            raise CommandError([SCENARIO, tree.label], done["exit"], output)
+        if done is None or done["exit"] != 0 or result is None:
+            code = done["exit"] if done else 1
+            raise CommandError([SCENARIO, tree.label], code, output)
         dumps = callgrind.dumps_of(self.out, done["pid"], self.cg.marker)
         for r in result["rows"]:
             dump = dumps.get(r["dump"])
@@ -371,43 +406,51 @@ def instruction_counts(
         "settings": plan["settings"],
     }
 
-    def run_one(tree: BenchTree, i: int) -> dict:
-        return server.run(tree, {**args, "ballast": BALLASTS[i % len(BALLASTS)]})
-
-    results, errors = alternate(trees, plan["reps"], run_one)
+    # One batch, run two at a time: round 0 of every tree (alternating order
+    # as the other scenarios; counts do not depend on it), the repeats of the
+    # trees named in plan["repeat"], then the witness.
+    jobs: list[tuple[BenchTree, dict, str]] = []  # (tree, args, whose result)
+    for i in range(plan["reps"]):
+        for t in round_order(trees, i):
+            jobs.append((t, {**args, "ballast": BALLASTS[i % len(BALLASTS)]}, t.label))
     again = [t for t in trees if t.label in plan.get("repeat", ())]
     for i in range(plan["reps"], plan["reps"] + plan.get("repeat_rounds", 0)):
         for t in round_order(again, i):
-            if t.label not in errors:
-                try:
-                    results[t.label].append(run_one(t, i))
-                except CommandError as exc:
-                    errors[t.label] = exc.message.splitlines()[-1][:300]
-    witness_runs = {}
+            jobs.append((t, {**args, "ballast": BALLASTS[i % len(BALLASTS)]}, t.label))
+    chosen = plan.get("witness_settings", [])
+    # A child's counts depend on the settings it ran before: the stage's first
+    # round is the witness's reference when it began with the witness settings
+    # (same ballast, same order), else the stage runs them again.
+    reuse = witness is not None and plan["settings"][: len(chosen)] == chosen
     if witness is not None:
-        # Against the stage it is a copy of: the slowdown alone makes the
-        # difference, whatever the series itself costs.
-        chosen = plan["witness_settings"]
-        wargs = {**args, "settings": chosen}
-        try:
-            # A child's counts depend on the settings it ran before: the stage's
-            # first round serves as the reference when it began with the
-            # witness settings (same ballast, same order), else it runs again.
-            first = (results.get(witness.of.label) or [None])[0]
-            if first is not None and plan["settings"][: len(chosen)] == chosen:
-                keys = {key(s) for s in chosen}
-                reference = {
-                    **first,
-                    "rows": [r for r in first["rows"] if key(r) in keys],
-                }
-            else:
-                reference = server.run(witness.of, wargs)
+        wargs = {**args, "settings": chosen, "ballast": BALLASTS[0]}
+        if not reuse:
+            jobs.append((witness.of, wargs, "witness reference"))
+        jobs.append((witness.tree, wargs, witness.tree.label))
+    outcomes = server.run_batch([(t, a) for t, a, _ in jobs])
+    results: dict[str, list[dict]] = {t.label: [] for t in trees}
+    errors: dict[str, str] = {}
+    extra: dict[str, dict] = {}
+    for (_tree, _, whose), outcome in zip(jobs, outcomes, strict=True):
+        if isinstance(outcome, CommandError):
+            errors.setdefault(whose, outcome.message.splitlines()[-1][:300])
+        elif whose in results:
+            results[whose].append(outcome)
+        else:
+            extra[whose] = outcome
+    witness_runs = {}
+    if witness is not None and witness.tree.label in extra:
+        if reuse and results.get(witness.of.label):
+            keys = {key(s) for s in chosen}
+            first = results[witness.of.label][0]
+            reference = {**first, "rows": [r for r in first["rows"] if key(r) in keys]}
+        else:
+            reference = extra.get("witness reference")
+        if reference is not None:
             witness_runs = {
                 witness.of.label: [reference],
-                witness.tree.label: [server.run(witness.tree, wargs)],
+                witness.tree.label: [extra[witness.tree.label]],
             }
-        except CommandError as exc:
-            errors[witness.tree.label] = exc.message.splitlines()[-1][:300]
     labels = [t.label for t in trees]
     rows = ratio_rows(labels, results, "instructions_per_step")
     for r in rows:
