@@ -33,6 +33,7 @@ one more :class:`Scenario` in :data:`SCENARIOS`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import time
@@ -42,7 +43,7 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from hmastack import bench_cost, callgrind
+from hmastack import bench_cost, bench_throughput, callgrind
 from hmastack import config as config_mod
 from hmastack import env as env_mod
 from hmastack.bench_trees import (
@@ -110,6 +111,8 @@ class Context:
     quick: bool
     # The marker and the fork server of the instruction counts (None: skipped).
     counting: tuple | None = None
+    # The scenarios to run (names); the real-engine throughput only on request.
+    selected: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -923,7 +926,36 @@ SCENARIOS: list[Scenario] = [
         plot_eagle,
         _memory_failed,
     ),
+    # The real engine (build/e2e-env): only with --throughput (minutes of engine
+    # processes), in `hmastack run`, not in `make test`.
+    Scenario(
+        "throughput",
+        lambda ctx: bench_throughput.run(ctx.cfg, ctx.quick),
+        bench_throughput.plot,
+        bench_throughput.failed,
+    ),
 ]
+OPTIONAL = ("throughput",)  # run only when asked for (--throughput, --only)
+
+
+def selected_scenarios(only: str | None, throughput: bool) -> tuple[str, ...]:
+    """The names of the scenarios to run: ``only`` (comma-separated) or every
+    scenario but the optional ones, plus the throughput when asked for.
+
+    Raises :class:`HmastackError` for an unknown name."""
+    names = [s.name for s in SCENARIOS]
+    if only:
+        chosen = [n.strip() for n in only.split(",") if n.strip()]
+        unknown = [n for n in chosen if n not in names]
+        if unknown:
+            raise HmastackError(
+                f"unknown scenario {', '.join(unknown)}", f"one of {', '.join(names)}"
+            )
+    else:
+        chosen = [n for n in names if n not in OPTIONAL]
+    if throughput and "throughput" not in chosen:
+        chosen.append("throughput")
+    return tuple(n for n in names if n in chosen)
 
 
 def eagle_markdown(rows: list[dict]) -> str:
@@ -952,7 +984,12 @@ def eagle_markdown(rows: list[dict]) -> str:
 def cmd_bench(args: argparse.Namespace) -> int:
     cfg = config_mod.load()
     failed = run_bench(
-        cfg, args.quick, args.stages, args.no_peer, not args.no_instructions
+        cfg,
+        args.quick,
+        args.stages,
+        args.no_peer,
+        not args.no_instructions,
+        selected_scenarios(args.only, args.throughput),
     )
     return 1 if failed else 0
 
@@ -961,9 +998,11 @@ def run_for_pipeline(cfg: Config) -> str:
     """`hmastack run`'s benchmark step: the quick set (memory figures checked
     exactly, the witness of the instruction counts must be caught, ratios
     reported only). Raises :class:`HmastackError` on a failure."""
-    if run_bench(cfg, quick=True, stages_text=None, no_peer=False):
+    chosen = selected_scenarios(None, throughput=True)
+    if run_bench(cfg, quick=True, stages_text=None, no_peer=False, only=chosen):
         raise HmastackError(
-            "a benchmark check failed (a memory figure or the witness)",
+            "a benchmark check failed (a memory figure, the witness or a "
+            "cached-token count of the throughput runs)",
             f"see {cfg.reports / 'bench'} and build/logs/bench/",
         )
     return f"quick set, reports in {cfg.reports / 'bench'}"
@@ -973,6 +1012,8 @@ def _run_scenarios(
     ctx: Context, out: Path, skipped: dict, failures: list, reports: dict
 ) -> None:
     for scenario in SCENARIOS:
+        if scenario.name not in ctx.selected:
+            continue
         t0 = time.monotonic()
         with step(f"bench {scenario.name}"):
             report = scenario.run(ctx)
@@ -1000,9 +1041,14 @@ def run_bench(
     stages_text: str | None,
     no_peer: bool,
     instructions: bool = True,
+    only: tuple[str, ...] | None = None,
 ) -> bool:
-    """Run every scenario on the trees in alternation; True when a check failed."""
+    """Run the scenarios ``only`` (default: all but the optional ones) on the
+    trees in alternation; True when a check failed. The summary also holds the
+    last reports of the scenarios not run."""
     plan = QUICK if quick else FULL
+    only = selected_scenarios(None, False) if only is None else only
+    instructions = instructions and "scheduler_instructions" in only
     selected = parse_stages(stages_text, cfg, quick)  # validate before any work
     if instructions:
         callgrind.locate()  # fail before any work when valgrind is missing
@@ -1016,7 +1062,7 @@ def run_bench(
             trees.append(BenchTree(PEER_LABEL, path))
         else:
             skipped[PEER_LABEL] = why
-    ctx = Context(cfg, pyenv, trees, plan, quick)
+    ctx = Context(cfg, pyenv, trees, plan, quick, selected=only)
     out = cfg.reports / "bench"
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
@@ -1030,6 +1076,10 @@ def run_bench(
     finally:
         if ctx.counting is not None:
             ctx.counting[1].close()
+    for s in SCENARIOS:  # the last report of a scenario not run this time
+        if s.name not in reports and (out / f"{s.name}.json").is_file():
+            with contextlib.suppress(ValueError):
+                reports[s.name] = json.loads((out / f"{s.name}.json").read_text())
     (out / SUMMARY).write_text(summary_markdown(reports))
     for label, why in skipped.items():
         console.print(f"[yellow]skipped {label}:[/yellow] {why}")
@@ -1041,6 +1091,7 @@ def run_bench(
             {
                 "quick": bool(quick),
                 "seconds": round(total),
+                "scenarios": list(only),
                 "trees": [t.label for t in trees],
                 "failures": failures,
                 "generated": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -1073,5 +1124,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--no-instructions",
         action="store_true",
         help="skip the instruction counts (they need valgrind)",
+    )
+    parser.add_argument(
+        "--throughput",
+        action="store_true",
+        help="also the real-engine throughput under a KV budget (build/e2e-env, "
+        "~4 GB of downloads on first use; minutes of engine runs)",
+    )
+    parser.add_argument(
+        "--only",
+        metavar="NAMES",
+        help="run only these scenarios (comma-separated), e.g. throughput",
     )
     parser.set_defaults(func=cmd_bench)
