@@ -33,6 +33,8 @@ def _run(seconds: float, running: int, steps: int, blocks: list[int], groups: in
         "num_blocks": 240 if groups == 1 else 1440,
         "batch": bt.BATCH,
         "cached_tokens": [1024],
+        "load_seconds": 1.0,  # the same block files read in every tree
+        "step_seconds_median": 0.005 if groups == 1 else 0.006,
     }
 
 
@@ -59,20 +61,21 @@ def test_plans_base_hma_off_plain_connector_series_hma_on():
     spec = MODELS[bt.MODEL]
     assert spec.num_layers == bt.LAYERS
     assert spec.num_blocks(bt.MEMORY_BOUND_LAYER_BLOCKS, False) == 240
-    assert spec.num_blocks(bt.CONTROL_LAYER_BLOCKS, False) == 1100
+    assert spec.num_blocks(bt.CONTROL_LAYER_BLOCKS, False) == 1200
 
 
 def test_the_budgets_bound_the_base_and_not_the_control():
-    """From the block counts alone: a request of the batch holds ceil(1064/16)
-    = 67 blocks at the end with HMA off; 3 fit in the memory-bound pool, all 16
+    """From the block counts alone: a request of the batch holds ceil(1096/16)
+    = 69 blocks at the end with HMA off; 3 fit in the memory-bound pool, all 16
     in the control pool."""
     tokens = bt.BATCH["prefix"] + bt.BATCH["suffix"] + bt.BATCH["max_tokens"]
     per_request = -(-tokens // 16)
-    assert per_request == 67
+    assert per_request == 69
     assert bt.predicted_concurrency(240, per_request, 16) == 3
-    assert bt.predicted_concurrency(1100, per_request, 16) == 16
-    # The series: 67 full-attention blocks and a few per sliding-window group.
-    assert bt.predicted_concurrency(1440, 67 + 5 * 4, 16) == 16
+    assert bt.predicted_concurrency(1200, per_request, 16) == 16
+    assert bt.predicted_concurrency(1100, per_request, 16) == 15
+    # The series: 69 full-attention blocks and 3 per sliding-window group.
+    assert bt.predicted_concurrency(1440, 69 + 5 * 3, 16) == 16
     assert bt.predicted_concurrency(1440, 0, 16) == 16
 
 
@@ -93,6 +96,13 @@ def test_summary_ratio_per_round_and_verdict():
     assert v["steps ratio (base / tree)"] == 5.0
     assert v["at least predicted"] is False  # 4.0 < 5.33
     assert "4.00x" in bt.headline({"memory-bound: stage 3": v}, 3)
+    # Without the loads (1 s each) the rest shrinks 8/1 = 8x (medians 9 s, 2 s).
+    assert v["ratio without loads"] == 8.0
+    why = bt.explanation({"memory-bound: stage 3": v})
+    assert "below the 5.33x" in why and "1.00 s of the base's 9.00 s" in why
+    assert "5.00x fewer engine steps" in why and "6.0 ms against 5.0 ms" in why
+    v["at least predicted"] = True
+    assert bt.explanation({"memory-bound: stage 3": v}) == ""
 
 
 def test_a_failed_run_drops_out_of_the_ratios():

@@ -55,6 +55,43 @@ def expected_hit(length: int) -> int:
     return min(length // BLOCK_SIZE * BLOCK_SIZE, length - 1)
 
 
+class Timers:
+    """Wall seconds spent in the connector's worker-side loads and saves and in
+    each engine step of the measured batch (wrappers installed after the store
+    phase): what does not shrink with concurrency (a load reads the same block
+    files however many requests run) against what does (steps)."""
+
+    def __init__(self, session):
+        from hmastack_e2e import connector
+
+        self.load = self.save = 0.0
+        self.steps: list[float] = []
+        cls = connector.CPUTestConnector  # CPUTestHMAConnector inherits
+        cls.start_load_kv = self._timed("load", cls.start_load_kv)
+        cls.wait_for_save = self._timed("save", cls.wait_for_save)
+        engine = session.llm.llm_engine
+        step = engine.step
+
+        def timed_step():
+            t = time.perf_counter()
+            try:
+                return step()
+            finally:
+                self.steps.append(time.perf_counter() - t)
+
+        engine.step = timed_step
+
+    def _timed(self, name: str, fn):
+        def wrapper(conn, *args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(conn, *args, **kwargs)
+            finally:
+                setattr(self, name, getattr(self, name) + time.perf_counter() - t)
+
+        return wrapper
+
+
 def main(argv: list[str]) -> int:
     plan_path, out_path = Path(argv[0]), Path(argv[1])
     from hmastack_e2e.engine import Observation, Plan, Session
@@ -78,6 +115,7 @@ def main(argv: list[str]) -> int:
         session.reset_prefix_cache()
         result["store_seconds"] = round(time.monotonic() - t0, 3)
         obs = Observation()
+        timers = Timers(session)
         wall0, cpu0 = time.perf_counter(), time.process_time()
         records = session.run(
             [
@@ -90,6 +128,11 @@ def main(argv: list[str]) -> int:
         result["seconds"] = time.perf_counter() - wall0
         result["cpu_seconds"] = time.process_time() - cpu0
         result["steps"] = obs.steps
+        result["load_seconds"] = round(timers.load, 4)
+        result["save_seconds"] = round(timers.save, 4)
+        result["step_seconds"] = round(sum(timers.steps), 4)
+        ordered = sorted(timers.steps)
+        result["step_seconds_median"] = round(ordered[len(ordered) // 2], 5)
         result["max_running"] = obs.max_running
         result["max_waiting"] = obs.max_waiting
         result["preemptions"] = obs.preemptions
