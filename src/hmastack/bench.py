@@ -1053,7 +1053,13 @@ def run_bench(
     if instructions:
         callgrind.locate()  # fail before any work when valgrind is missing
     pyenv = env_mod.ensure(cfg)
-    trees = [BenchTree("stage 0", stage_tree(cfg, 0))]
+    # The throughput builds its own trees (build/bench/engine, with the compiled
+    # kernels); the others run in build/bench/stages and the peer's tree.
+    if set(only) <= set(OPTIONAL):
+        selected, no_peer = [], True
+    trees = (
+        [BenchTree("stage 0", stage_tree(cfg, 0))] if selected or not no_peer else []
+    )
     trees += [BenchTree(f"stage {k}", stage_tree(cfg, k)) for k in selected]
     skipped = {}
     if not no_peer:
@@ -1086,7 +1092,10 @@ def run_bench(
     for f in failures:
         console.print(f"[red]{f}[/red]")
     total = time.time() - started
-    (out / "run.json").write_text(
+    # A run of the optional scenarios alone keeps the last full or quick run's
+    # record (the page's "Last run") and writes its own.
+    run_file = "run-optional.json" if set(only) <= set(OPTIONAL) else "run.json"
+    (out / run_file).write_text(
         json.dumps(
             {
                 "quick": bool(quick),

@@ -362,7 +362,11 @@ def page(cfg: Config, site: Any) -> str:
         out.append(summary.read_text())
     out.append("## Method\n")
     out.append(method_text)
-    others = [b for b in benches if b.name not in KNOWN and b.name != "run"]
+    others = [
+        b
+        for b in benches
+        if b.name not in KNOWN and b.name not in ("run", "run-optional", "eagle_hits")
+    ]
     if others:
         out.append("## Other reports\n")
     for b in others:

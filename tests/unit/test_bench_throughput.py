@@ -7,12 +7,14 @@ as `hmastack_e2e.throughput` writes them.
 
 from __future__ import annotations
 
+import json
+import re
 import sys
 from pathlib import Path
 
 import pytest
 
-from hmastack import bench
+from hmastack import bench, docs
 from hmastack import bench_throughput as bt
 from hmastack.errors import HmastackError
 
@@ -140,3 +142,35 @@ def test_plot_draws_the_three_panels():
     fig = bt.plot(report, plt)
     assert len(fig.axes) == 3
     plt.close(fig)
+
+
+def test_the_page_shows_the_throughput_headline_plot_and_verdict(project):
+    pytest.importorskip("matplotlib")
+    out = project.reports / "bench"
+    out.mkdir(parents=True)
+    runs = _runs([8.0, 10.0], [2.0, 2.5]) | _runs([2.0, 2.1], [2.0, 2.0], "control")
+    rows = bt.summarize(runs, ["stage 0", "stage 3"])
+    verdicts = bt.judge(rows, ["stage 0", "stage 3"])
+    report = {
+        "title": "Real-engine throughput under a KV budget",
+        "method": "the method",
+        "rows": rows,
+        "cases": bt.CASES,
+        "batch": bt.BATCH,
+        "verdicts": verdicts,
+        "headline": bt.headline(verdicts, 2),
+        "explanation": bt.explanation(verdicts),
+    }
+    (out / "throughput.json").write_text(json.dumps(report))
+    bench.plot("throughput", report, out)
+    page = docs.generate(project).pages["benchmarks.md"]
+    head = page[page.index("## Headline") : page.index("## Plots")]
+    assert "**Throughput**: memory-bound: stage 3: 4.00x" in head
+    assert "not measured yet" not in head
+    plots = page[page.index("## Plots") : page.index("## Real-engine throughput")]
+    assert "![throughput](assets/bench/throughput.png)" in plots
+    section = page[page.index("## Real-engine throughput") : page.index("## Method")]
+    cells = re.sub(r" *\| *", "|", section)
+    assert "|memory-bound: stage 3|4.000 (4.000-4.000)|3 → 16|5.333|5.000|no|" in cells
+    assert "|control: stage 3|" in cells
+    assert "below the 5.33x" in section  # the explanation
