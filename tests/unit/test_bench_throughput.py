@@ -101,7 +101,7 @@ def test_summary_ratio_per_round_and_verdict():
     # Without the loads (1 s each) the rest shrinks 8/1 = 8x (medians 9 s, 2 s).
     assert v["ratio without loads"] == 8.0
     why = bt.explanation({"memory-bound: stage 3": v})
-    assert "below the 5.33x" in why and "1.00 s of the base's 9.00 s" in why
+    assert "below the 5.33x" in why and "1.00 CPU s of the base's 9.00 s" in why
     assert "5.00x fewer engine steps" in why and "6.0 ms against 5.0 ms" in why
     v["at least predicted"] = True
     assert bt.explanation({"memory-bound: stage 3": v}) == ""
@@ -171,6 +171,7 @@ def test_the_page_shows_the_throughput_headline_plot_and_verdict(project):
     assert "![throughput](assets/bench/throughput.png)" in plots
     section = page[page.index("## Real-engine throughput") : page.index("## Method")]
     cells = re.sub(r" *\| *", "|", section)
-    assert "|memory-bound: stage 3|4.000 (4.000-4.000)|3 → 16|5.333|5.000|no|" in cells
+    row = "|memory-bound: stage 3|4.000 (4.000-4.000)|4.000 (4.000-4.000)|3 → 16|5.333|"
+    assert row + "5.000|no|" in cells
     assert "|control: stage 3|" in cells
     assert "below the 5.33x" in section  # the explanation

@@ -13,9 +13,11 @@ it) and ``max_tokens`` (tokens generated per request).
    stores every full block; then the local prefix cache is emptied.
 2. Measured: the same N prompts sent together, each prefix loaded by the
    connector synchronously (``load: sync``); ``max_tokens`` greedy tokens each.
-   Wall and CPU seconds from the first ``add_request`` to the last finished
-   request, engine steps, the most requests running at once, the most blocks
-   of each KV cache group in use at once (after every step), preemptions, and
+   Wall and CPU seconds (``time.process_time``: the engine's own work, which a
+   machine shared with other jobs does not inflate as it does the wall clock)
+   from the first ``add_request`` to the last finished request, engine steps,
+   the most requests running at once, the most blocks of each KV cache group
+   in use at once (after every step), preemptions, and
    each request's cached-token count (must equal its external hit, else the
    connector did not serve it and the figure would be meaningless).
 
@@ -56,10 +58,12 @@ def expected_hit(length: int) -> int:
 
 
 class Timers:
-    """Wall seconds spent in the connector's worker-side loads and saves and in
-    each engine step of the measured batch (wrappers installed after the store
-    phase): what does not shrink with concurrency (a load reads the same block
-    files however many requests run) against what does (steps)."""
+    """CPU seconds of this process (``time.process_time``: what the engine
+    did, whatever else the machine runs) spent in the connector's worker-side
+    loads and saves and in each engine step of the measured batch (wrappers
+    installed after the store phase): what does not shrink with concurrency (a
+    load reads the same block files however many requests run) against what
+    does (steps)."""
 
     def __init__(self, session):
         from hmastack_e2e import connector
@@ -73,21 +77,21 @@ class Timers:
         step = engine.step
 
         def timed_step():
-            t = time.perf_counter()
+            t = time.process_time()
             try:
                 return step()
             finally:
-                self.steps.append(time.perf_counter() - t)
+                self.steps.append(time.process_time() - t)
 
         engine.step = timed_step
 
     def _timed(self, name: str, fn):
         def wrapper(conn, *args, **kwargs):
-            t = time.perf_counter()
+            t = time.process_time()
             try:
                 return fn(conn, *args, **kwargs)
             finally:
-                setattr(self, name, getattr(self, name) + time.perf_counter() - t)
+                setattr(self, name, getattr(self, name) + time.process_time() - t)
 
         return wrapper
 
