@@ -65,14 +65,25 @@ MEMORY_BOUND_LAYER_BLOCKS = 1440
 CONTROL_LAYER_BLOCKS = 6 * 1200
 CASES = {"memory-bound": MEMORY_BOUND_LAYER_BLOCKS, "control": CONTROL_LAYER_BLOCKS}
 HMA_FROM_STAGE = 3  # the stage from which the test connector keeps HMA on
-FULL = {"stages": [3, 4], "rounds": 3}
-QUICK = {"stages": [3], "rounds": 2}
+# The trees besides the base: (stage, HMA forced on). "stage 0 (HMA on)" is
+# 0.13.0 with HMA forced on (the SupportsHMA test connector): it separates what
+# the hybrid manager's groups cost per step from what the series changes.
+FULL = {"trees": [(0, True), (3, None), (4, None)], "rounds": 3}
+QUICK = {"trees": [(3, None)], "rounds": 2}
 PROCESS_TIMEOUT = 420.0  # seconds: start-up, store phase and the measured batch
 
 
-def plan(case: str, stage: int, model_dir: Path, store: Path) -> dict:
-    """The engine plan of one run (``hmastack_e2e.throughput``)."""
-    hma = stage >= HMA_FROM_STAGE
+def tree_label(stage: int, hma: bool | None) -> str:
+    return f"stage {stage}" + (" (HMA on)" if hma and stage < HMA_FROM_STAGE else "")
+
+
+def plan(
+    case: str, stage: int, model_dir: Path, store: Path, hma: bool | None = None
+) -> dict:
+    """The engine plan of one run (``hmastack_e2e.throughput``): HMA on from
+    :data:`HMA_FROM_STAGE` (the test connector that supports it) unless
+    ``hma`` says otherwise."""
+    hma = stage >= HMA_FROM_STAGE if hma is None else hma
     return {
         "model": MODEL,
         "model_dir": str(model_dir),
@@ -142,8 +153,9 @@ def run_one(
     return result
 
 
-def _stage_of(label: str) -> int:
-    return int(label.split()[1])
+def first_ok_hma(ok: list[dict]) -> bool:
+    """Whether the runs had HMA on (their plan says)."""
+    return bool(ok[0].get("plan", {}).get("hma", len(ok[0]["groups"]) > 1))
 
 
 def summarize(runs: dict[tuple[str, str], list[dict]], labels: list[str]) -> list[dict]:
@@ -159,7 +171,7 @@ def summarize(runs: dict[tuple[str, str], list[dict]], labels: list[str]) -> lis
             ok = [r for r in mine if "error" not in r]
             if not ok:
                 continue
-            hma = _stage_of(label) >= HMA_FROM_STAGE
+            hma = first_ok_hma(ok)
             pairs = [
                 (a, b)
                 for a, b in zip(mine, base_runs, strict=False)
@@ -306,6 +318,15 @@ def explanation(verdicts: dict) -> str:
             f"with 16 requests costs more than one with 3 (median step {mt * 1000:.1f} "
             f"ms against {mb * 1000:.1f} ms)."
         )
+    for name, v in verdicts.items():
+        if name.startswith("control") and "step s median (base, tree)" in v:
+            (mb, mt) = v["step s median (base, tree)"]
+            out.append(
+                f"{name}: {v['throughput ratio']:.2f}x with the same requests running "
+                f"at once ({v['admitted (base → tree)']}) and the same steps: a median "
+                f"step takes {mt * 1000:.1f} CPU ms against the base's {mb * 1000:.1f} "
+                "(HMA off: one KV cache group instead of six)."
+            )
     return " ".join(out)
 
 
@@ -335,16 +356,17 @@ def run(cfg: Config, quick: bool) -> dict:
         e2e = environment.ensure(environment.load_config(cfg))
     models = ensure_models(e2e, cfg.root, cfg.build / "e2e" / "models", {MODEL})
     series = workspace.discover(cfg)
-    stages = [0, *settings["stages"]]
+    specs = {"stage 0": (0, None)}
+    specs |= {tree_label(k, hma): (k, hma) for k, hma in settings["trees"]}
     trees: dict[str, dict[str, Path]] = {}
-    for k in stages:
+    for k in sorted({k for k, _ in specs.values()}):
         if k > cfg.num_stages:
             raise HmastackError(f"no stage {k}", f"the series has {cfg.num_stages}")
         with step(f"stage {k}: trees (git am) and compiled kernels"):
             t = matrix.stage_trees(cfg, series, k, root=cfg.build / "bench" / "engine")
             environment.place_kernels(e2e, t["vllm"])
-            trees[f"stage {k}"] = t
-    labels = list(trees)
+            trees[k] = t
+    labels = list(specs)
     support = cfg.root / "tests" / "e2e"
     work = cfg.build / "bench" / "throughput"
     runs: dict[tuple[str, str], list[dict]] = {}
@@ -352,14 +374,16 @@ def run(cfg: Config, quick: bool) -> dict:
     for i in range(settings["rounds"]):
         for case in CASES:
             for label in round_order(labels, i):
-                name = f"{case}-{label.replace(' ', '')}-r{i}"
+                k, hma = specs[label]
+                slug = label.replace(" ", "").replace("(", "-").replace(")", "")
+                name = f"{case}-{slug}-r{i}"
                 store = work / "store" / name
-                the_plan = plan(case, _stage_of(label), models / MODEL, store)
+                the_plan = plan(case, k, models / MODEL, store, hma)
                 with step(
                     f"throughput round {i + 1}/{settings['rounds']}: {case}, {label}"
                 ):
                     result = run_one(
-                        e2e, trees[label], support, models, work, name, the_plan
+                        e2e, trees[k], support, models, work, name, the_plan
                     )
                 if "error" in result:
                     errors.setdefault(label, f"{case} round {i}: {result['error']}")
@@ -388,7 +412,8 @@ def run(cfg: Config, quick: bool) -> dict:
         f"loaded synchronously, {BATCH['suffix']} new prompt tokens, "
         f"{BATCH['max_tokens']} generated tokens, max_num_seqs {MAX_NUM_SEQS}; base "
         "with HMA off (plain connector, as 0.13.0 runs with a connector), stages 3+ "
-        "with HMA on (SupportsHMA connector); pools in blocks of one layer "
+        "with HMA on (SupportsHMA connector), 'stage 0 (HMA on)': 0.13.0 with HMA "
+        "forced on (the SupportsHMA connector); pools in blocks of one layer "
         f"({', '.join(f'{c} {n}' for c, n in CASES.items())}); one engine process "
         f"per run, trees alternating, {settings['rounds']} rounds; ratio = tree / "
         "base requests per second per round",

@@ -55,6 +55,10 @@ def test_plans_base_hma_off_plain_connector_series_hma_on():
     # The same memory: blocks of one layer (the engine divides by the layers a
     # block holds, models.ModelSpec.num_blocks).
     assert base["pool_layer_blocks"] == series["pool_layer_blocks"] == 1440
+    forced = bt.plan("control", 0, Path("/m"), Path("/s"), hma=True)
+    assert (forced["hma"], forced["connector"]) == (True, "hma")
+    assert bt.tree_label(0, True) == "stage 0 (HMA on)"
+    assert bt.tree_label(3, None) == bt.tree_label(3, True) == "stage 3"
     sys.path.insert(0, str(ROOT / "tests" / "e2e"))
     try:
         from hmastack_e2e.models import MODELS
@@ -105,6 +109,8 @@ def test_summary_ratio_per_round_and_verdict():
     assert "5.00x fewer engine steps" in why and "6.0 ms against 5.0 ms" in why
     v["at least predicted"] = True
     assert bt.explanation({"memory-bound: stage 3": v}) == ""
+    why = bt.explanation({"control: stage 3": v})
+    assert "6.0 CPU ms against the base's 5.0" in why
 
 
 def test_a_failed_run_drops_out_of_the_ratios():
