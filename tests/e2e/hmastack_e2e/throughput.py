@@ -70,6 +70,10 @@ class Timers:
 
         self.load = self.save = 0.0
         self.steps: list[float] = []
+        # The most blocks in use at once (all KV cache groups: ref_cnt > 0, so
+        # not the free cached ones), read from the block pool after each step.
+        pool = session.scheduler.kv_cache_manager.block_pool
+        self.peak_in_use = 0
         cls = connector.CPUTestConnector  # CPUTestHMAConnector inherits
         cls.start_load_kv = self._timed("load", cls.start_load_kv)
         cls.wait_for_save = self._timed("save", cls.wait_for_save)
@@ -82,6 +86,8 @@ class Timers:
                 return step()
             finally:
                 self.steps.append(time.process_time() - t)
+                in_use = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
+                self.peak_in_use = max(self.peak_in_use, in_use)
 
         engine.step = timed_step
 
@@ -140,7 +146,10 @@ def main(argv: list[str]) -> int:
         result["max_running"] = obs.max_running
         result["max_waiting"] = obs.max_waiting
         result["preemptions"] = obs.preemptions
+        # Per group, the most blocks all requests held at once (each group's
+        # own maximum: the sum over groups may exceed the pool).
         result["peak_total_blocks"] = obs.peak_total_blocks
+        result["peak_blocks_in_use"] = timers.peak_in_use
         # Per group, the most blocks one request held at once.
         result["peak_request_blocks"] = [
             max(col) for col in zip(*obs.peak_blocks.values(), strict=True)
