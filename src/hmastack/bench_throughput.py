@@ -490,23 +490,23 @@ def plot(report: dict, plt):
         ]
         a2.bar(xs, rat, width, yerr=rerr, capsize=3, label=t, color=tree_color(t))
     base = trees[0]
+    labelled = False
     for i, c in enumerate(cases):
         b = by.get((c, base))
-        for t in trees[1:]:
+        for j, t in enumerate(trees):
             r = by.get((c, t))
-            if b and r:
-                pred = r["predicted running"] / max(1, b["predicted running"])
-                a2.hlines(
-                    pred,
-                    i - 0.45,
-                    i + 0.45,
-                    colors="k",
-                    linestyles="--",
-                    label="admitted ratio predicted by block counts"
-                    if i == 0
-                    else None,
-                )
-                break
+            if j == 0 or not (b and r):
+                continue
+            x = i - 0.4 + width * (j + 0.5)
+            a2.hlines(
+                r["predicted running"] / max(1, b["predicted running"]),
+                x - width / 2,
+                x + width / 2,
+                colors="k",
+                linestyles="--",
+                label=None if labelled else "admitted ratio predicted by block counts",
+            )
+            labelled = True
     for ax, title, ylabel in (
         (a1, "Completed requests per CPU second", "requests / CPU s"),
         (a2, "Ratio to the base (min-max over rounds)", "tree / base"),
@@ -521,7 +521,7 @@ def plot(report: dict, plt):
         ax.grid(True, axis="y", alpha=0.3)
     a2.axhline(1.0, color="k", linewidth=0.8)
     a1.legend(fontsize=7)
-    a2.legend(fontsize=7)
+    a2.legend(fontsize=7, loc="center right")
     fig.suptitle(
         f"Real engine, {report['batch']['requests']} requests with "
         f"{report['batch']['prefix']}-token prefixes from a connector"
