@@ -63,6 +63,13 @@ def _stage_key(label: str) -> tuple:
     return (kind != "stage", rest)
 
 
+def _shown(trees: list[str]) -> list[str]:
+    """The base, the last stage and the peer (when measured), in that order."""
+    stages = [t for t in trees if t.startswith("stage ")]
+    others = [t for t in trees if not t.startswith("stage ")]
+    return list(dict.fromkeys([trees[0], *stages[-1:], *others[-1:]]))
+
+
 def headline(reports: dict[str, dict], run: dict) -> list[str]:
     """One line per result, with its figure: what the series changes."""
     out = []
@@ -74,7 +81,7 @@ def headline(reports: dict[str, dict], run: dict) -> list[str]:
         first = mine[0]
         by = {t: [r for r in mine if r["tree"] == t] for t in trees}
         parts = ", ".join(
-            f"{t}: {max(r['swa/group'] for r in by[t])}" for t in (trees[0], trees[-1])
+            f"{t}: {max(r['swa/group'] for r in by[t])}" for t in _shown(trees)
         )
         out.append(
             f"**Peak blocks**: for an external hit of {longest:,} tokens, a "
@@ -85,20 +92,33 @@ def headline(reports: dict[str, dict], run: dict) -> list[str]:
     adm = reports.get("admission", {}).get("rows", [])
     if adm:
         trees = list(dict.fromkeys(r["tree"] for r in adm))
+        shown = _shown(trees)
+        last = shown[1] if len(shown) > 1 else trees[-1]
+        peer = shown[2] if len(shown) > 2 else None
         cells = []
-        for r in [x for x in adm if x["tree"] == trees[-1]]:
+        for r in [x for x in adm if x["tree"] == last]:
             base = next(
                 x
                 for x in adm
                 if (x["tree"], x["pattern"], x["W"]) == (trees[0], r["pattern"], r["W"])
             )
+            theirs = next(
+                (
+                    x["concurrent@8k"]
+                    for x in adm
+                    if (x["tree"], x["pattern"], x["W"]) == (peer, r["pattern"], r["W"])
+                ),
+                None,
+            )
             cells.append(
                 f"{r['pattern']} W={r['W']}: {base['conc. HMA off']} → "
-                f"{r['concurrent@8k']} (limit {r['conc. physical']})"
+                f"{r['concurrent@8k']} (limit {r['conc. physical']}"
+                + (f", {peer} {theirs}" if theirs is not None else "")
+                + ")"
             )
         out.append(
             "**Admission** (requests with an 8k external prefix admitted together, "
-            f"HMA off on 0.13.0 → {trees[-1]}): " + "; ".join(cells) + "."
+            f"HMA off on 0.13.0 → {last}): " + "; ".join(cells) + "."
         )
     counts = reports.get("scheduler_instructions", {})
     if counts.get("rows"):
