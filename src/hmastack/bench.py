@@ -1114,6 +1114,7 @@ def run_bench(
                 "quick": bool(quick),
                 "seconds": round(total),
                 "scenarios": list(only),
+                "count_settings": count_settings,
                 "trees": [t.label for t in trees],
                 "failures": failures,
                 "generated": time.strftime("%Y-%m-%d %H:%M:%S"),

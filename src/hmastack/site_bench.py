@@ -181,8 +181,15 @@ def headline(reports: dict[str, dict], run: dict) -> list[str]:
         )
     if run:
         out.append(
-            f"Last run: {'quick set' if run.get('quick') else 'full set'}, "
-            f"{run.get('generated', '?')}, {run.get('seconds', '?')} s"
+            f"Last run: {'quick set' if run.get('quick') else 'full set'}"
+            + (
+                f" (count settings: {run['count_settings']})"
+                if run.get("count_settings")
+                else ""
+            )
+            + (f", {', '.join(run['scenarios'])}" if run.get("scenarios") else "")
+            + ", "
+            + f"{run.get('generated', '?')}, {run.get('seconds', '?')} s"
             + (
                 f"; failures: {'; '.join(run['failures'])}"
                 if run.get("failures")
