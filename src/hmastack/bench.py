@@ -26,8 +26,13 @@ selected stage and on the vLLM 0.14.0 peer, alternating trees:
 Results: ``build/reports/bench/<scenario>.json``, ``summary.md`` (tables), one
 ``<scenario>.png`` plot each and the tables on the terminal; the site's
 Benchmarks page (``site_bench``) shows them. Method and limits:
-``bench/README.md``. A further scenario (e.g. real-engine throughput) plugs in as
-one more :class:`Scenario` in :data:`SCENARIOS`.
+``bench/README.md``. A further scenario plugs in as one more :class:`Scenario`
+in :data:`SCENARIOS`.
+
+Optional (``--throughput``, ``--only throughput``; in ``hmastack run``, not in
+``make test``): ``throughput``, the real engine (``build/e2e-env``) serving a
+batch whose long prefixes come from a KV connector under a memory-bound and a
+control KV budget, base (HMA off) against stages 3/4 (``bench_throughput``).
 """
 
 from __future__ import annotations
