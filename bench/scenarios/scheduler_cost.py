@@ -1,115 +1,240 @@
-"""Scenario 3: scheduler CPU time per step (schedule() + update_from_output()).
+"""Scenario 3: the scheduler's cost per step (schedule() + update_from_output()).
 
-A scheduler built on the CPU with vLLM's own test helper
-(``tests/v1/core/utils.py: create_scheduler/create_requests`` of this tree), fed a
-fake model runner output (one sampled token per request that finished its
-prefill). ``time.process_time`` around the two calls; the result is the mean CPU
-milliseconds per step over ``steps`` steps. The orchestrator alternates trees
-(one process per run) and forms ratios; timings never fail anything.
+A real ``Scheduler`` of this tree on the CPU, fed a fake model runner output
+(one sampled token per request that finished its prefill). Only the two
+scheduler calls are measured, by the meter the orchestrator asks for
+(``_meters.py``): CPU time, instructions counted by callgrind, or bytecodes per
+Python function. The orchestrator alternates trees (one process per run) and
+forms the ratios; nothing here fails on a figure.
 
-Two connector settings, measured in the same process one after the other:
+A setting is (layout, connector, mode, requests):
 
-* ``none``: no KV connector (``kv_transfer_config`` unset);
-* ``connector``: the scripted ``BenchConnector`` (``_bench_connector.py``), which
-  reports the first ``hit_fraction`` of every prompt (rounded down to whole
-  blocks) as an external hit loaded synchronously. The same file runs on every
-  tree; ``create_scheduler`` builds its ``KVTransferConfig`` from the helper's
-  own name, which is pointed at ours for the one call.
+* layout ``full``: one full-attention KV cache group (as vLLM's
+  ``tests/v1/core/utils.py:create_scheduler``); ``gemma3``: one full-attention
+  and five sliding-window groups (W=512); ``gptoss``: one full-attention and one
+  sliding-window group (W=128). The hybrid layouts are where the series' code
+  paths run (skipped tokens, null blocks, external tokens per group).
+* connector ``none``: no KV connector; ``connector``: the scripted
+  ``BenchConnector`` (``_bench_connector.py``), which reports the first 3/4 of
+  every prompt (whole blocks) as an external hit loaded synchronously.
+* mode ``decode``: prompts admitted during the warm-up, then every step decodes
+  one token for each request; ``prefill``: ``max_tokens=1``, every finished
+  request is replaced by a fresh one between steps (outside the measured calls),
+  so every step fills its token budget with (chunked) prefill.
 
-Besides the timing, every row records the work done (tokens scheduled, requests
-finished, connector calls), the same on every tree when the trees schedule alike.
+HMA is on in every setting (``disable_hybrid_kv_cache_manager=False``, as
+``--no-disable-hybrid-kv-cache-manager`` sets it; 0.13.0 allows it for a
+connector that subclasses ``SupportsHMA``), so every tree runs the same KV cache
+groups. Prefix caching on, prompts distinct.
+
+Besides the figures, every row records the work done (tokens scheduled,
+requests finished, connector calls): the same on every tree when they schedule
+alike, so a ratio compares like work.
 """
 
 from __future__ import annotations
 
-import time
+import os
+import sys
 
 import _bench_connector as conn
 import _common as c
+import _meters
 
 BLOCK = 16
+HIT_FRACTION = 0.75
+SMALL = {"layout": "gemma3", "connector": "connector", "mode": "prefill"}
+
+# Per layout: KV cache group kinds, the window (tokens) and prompt lengths.
+# The model is a hub config from the offline cache (`hmastack env`; no weights):
+# the scheduler reads its context length, the KV cache groups come from here.
+LAYOUTS = {
+    "full": {
+        "model": "facebook/opt-125m",
+        "window": 0,
+        "decode_prompt": 64,
+        "prefill_prompt": 1024,
+    },
+    "gemma3": {
+        "model": "hmastack/gemma3-like-text",
+        "window": 512,
+        "decode_prompt": 1024,
+        "prefill_prompt": 2048,
+    },
+    "gptoss": {
+        "model": "hmastack/gpt-oss-like",
+        "window": 128,
+        "decode_prompt": 1024,
+        "prefill_prompt": 2048,
+    },
+}
+PREFILL_BUDGET = 8192  # max_num_batched_tokens of the prefill-heavy mode
+# Unmeasured steps before the measured ones. Python 3.11 quickens a function
+# after several calls and specializes its instructions adaptively: with only a
+# couple of warm-up steps, the first measured steps of a process still pay for
+# that (seen as 8% more instructions in the first setting of a process).
+WARMUP_STEPS = 12
+DECODE_STEPS_AHEAD = 4096  # max_tokens of a decoding request (never reached)
 
 
-def make_scheduler(hit_tokens: int | None, **kwargs):
-    """``create_scheduler`` of this tree, with the scripted connector when
-    ``hit_tokens`` is not None."""
-    from tests.v1.core import utils
+def layout_kinds(layout: str) -> list[str]:
+    return ["full"] if layout == "full" else c.pattern_groups(layout)
 
-    if hit_tokens is None:
-        return utils.create_scheduler(**kwargs)
-    real = utils.KVTransferConfig
 
-    def ours(**_ignored):
-        return real(
+def make_scheduler(
+    layout: str,
+    hit_tokens: int | None,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+    num_blocks: int,
+):
+    """A ``Scheduler`` of this tree for ``layout`` (HMA on), with the scripted
+    connector when ``hit_tokens`` is not None. The model is a hub config only
+    (``facebook/opt-125m``, offline cache; no weights, no tokenizer)."""
+    from vllm.config import (
+        CacheConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    model_config = ModelConfig(
+        model=LAYOUTS[layout]["model"],
+        dtype="float32",
+        seed=42,
+        skip_tokenizer_init=True,
+    )
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+        disable_hybrid_kv_cache_manager=False,
+    )
+    cache_config = CacheConfig(
+        block_size=BLOCK,
+        gpu_memory_utilization=0.9,
+        swap_space=0,
+        cache_dtype="auto",
+        enable_prefix_caching=True,
+    )
+    kv_transfer_config = None
+    if hit_tokens is not None:
+        kv_transfer_config = KVTransferConfig(
             kv_connector=conn.NAME,
             kv_connector_module_path=conn.MODULE,
             kv_role="kv_both",
             kv_connector_extra_config={"hit_tokens": hit_tokens},
         )
-
-    utils.KVTransferConfig = ours
-    try:
-        sched = utils.create_scheduler(use_kv_connector=True, **kwargs)
-    finally:
-        utils.KVTransferConfig = real
-    assert type(sched.connector).__name__ == conn.NAME, type(sched.connector)
+    vllm_config = VllmConfig(
+        scheduler_config=scheduler_config,
+        model_config=model_config,
+        cache_config=cache_config,
+        kv_transfer_config=kv_transfer_config,
+    )
+    kv_cache_config = c.kv_cache_config(
+        layout_kinds(layout), LAYOUTS[layout]["window"], BLOCK, num_blocks
+    )
+    cache_config.num_gpu_blocks = num_blocks
+    sched = Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        block_size=BLOCK,
+        log_stats=True,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+    )
+    if hit_tokens is not None:
+        assert type(sched.connector).__name__ == conn.NAME, type(sched.connector)
     return sched
 
 
-def run(
-    num_requests: int, mode: str, steps: int, connector: str, hit_fraction: float
-) -> dict:
-    """Mean CPU ms per step with ``num_requests`` requests in the scheduler.
+def requests(count: int, prompt: int, max_tokens: int, first_id: int = 0):
+    """``count`` requests with distinct prompts of ``prompt`` tokens."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
 
-    ``decode``: 64-token prompts, all admitted during warm-up, then every step is
-    one decode token for each of them. ``prefill``: 1024-token prompts that finish
-    after their first token (``max_tokens=1``); every finished request is replaced
-    by a fresh one between steps (outside the timed region), so the scheduler
-    always holds ``num_requests`` and every step fills its 8192-token budget with
-    prefill (chunked). Prompts are distinct (no prefix-cache hits between them).
-    """
-    from tests.v1.core.utils import create_requests
-    from vllm.v1.outputs import ModelRunnerOutput
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BLOCK, sha256)
+    out = []
+    for i in range(first_id, first_id + count):
+        tokens = [(i * 7919 + j) % 50000 + 1 for j in range(prompt)]
+        out.append(
+            Request(
+                request_id=str(i),
+                prompt_token_ids=tokens,
+                sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                pooling_params=None,
+                eos_token_id=None,
+                block_hasher=hasher,
+            )
+        )
+    return out
 
-    if mode == "decode":
-        prompt, batched, warmup, max_tokens = 64, max(8192, num_requests * 64), 2, 4096
-        pool_size = num_requests
-    else:
-        prompt, batched, warmup, max_tokens = 1024, 8192, 2, 1
-        # At most batched // computed-per-request requests finish per step.
-        computed = prompt - int(prompt * hit_fraction) // BLOCK * BLOCK
-        pool_size = num_requests + (steps + warmup) * (batched // computed + 1)
-    hit = None
-    if connector == "connector":
-        hit = int(prompt * hit_fraction) // BLOCK * BLOCK
-    sched = make_scheduler(
-        hit,
-        max_num_seqs=num_requests,
-        max_num_batched_tokens=batched,
-        max_model_len=prompt + 4096,
-        enable_prefix_caching=True,
-        num_blocks=num_requests * (prompt + 64) // BLOCK + 16
-        if mode == "prefill"
-        else num_requests * (prompt + 4096) // BLOCK + 16,
-    )
-    pool = create_requests(pool_size, num_tokens=prompt, max_tokens=max_tokens)
-    pool.reverse()
 
-    def top_up() -> None:
-        while pool and len(sched.requests) < num_requests:
-            sched.add_request(pool.pop())
+class Workload:
+    """One setting: the scheduler, its pool of requests and the fake runner."""
 
-    work = {"scheduled_tokens": 0, "finished": 0, "running_sum": 0}
+    def __init__(self, setting: dict, steps: int):
+        from vllm.v1.outputs import ModelRunnerOutput
 
-    def one_step() -> float:
-        t0 = time.process_time()
-        out = sched.schedule()
+        self._mro = ModelRunnerOutput
+        self.setting = setting
+        layout, mode = setting["layout"], setting["mode"]
+        n = setting["requests"]
+        lay = LAYOUTS[layout]
+        groups = len(layout_kinds(layout))
+        prompt = lay[f"{mode}_prompt"]
+        hit = None
+        if setting["connector"] == "connector":
+            hit = int(prompt * HIT_FRACTION) // BLOCK * BLOCK
+        computed = prompt - (hit or 0)
+        warmup = WARMUP_STEPS
+        if mode == "decode":
+            # Every prompt admitted within the first warm-up step.
+            batched, max_tokens = max(PREFILL_BUDGET, n * computed), DECODE_STEPS_AHEAD
+            pool_size = n
+            blocks_per_req = (prompt + warmup + steps + 2 * BLOCK) // BLOCK + 1
+        else:
+            batched, max_tokens = PREFILL_BUDGET, 1
+            # At most batched // computed-per-request requests finish per step.
+            pool_size = n + (steps + warmup) * (batched // computed + 1)
+            blocks_per_req = prompt // BLOCK + 2
+        self.prompt, self.hit, self.warmup = prompt, hit, warmup
+        self.sched = make_scheduler(
+            layout,
+            hit,
+            max_num_seqs=n,
+            max_num_batched_tokens=batched,
+            max_model_len=prompt + DECODE_STEPS_AHEAD + BLOCK,
+            num_blocks=groups * n * blocks_per_req + 16,
+        )
+        self.pool = requests(pool_size, prompt, max_tokens)
+        self.pool.reverse()
+        self.work = {"scheduled_tokens": 0, "finished": 0, "running_sum": 0}
+        self.preempted = 0
+
+    def top_up(self) -> None:
+        n = self.setting["requests"]
+        while self.pool and len(self.sched.requests) < n:
+            self.sched.add_request(self.pool.pop())
+
+    def step(self, meter: _meters.Meter) -> None:
+        sched = self.sched
+        out = meter.call(sched.schedule)
         ids = list(out.num_scheduled_tokens)
         sampled = []
         for rid in ids:
             r = sched.requests[rid]
+            # schedule() already advanced num_computed_tokens.
             sampled.append([0] if r.num_computed_tokens >= r.num_prompt_tokens else [])
-        mro = ModelRunnerOutput(
+        mro = self._mro(
             req_ids=ids,
             req_id_to_index={rid: i for i, rid in enumerate(ids)},
             sampled_token_ids=sampled,
@@ -117,49 +242,115 @@ def run(
             prompt_logprobs_dict={},
             pooler_output=[],
         )
-        sched.update_from_output(out, mro)
-        elapsed = time.process_time() - t0
-        work["scheduled_tokens"] += out.total_num_scheduled_tokens
-        work["finished"] += len(out.finished_req_ids)
-        work["running_sum"] += len(ids)
-        top_up()
-        return elapsed
+        meter.call(sched.update_from_output, out, mro)
+        self.work["scheduled_tokens"] += out.total_num_scheduled_tokens
+        self.work["finished"] += len(out.finished_req_ids)
+        self.work["running_sum"] += len(ids)
+        self.preempted += len(getattr(out, "preempted_req_ids", ()) or ())
+        self.top_up()
 
-    top_up()
-    for _ in range(warmup):
-        one_step()
-    work.update(dict.fromkeys(work, 0))
-    total = sum(one_step() for _ in range(steps))
-    row = {
-        "mode": mode,
-        "requests": num_requests,
-        "connector": connector,
-        "hit_tokens": hit or 0,
-        "prompt_tokens": prompt,
-        "cpu_ms_per_step": 1000.0 * total / steps,
-        "scheduled_tokens": work["scheduled_tokens"],
-        "finished": work["finished"],
-        "scheduled_per_step": round(work["running_sum"] / steps, 1),
-        "pool_left": len(pool),
-    }
-    if sched.connector is not None:
-        row["connector_calls"] = dict(sched.connector.calls)
-        cfg = sched.vllm_config.scheduler_config
-        row["hma"] = not cfg.disable_hybrid_kv_cache_manager
-    return row
+    def run(self, meter: _meters.Meter, steps: int, label: str) -> dict:
+        self.top_up()
+        plain = _meters.Meter()
+        for _ in range(self.warmup):
+            self.step(plain)
+        self.work = dict.fromkeys(self.work, 0)
+        meter.begin(label)
+        for _ in range(steps):
+            self.step(meter)
+        figures = meter.end(label)
+        s = self.setting
+        sched_config = self.sched.vllm_config.scheduler_config
+        row = {
+            **s,
+            "window": LAYOUTS[s["layout"]]["window"],
+            "groups": len(layout_kinds(s["layout"])),
+            "steps": steps,
+            "hit_tokens": self.hit or 0,
+            "prompt_tokens": self.prompt,
+            "scheduled_tokens": self.work["scheduled_tokens"],
+            "finished": self.work["finished"],
+            "scheduled_per_step": round(self.work["running_sum"] / steps, 1),
+            "pool_left": len(self.pool),
+            "hma": not sched_config.disable_hybrid_kv_cache_manager,
+            **figures,
+        }
+        if self.sched.connector is not None:
+            row["connector_calls"] = dict(self.sched.connector.calls)
+        return row
+
+
+def setting_label(s: dict) -> str:
+    label = f"{s['layout']}-{s['connector']}-{s['mode']}-{s['requests']}"
+    return label + (f"-b{s['ballast']}" if s.get("ballast") else "")
+
+
+def ballast(count: int) -> list:
+    """``count`` small objects of assorted sizes, kept alive while a setting
+    runs: they move where the memory allocator places what the scheduler
+    allocates. Each round of a benchmark uses another count, so the spread of a
+    tree's counts over rounds shows how much of a count depends on that
+    placement rather than on the code (identical runs repeat exactly)."""
+    return [
+        (i, "x" * (i % 61), [None] * (i % 7), {i: i} if i % 3 == 0 else None)
+        for i in range(count)
+    ]
+
+
+def settings_from(a: dict) -> list[dict]:
+    """The settings of a run: ``settings`` as given, else the product of
+    ``layouts`` x ``connectors`` x ``modes`` x ``sizes``."""
+    if "settings" in a:
+        return list(a["settings"])
+    return [
+        {"layout": lay, "connector": con, "mode": mode, "requests": n}
+        for lay in a.get("layouts", ["full"])
+        for con in a.get("connectors", ["none", "connector"])
+        for mode in a.get("modes", ["decode", "prefill"])
+        for n in a.get("sizes", [64, 256])
+    ]
+
+
+def third_party_modules() -> list[str]:
+    """Top-level modules imported so far that are neither this tree's, nor the
+    scenarios', nor vLLM's (in import order): what the fork server preloads."""
+    tree = os.path.realpath(os.getcwd()) + os.sep
+    here = os.path.dirname(os.path.realpath(__file__)) + os.sep
+    out = []
+    for name, module in list(sys.modules.items()):
+        if "." in name or "vllm" in name or name == "__main__":
+            continue
+        path = getattr(module, "__file__", None)
+        if path and os.path.realpath(path).startswith((tree, here)):
+            continue
+        out.append(name)
+    return out
 
 
 def main() -> None:
     a = c.args()
     steps = int(a.get("steps", 20))
-    hit_fraction = float(a.get("hit_fraction", 0.75))
+    if a.get("list_modules"):
+        # One small setting, so that what a run imports lazily is imported too.
+        Workload({**SMALL, "requests": 8}, 1).run(_meters.Meter(), 1, "probe")
+        c.emit({"modules": third_party_modules(), **c.tree_info()})
+        return
+    meter = _meters.make(a)
     rows = []
-    for connector in a.get("connectors", ["none", "connector"]):
-        for mode in a.get("modes", ["decode", "prefill"]):
-            for n in a.get("sizes", [64, 256]):
-                rows.append(run(n, mode, steps, connector, hit_fraction))
+    for s in settings_from(a):
+        s = {**s, "ballast": int(s.get("ballast", a.get("ballast", 0)))}
+        kept = ballast(s["ballast"])
+        workload = Workload(s, steps)
+        rows.append(workload.run(meter, steps, setting_label(s)))
+        del workload, kept
     c.emit(
-        {"steps": steps, "hit_fraction": hit_fraction, "rows": rows, **c.tree_info()}
+        {
+            "meter": meter.name,
+            "steps": steps,
+            "hit_fraction": HIT_FRACTION,
+            "rows": rows,
+            **c.tree_info(),
+        }
     )
 
 

@@ -1,85 +1,135 @@
 """Benchmarks: what the series changes in memory, admission and scheduler cost.
 
-``hmastack bench [--quick] [--stages 0,3] [--no-peer]`` runs four scenarios
-(``bench/scenarios/*.py``), each INSIDE one vLLM tree's process (the tree on
-``PYTHONPATH``, the interpreter of ``build/env``), on the base (stage 0), on each
-selected stage and optionally on the vLLM 0.14.0 peer, alternating trees
-(A B A B ..., one process per run):
+``hmastack bench [--quick] [--stages 1-3] [--no-peer] [--no-instructions]`` runs
+the scenarios of :data:`SCENARIOS` (scripts in ``bench/scenarios/``), each INSIDE
+one vLLM tree's process (``bench_trees``), on the base (stage 0), on each
+selected stage and on the vLLM 0.14.0 peer, alternating trees:
 
 1. ``peak_blocks``: peak blocks per KV cache group for one request with an
    external hit of L tokens, against the physical minimum ceil((W-1)/B)+1 per SWA
    group. Deterministic: checked exactly (a mismatch fails the command).
 2. ``admission``: the longest external hit admitted and the number of concurrent
    requests with a long external prefix under a fixed KV budget, with HMA off and
-   on, against the physical limit. Deterministic.
-3. ``scheduler_cost``: CPU time per schedule()+update_from_output() step with 64
-   and 256 requests, decode- and prefill-heavy, without a KV connector and with
-   the scripted ``BenchConnector`` (``bench/scenarios/_bench_connector.py``), as
-   the ratio stage/base over interleaved repetitions (median, min, max). Never
-   fails on timing.
-4. ``eagle_hits``: the prefix cache hit (tokens) of a request whose prompt was
+   on, against the physical limit. Deterministic, checked exactly.
+3. ``scheduler_instructions``: instructions per schedule()+update_from_output()
+   step counted by callgrind, per KV cache layout (full attention, Gemma-3-like,
+   gpt-oss-like), connector, mode and request count, as the ratio stage/base with
+   the run-to-run spread; per commit of a stage with several (full set); the rows
+   above 1.01 get a profile; a slowed copy of the last stage is the witness that
+   it bites (a missed witness fails the command). ``bench_cost``.
+4. ``scheduler_cost``: CPU time of the same calls, noisy, beside the counts.
+5. ``eagle_hits``: the prefix cache hit (tokens) of a request whose prompt was
    cached (fully, evicted in one group, loaded by a KV connector), with eagle on
    and off. Checked exactly from stage 5 on against the rule
    (:func:`expected_eagle_hit`); earlier trees and the peer are reported.
 
-Results: ``build/reports/bench/<scenario>.json``, ``summary.md`` (the three
-results as Markdown tables), one ``<scenario>.png`` plot each
-(matplotlib, when importable) and the tables on the terminal. Method and limits:
-``bench/README.md``.
+Results: ``build/reports/bench/<scenario>.json``, ``summary.md`` (tables), one
+``<scenario>.png`` plot each and the tables on the terminal; the site's
+Benchmarks page (``site_bench``) shows them. Method and limits:
+``bench/README.md``. A further scenario plugs in as one more :class:`Scenario`
+in :data:`SCENARIOS`.
+
+Optional (``--throughput``, ``--only throughput``; in ``hmastack run``, not in
+``make test``): ``throughput``, the real engine (``build/e2e-env``) serving a
+batch whose long prefixes come from a KV connector under a memory-bound and a
+control KV budget, base (HMA off) against stages 3/4 (``bench_throughput``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
-import shutil
-import statistics
-import tarfile
-import tempfile
 import time
-import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from hmastack import base as base_mod
+from tabulate import tabulate
+
+from hmastack import bench_cost, bench_throughput, callgrind
 from hmastack import config as config_mod
 from hmastack import env as env_mod
-from hmastack.config import Config, Tree
+from hmastack.bench_trees import (
+    PEER_LABEL,
+    BenchTree,
+    alternate,
+    commit_trees,
+    parse_stages,
+    peer_tree,
+    run_scenario,
+    slowed_tree,
+    stage_tree,
+)
+from hmastack.config import Config
 from hmastack.errors import HmastackError
-from hmastack.progress import CommandError, console, run, step
+from hmastack.progress import console, step
 
-MARKER = "HMASTACK_BENCH_JSON "
-PEER_KEY = "vllm-0-14"
-SCENARIOS = ("peak_blocks", "admission", "scheduler_cost", "eagle_hits")
-SUMMARY = "summary.md"  # the three results as Markdown tables, one column per tree
+SUMMARY = "summary.md"  # the results as Markdown tables, one column per tree
 
-COST = {
-    "sizes": [64, 256],
-    "modes": ["decode", "prefill"],
-    "connectors": ["none", "connector"],
-    "hit_fraction": 0.75,
-}
 FULL = {
     "lengths": [1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072],
     "windows": [512, 4096],
     "patterns": ["gemma3", "gptoss"],
-    "cost": {**COST, "steps": 30},
-    "reps": 5,
+    "cost": {"settings": bench_cost.ALL_SETTINGS, "steps": 30, "reps": 3},
+    "counts": {
+        "settings": bench_cost.ALL_SETTINGS,
+        "steps": 6,
+        "reps": 1,
+        # One more round of the base and the last stage: the spread.
+        "repeat_rounds": 1,
+        "repeat_trees": 2,
+        "witness_settings": [s for s in bench_cost.ALL_SETTINGS if s["requests"] == 64],
+    },
+    "commits": True,
+    "peer_cost": True,
 }
 QUICK = {
     "lengths": [1024, 8192, 131072],
     "windows": [512, 4096],
     "patterns": ["gemma3", "gptoss"],
-    "cost": {**COST, "steps": 10},
-    "reps": 2,
+    "cost": {"settings": bench_cost.QUICK_SETTINGS, "steps": 10, "reps": 1},
+    "counts": {
+        "settings": bench_cost.QUICK_SETTINGS,
+        "steps": 6,
+        "reps": 1,
+        # One more round of the base: the spread.
+        "repeat_rounds": 1,
+        "repeat_trees": 1,
+        "witness_settings": bench_cost.WITNESS_QUICK,
+    },
+    "commits": False,
+    "peer_cost": False,
 }
 
 
+@dataclass
+class Context:
+    """What a scenario runs with: the configuration, the environment, the trees
+    (base first), the plan (:data:`FULL` or :data:`QUICK`)."""
+
+    cfg: Config
+    pyenv: env_mod.Env
+    trees: list[BenchTree]
+    plan: dict
+    quick: bool
+    # The marker and the fork server of the instruction counts (None: skipped).
+    counting: tuple | None = None
+    # The scenarios to run (names); the real-engine throughput only on request.
+    selected: tuple[str, ...] = ()
+
+
 @dataclass(frozen=True)
-class BenchTree:
-    label: str  # "stage 0", "stage 3", "v0.14.0"
-    path: Path  # the vLLM source tree
+class Scenario:
+    """One benchmark: ``run`` returns its report (a dict with ``title``,
+    ``rows``, ``errors`` and, for deterministic figures, ``checked``); ``plot``
+    draws it (or None); ``failed`` says whether the report fails the command."""
+
+    name: str
+    run: Callable[[Context], dict]
+    plot: Callable | None = None
+    failed: Callable[[dict], list[str]] = lambda report: []
 
 
 # --- the expected figures ---------------------------------------------------------
@@ -164,6 +214,10 @@ def check_admission(report: dict, args: dict) -> list[str]:
     return bad
 
 
+def _run_each(cfg, pyenv, trees, name, args):
+    return alternate(trees, 1, lambda t, _: run_scenario(cfg, pyenv, t, name, args))
+
+
 # --- prefix cache hits with eagle (stage 5) ---------------------------------------
 
 # The first stage whose prefix cache hits follow the eagle rule
@@ -219,7 +273,7 @@ def tree_stage(label: str) -> int | None:
 def bench_eagle(cfg, pyenv, trees, plan) -> dict:
     B = 16
     args = {"patterns": plan["patterns"], "windows": EAGLE_WINDOWS, "block_size": B}
-    results, errors = alternate(cfg, pyenv, trees, "eagle_hits", args, 1)
+    results, errors = _run_each(cfg, pyenv, trees, "eagle_hits", args)
     rows, mismatches = [], []
     for label, runs in results.items():
         stage = tree_stage(label)
@@ -258,117 +312,7 @@ def bench_eagle(cfg, pyenv, trees, plan) -> dict:
     }
 
 
-# --- trees -----------------------------------------------------------------------
-
-
-def parse_stages(text: str | None, cfg: Config, quick: bool = False) -> list[int]:
-    """The stages to compare with the base: all by default, the last with --quick."""
-    if not text:
-        return [cfg.num_stages] if quick else list(range(1, cfg.num_stages + 1))
-    out: set[int] = set()
-    for part in text.split(","):
-        lo, _, hi = part.strip().partition("-")
-        for k in range(int(lo), int(hi or lo) + 1):
-            if not 0 <= k <= cfg.num_stages:
-                raise HmastackError(f"unknown stage {k}", f"0..{cfg.num_stages}")
-            out.add(k)
-    out.discard(0)
-    return sorted(out)
-
-
-def stage_tree(cfg: Config, k: int) -> Path:
-    """The vLLM tree at stage ``k`` under ``build/bench/stages/k/`` (apart from the
-    stage matrix's trees, which may be in use), re-applied from ``patches/`` on
-    every run so it is never stale."""
-    from hmastack import matrix, workspace
-
-    trees = matrix.stage_trees(
-        cfg, workspace.discover(cfg), k, root=cfg.build / "bench" / "stages"
-    )
-    return trees["vllm"]
-
-
-def peer_tree(cfg: Config) -> tuple[Path | None, str]:
-    """The vLLM 0.14.0 source tree under ``build/bench/``, or None and why not."""
-    data = tomllib.loads((cfg.root / config_mod.CONFIG_NAME).read_text())
-    raw = data.get("peers", {}).get(PEER_KEY)
-    if not raw:
-        return None, f"no [peers.{PEER_KEY}] in {config_mod.CONFIG_NAME}"
-    tree = Tree(
-        name=PEER_KEY,
-        package=raw["package"],
-        version=raw["version"],
-        sha256=raw["sha256"].lower(),
-        tag=raw.get("tag", f"v{raw['version']}"),
-        pip_env={k: str(v) for k, v in raw.get("pip_env", {}).items()},
-    )
-    dest = cfg.build / "bench" / f"vllm-{tree.version}"
-    if not (dest / "vllm" / "__init__.py").is_file():
-        try:
-            sdist = base_mod.fetch(cfg, tree)
-        except HmastackError as exc:
-            return None, f"could not fetch {tree.sdist_name}: {exc.message}"
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-            with tarfile.open(sdist) as tar:
-                tar.extractall(tmp, filter="data")
-            (top,) = list(Path(tmp).iterdir())
-            shutil.move(str(top), dest)
-    return dest, ""
-
-
-# --- running scenarios -------------------------------------------------------------
-
-
-def run_scenario(
-    cfg: Config, pyenv: env_mod.Env, tree: BenchTree, name: str, args: dict
-) -> dict:
-    script = cfg.root / "bench" / "scenarios" / f"{name}.py"
-    slug = tree.label.replace(" ", "")
-    proc = run(
-        [pyenv.python, script, json.dumps(args)],
-        cwd=tree.path,
-        env=pyenv.test_environ([tree.path]),
-        log=cfg.build / "logs" / "bench" / f"{name}-{slug}.log",
-        check=False,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARKER)]
-    if proc.returncode != 0 or not lines:
-        tail = "\n".join(proc.stdout.splitlines()[-15:])
-        raise CommandError([str(script), tree.label], proc.returncode, tail)
-    return json.loads(lines[-1][len(MARKER) :])
-
-
-def round_order(trees: list, i: int) -> list:
-    """The order of round ``i``: forward on even rounds, backward on odd ones
-    (A B C, C B A, A B C ...), so that no tree always runs first or last in a
-    round (a position effect of the machine then does not bias one ratio)."""
-    return list(trees) if i % 2 == 0 else list(reversed(trees))
-
-
-def alternate(
-    cfg: Config,
-    pyenv: env_mod.Env,
-    trees: list[BenchTree],
-    name: str,
-    args: dict,
-    reps: int,
-) -> tuple[dict[str, list[dict]], dict[str, str]]:
-    """Run ``name`` on every tree in turn, ``reps`` rounds; see :func:`round_order`."""
-    results: dict[str, list[dict]] = {t.label: [] for t in trees}
-    errors: dict[str, str] = {}
-    for i in range(reps):
-        for t in round_order(trees, i):
-            if t.label in errors:
-                continue
-            try:
-                results[t.label].append(run_scenario(cfg, pyenv, t, name, args))
-            except CommandError as exc:
-                errors[t.label] = exc.message.splitlines()[-1][:300]
-    return results, errors
-
-
-# --- the three scenarios ----------------------------------------------------------
+# --- the scenarios ----------------------------------------------------------------
 
 
 def bench_peak(cfg, pyenv, trees, plan) -> dict:
@@ -376,7 +320,7 @@ def bench_peak(cfg, pyenv, trees, plan) -> dict:
         "block_size": 16,
         "new_tokens": 1,
     }
-    results, errors = alternate(cfg, pyenv, trees, "peak_blocks", args, 1)
+    results, errors = _run_each(cfg, pyenv, trees, "peak_blocks", args)
     rows, mismatches = [], []
     for label, runs in results.items():
         if not runs:
@@ -420,7 +364,7 @@ def bench_admission(cfg, pyenv, trees, plan) -> dict:
         "num_blocks": 4096,
         "shared_prefix": 8192,
     }
-    results, errors = alternate(cfg, pyenv, trees, "admission", args, 1)
+    results, errors = _run_each(cfg, pyenv, trees, "admission", args)
     rows, mismatches = [], []
     for label, runs in results.items():
         if runs:
@@ -453,88 +397,64 @@ def bench_admission(cfg, pyenv, trees, plan) -> dict:
     }
 
 
-def cost_key(row: dict) -> tuple:
-    """What identifies one scheduler-cost setting in a run's rows."""
-    return (row.get("connector", "none"), row["mode"], row["requests"])
+def run_cpu_time(ctx: Context) -> dict:
+    trees = ctx.trees
+    if not ctx.plan["peer_cost"]:  # CI time budget: the peer's timings are not quick
+        trees = [t for t in trees if t.label != PEER_LABEL]
+    return bench_cost.cpu_time(ctx.cfg, ctx.pyenv, trees, ctx.plan["cost"])
 
 
-def cost_rows(trees: list[str], results: dict[str, list[dict]]) -> list[dict]:
-    """Per tree and setting: the median CPU ms per step and the ratio tree/base
-    of each round (run i of a tree against run i of the base, which ran right
-    before it), as median, min and max. ``work = base``: whether the tree
-    scheduled the same tokens and finished the same requests as the base (else
-    the ratio compares different work)."""
-    base = trees[0]
-    if not results.get(base):
-        return []
-    rows = []
-    for label in trees:
-        runs = results.get(label) or []
-        if not runs:
-            continue
-        for r in runs[0]["rows"]:
-            key = cost_key(r)
-            mine = [x for run in runs for x in run["rows"] if cost_key(x) == key]
-            theirs = [
-                x for run in results[base] for x in run["rows"] if cost_key(x) == key
-            ]
-            ms = [x["cpu_ms_per_step"] for x in mine]
-            ratios = [
-                a["cpu_ms_per_step"] / b["cpu_ms_per_step"]
-                for a, b in zip(mine, theirs, strict=False)
-                if b["cpu_ms_per_step"] > 0
-            ]
-            if not ratios:
-                continue
-            same = all(
-                (a.get("scheduled_tokens"), a.get("finished"))
-                == (theirs[0].get("scheduled_tokens"), theirs[0].get("finished"))
-                for a in mine
-            )
-            rows.append(
-                {
-                    "tree": label,
-                    "connector": key[0],
-                    "mode": key[1],
-                    "requests": key[2],
-                    "cpu ms/step (median)": round(statistics.median(ms), 3),
-                    "cpu ms min-max": f"{min(ms):.3f}-{max(ms):.3f}",
-                    "ratio median": round(statistics.median(ratios), 3),
-                    "ratio min": round(min(ratios), 3),
-                    "ratio max": round(max(ratios), 3),
-                    "reps": len(ratios),
-                    "work = base": same,
-                }
-            )
-    return rows
+def count_trees(ctx: Context) -> list[BenchTree]:
+    """The trees whose instructions are counted: the base, each stage preceded by
+    its partial commits (full set), the peer (full set)."""
+    stages = [t for t in ctx.trees if t.label != PEER_LABEL]
+    out = [stages[0]]
+    commits = {}
+    if ctx.plan["commits"]:
+        numbers = [int(t.label.split()[1]) for t in stages[1:]]
+        for t in commit_trees(ctx.cfg, numbers):
+            commits.setdefault(t.label.split()[1].split(".")[0], []).append(t)
+    for t in stages[1:]:
+        out += commits.get(t.label.split()[1], [])
+        out.append(t)
+    if ctx.plan["peer_cost"]:
+        out += [t for t in ctx.trees if t.label == PEER_LABEL]
+    return out
 
 
-def bench_cost(cfg, pyenv, trees, plan) -> dict:
-    reps = plan["reps"]
-    if plan is QUICK:  # CI time budget: the timing ratio of the peer is not quick
-        trees = [t for t in trees if t.label != "v0.14.0"]
-    results, errors = alternate(cfg, pyenv, trees, "scheduler_cost", plan["cost"], reps)
-    rows = cost_rows([t.label for t in trees], results)
-    hma = {
-        label: sorted({x["hma"] for run in runs for x in run["rows"] if "hma" in x})
-        for label, runs in results.items()
-    }
-    return {
-        "title": "Scheduler CPU cost per step (ratio to base)",
-        "method": "time.process_time around schedule()+update_from_output() with "
-        "vLLM's create_scheduler (one full-attention group, CPU), without a KV "
-        "connector and with the scripted BenchConnector (a synchronous external hit "
-        f"of {plan['cost']['hit_fraction']:.0%} of every prompt); trees run "
-        f"alternately, {reps} rounds of {plan['cost']['steps']} steps, one process "
-        "per run; ratio = tree / base per round; never fails on timing",
-        "hma_with_connector": "; ".join(
-            f"{label}: {'on' if v == [True] else 'off' if v == [False] else v}"
-            for label, v in hma.items()
-            if v
-        ),
-        "errors": errors,
-        "rows": rows,
-    }
+def run_instructions(ctx: Context) -> dict:
+    if ctx.counting is None:
+        return {
+            "title": "Scheduler instructions per step",
+            "skipped": "--no-instructions",
+            "errors": {},
+            "rows": [],
+        }
+    cg, server = ctx.counting
+    trees = count_trees(ctx)
+    stages = [t for t in ctx.trees if t.label.startswith("stage ")]
+    last = stages[-1]
+    plan = {**ctx.plan["counts"]}
+    plan["repeat"] = [stages[0].label, last.label][: plan.get("repeat_trees", 2)]
+    witness = None
+    if last is not stages[0]:
+        k = int(last.label.split()[1])
+        slowed = slowed_tree(ctx.cfg, k, bench_cost.SLOWDOWN)
+        witness = bench_cost.Witness(slowed, last)
+    return bench_cost.instruction_counts(
+        ctx.cfg, ctx.pyenv, trees, plan, cg, server, witness
+    )
+
+
+def _memory_failed(report: dict) -> list[str]:
+    return list(report.get("mismatches", []))
+
+
+def _count_failed(report: dict) -> list[str]:
+    w = report.get("witness")
+    if w is not None and not w.get("caught"):
+        return [f"the witness {w['tree']} was not caught: {w.get('why')}"]
+    return []
 
 
 # --- output ------------------------------------------------------------------------
@@ -545,7 +465,15 @@ def print_table(report: dict) -> None:
 
     rows = report.get("rows", [])
     table = Table(title=report["title"])
-    cols = list(dict.fromkeys(k for r in rows for k in r))
+    cols = (
+        [
+            c
+            for c in dict.fromkeys(k for r in rows for k in r)
+            if not isinstance(rows[0].get(c), dict | list)
+        ]
+        if rows
+        else []
+    )
     for c in cols:
         table.add_column(c)
     for r in rows:
@@ -558,10 +486,40 @@ def print_table(report: dict) -> None:
 MARKERS = "osD^vP*X"
 
 
+# matplotlib's default colour cycle (tab10), so that a colour can be lightened.
+TAB10 = [
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#7f7f7f",
+    "#bcbd22",
+    "#17becf",
+]
+
+
 def tree_color(label: str) -> str:
-    """The same colour for a tree in every plot: stage k is ``Ck``, the peer C9."""
-    kind, _, num = label.partition(" ")
-    return f"C{int(num) % 9}" if kind == "stage" and num.isdigit() else "C9"
+    """The same colour for a tree in every plot: stage k is ``Ck`` (tab10), its
+    partial commits ``stage k.j`` a lighter ``Ck``, a slowed copy black, the
+    peer C9."""
+    kind, _, rest = label.partition(" ")
+    num, _, suffix = rest.partition(" ")
+    if kind != "stage":
+        return TAB10[9]
+    if suffix:
+        return "#000000"
+    whole, _, part = num.partition(".")
+    if not whole.isdigit():
+        return TAB10[9]
+    color = TAB10[int(whole) % 9]
+    if not part:
+        return color
+    mix = 0.35 + 0.3 / (int(part) + 1)  # lighter for earlier commits
+    rgb = [int(color[i : i + 2], 16) for i in (1, 3, 5)]
+    return "#" + "".join(f"{round(c + (255 - c) * mix):02x}" for c in rgb)
 
 
 def _categories(rows: list[dict], *keys: str) -> list[tuple]:
@@ -687,28 +645,29 @@ def plot_admission(report: dict, plt):
     return fig
 
 
-def plot_cost(report: dict, plt):
-    """Ratio tree/base of the scheduler CPU time per step, median with min-max
-    bars, one panel per connector setting."""
-    rows = [r for r in report["rows"] if r["tree"] != report["rows"][0]["tree"]]
+def plot_ratios(report: dict, plt):
+    """Ratio tree/base per setting, median with min-max bars, one panel per KV
+    cache layout; the 1.01 threshold dashed."""
+    rows = [r for r in report.get("rows", []) if r["tree"] != report["rows"][0]["tree"]]
     if not rows:
         return None
-    conns = list(dict.fromkeys(r["connector"] for r in rows))
+    layouts = list(dict.fromkeys(r["layout"] for r in rows))
     trees = list(dict.fromkeys(r["tree"] for r in rows))
     width = 0.8 / len(trees)
     fig, axes = plt.subplots(
-        1, len(conns), figsize=(6 * len(conns), 4.5), squeeze=False
+        len(layouts), 1, figsize=(12, 3.6 * len(layouts)), squeeze=False
     )
-    for ax, conn in zip(axes.flat, conns, strict=True):
-        mine = [r for r in rows if r["connector"] == conn]
-        cats = _categories(mine, "mode", "requests")
+    for ax, layout in zip(axes.flat, layouts, strict=True):
+        mine = [r for r in rows if r["layout"] == layout]
+        cats = _categories(mine, "connector", "mode", "requests")
         for j, tree in enumerate(trees):
             pts = [
                 next(
                     (
                         r
                         for r in mine
-                        if (r["tree"], r["mode"], r["requests"]) == (tree, *c)
+                        if (r["tree"], r["connector"], r["mode"], r["requests"])
+                        == (tree, *c)
                     ),
                     None,
                 )
@@ -720,23 +679,23 @@ def plot_cost(report: dict, plt):
             hi = [p["ratio max"] - p["ratio median"] if p else 0 for p in pts]
             ax.bar(
                 xs,
-                med,
+                [m - 1 for m in med],
                 width,
+                bottom=1,
                 yerr=[lo, hi],
-                capsize=3,
+                capsize=2,
                 label=tree,
                 color=tree_color(tree),
             )
         ax.axhline(1.0, color="k", linewidth=0.8)
+        ax.axhline(bench_cost.THRESHOLD, color="r", linewidth=0.8, linestyle="--")
         ax.set_xticks(range(len(cats)))
-        ax.set_xticklabels([f"{m}\n{n} req" for m, n in cats])
-        ax.set_ylabel("CPU time per step / base")
-        ax.set_title("no connector" if conn == "none" else f"with {conn}")
+        ax.set_xticklabels([f"{c}\n{m} {n}" for c, m, n in cats], fontsize=8)
+        ax.set_ylabel(f"{report.get('unit', 'cost')} / base")
+        ax.set_title(f"layout {layout}")
         ax.grid(True, axis="y", alpha=0.3)
-    axes.flat[0].legend(fontsize=7)
-    fig.suptitle(
-        "Scheduler CPU time per step vs base: median, bars min-max over rounds"
-    )
+    axes.flat[0].legend(fontsize=7, ncol=min(len(trees), 5))
+    fig.suptitle(f"{report['title']}: ratio to the base, bars min-max over rounds")
     return fig
 
 
@@ -796,14 +755,6 @@ def plot_eagle(report: dict, plt):
     return fig
 
 
-PLOTS = {
-    "peak_blocks": plot_peak,
-    "admission": plot_admission,
-    "scheduler_cost": plot_cost,
-    "eagle_hits": plot_eagle,
-}
-
-
 def plot(report_name: str, report: dict, out: Path) -> Path | None:
     """A PNG next to the report when matplotlib is importable (else None)."""
     try:
@@ -813,9 +764,10 @@ def plot(report_name: str, report: dict, out: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    if report_name not in PLOTS or not report.get("rows"):
+    scenario = next((s for s in SCENARIOS if s.name == report_name), None)
+    if scenario is None or scenario.plot is None or not report.get("rows"):
         return None
-    fig = PLOTS[report_name](report, plt)
+    fig = scenario.plot(report, plt)
     if fig is None:
         return None
     fig.tight_layout()
@@ -825,16 +777,16 @@ def plot(report_name: str, report: dict, out: Path) -> Path | None:
     return path
 
 
-def _md(headers: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
+def _table(headers: list[str], rows: list[list]) -> str:
+    return (
+        tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True) + "\n"
+    )
 
 
 def summary_markdown(reports: dict[str, dict]) -> str:
-    """The three results as compact Markdown tables, one column per tree:
-    peak SWA blocks per group against the minimum, admission limits against
-    HMA off and the physical limit, scheduler-cost ratios with their spread."""
+    """The results as compact Markdown tables, one column per tree: peak SWA
+    blocks per group against the minimum, admission limits against HMA off and
+    the physical limit, instruction ratios with their spread, CPU-time ratios."""
     out = []
     peak = reports.get("peak_blocks", {}).get("rows", [])
     if peak:
@@ -856,7 +808,7 @@ def summary_markdown(reports: dict[str, dict]) -> str:
             "### Peak blocks per SWA group (one request, external hit L, B=16)\n"
         )
         out.append(
-            _md(["pattern", "W", "L", "full group", "SWA minimum", *trees], rows)
+            _table(["pattern", "W", "L", "full group", "SWA minimum", *trees], rows)
         )
     adm = reports.get("admission", {}).get("rows", [])
     if adm:
@@ -890,7 +842,7 @@ def summary_markdown(reports: dict[str, dict]) -> str:
                 )
             out.append(f"### {title}, budget {budget} blocks\n")
             out.append(
-                _md(
+                _table(
                     [
                         "pattern",
                         "W",
@@ -902,38 +854,113 @@ def summary_markdown(reports: dict[str, dict]) -> str:
                     rows,
                 )
             )
-    cost = reports.get("scheduler_cost", {}).get("rows", [])
-    if cost:
-        trees = list(dict.fromkeys(r["tree"] for r in cost))
-        by = {(r["tree"], *cost_key(r)): r for r in cost}
-        rows = []
-        for key in _categories(cost, "connector", "mode", "requests"):
-            base = by.get((trees[0], *key))
-            cells = []
-            for t in trees[1:]:
-                r = by.get((t, *key))
-                if r is None:
-                    cells.append("-")
-                    continue
-                spread = f"{r['ratio min']:.2f}-{r['ratio max']:.2f}"
-                flag = "" if r.get("work = base", True) else " (other work)"
-                cells.append(f"{r['ratio median']:.2f} ({spread}){flag}")
-            rows.append([*key, base["cpu ms/step (median)"] if base else "-", *cells])
-        reps = max((r["reps"] for r in cost), default=0)
-        out.append(
-            f"### Scheduler CPU time per step, ratio to {trees[0]}: "
-            f"median (min-max) over {reps} rounds\n"
-        )
-        out.append(
-            _md(
-                ["connector", "mode", "requests", f"{trees[0]} ms/step", *trees[1:]],
-                rows,
-            )
-        )
+    for name, what, fmt in (
+        ("scheduler_instructions", "Scheduler instructions per step", "{:,.0f}"),
+        ("scheduler_cost", "Scheduler CPU time per step (noisy)", "{:.3f} ms"),
+    ):
+        report = reports.get(name, {})
+        if report.get("rows"):
+            out.append(ratio_table(report, what, fmt))
     eagle = reports.get("eagle_hits", {}).get("rows", [])
     if eagle:
         out.append(eagle_markdown(eagle))
     return "\n".join(out)
+
+
+def ratio_table(report: dict, what: str, fmt: str) -> str:
+    """One row per setting: the base's figure and its run-to-run spread, and per
+    tree the ratio to the base, median (min-max) over the rounds."""
+    rows = report["rows"]
+    trees = list(dict.fromkeys(r["tree"] for r in rows))
+    by = {(r["tree"], *bench_cost.key(r)): r for r in rows}
+    body = []
+    for k in _categories(rows, "layout", "connector", "mode", "requests"):
+        base = by.get((trees[0], *k))
+        cells = []
+        for t in trees[1:]:
+            r = by.get((t, *k))
+            if r is None:
+                cells.append("-")
+                continue
+            cell = f"{r['ratio median']:.3f}"
+            if r["reps"] > 1:
+                cell += f" ({r['ratio min']:.3f}-{r['ratio max']:.3f})"
+            if r["ratio median"] > bench_cost.THRESHOLD:
+                cell = f"**{cell}**"
+            if not r.get("work = base", True):
+                cell += " (other work)"
+            cells.append(cell)
+        figure = fmt.format(base["median"]) if base else "-"
+        spread = f"{base['spread %']:.4f}%" if base and base["runs"] > 1 else "-"
+        body.append([*k, figure, spread, *cells])
+    reps = max((r["reps"] for r in rows), default=0)
+    head = (
+        f"### {what}: {trees[0]} and the ratio of each tree to it, median (min-max) "
+        f"over {reps} round(s)\n"
+    )
+    return (
+        head
+        + "\n"
+        + _table(
+            ["layout", "connector", "mode", "requests", trees[0], "spread", *trees[1:]],
+            body,
+        )
+    )
+
+
+SCENARIOS: list[Scenario] = [
+    Scenario(
+        "peak_blocks",
+        lambda ctx: bench_peak(ctx.cfg, ctx.pyenv, ctx.trees, ctx.plan),
+        plot_peak,
+        _memory_failed,
+    ),
+    Scenario(
+        "admission",
+        lambda ctx: bench_admission(ctx.cfg, ctx.pyenv, ctx.trees, ctx.plan),
+        plot_admission,
+        _memory_failed,
+    ),
+    # CPU time before the counts: the fork server of the counts imports vLLM's
+    # dependencies under valgrind meanwhile (the timings are noisy anyway).
+    Scenario("scheduler_cost", run_cpu_time, plot_ratios),
+    Scenario("scheduler_instructions", run_instructions, plot_ratios, _count_failed),
+    Scenario(
+        "eagle_hits",
+        lambda ctx: bench_eagle(ctx.cfg, ctx.pyenv, ctx.trees, ctx.plan),
+        plot_eagle,
+        _memory_failed,
+    ),
+    # The real engine (build/e2e-env): only with --throughput (minutes of engine
+    # processes), in `hmastack run`, not in `make test`.
+    Scenario(
+        "throughput",
+        lambda ctx: bench_throughput.run(ctx.cfg, ctx.quick),
+        bench_throughput.plot,
+        bench_throughput.failed,
+    ),
+]
+OPTIONAL = ("throughput",)  # run only when asked for (--throughput, --only)
+
+
+def selected_scenarios(only: str | None, throughput: bool) -> tuple[str, ...]:
+    """The names of the scenarios to run: ``only`` (comma-separated) or every
+    scenario but the optional ones, plus the throughput when asked for.
+
+    Raises :class:`HmastackError` for an unknown name."""
+    names = [s.name for s in SCENARIOS]
+    if only:
+        chosen = [n.strip() for n in only.split(",") if n.strip()]
+        unknown = [n for n in chosen if n not in names]
+        if unknown:
+            raise HmastackError(
+                f"unknown scenario {', '.join(unknown)}", f"one of {', '.join(names)}"
+            )
+    else:
+        chosen = [n for n in names if n not in OPTIONAL]
+    if throughput and "throughput" not in chosen:
+        chosen.append("throughput")
+    return tuple(n for n in names if n in chosen)
 
 
 def eagle_markdown(rows: list[dict]) -> str:
@@ -954,76 +981,155 @@ def eagle_markdown(rows: list[dict]) -> str:
             + [r["hit (eagle)"] if r else "-" for r in mine]
             + [ref["rule"], ref["hit without eagle"]]
         )
-    return "### Prefix cache hits with eagle (tokens, B=16)\n\n" + _md(
+    return "### Prefix cache hits with eagle (tokens, B=16)\n\n" + _table(
         ["pattern", "W", "case", "prompt", *trees, "rule", "without eagle"], table
     )
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     cfg = config_mod.load()
-    failed = run_bench(cfg, args.quick, args.stages, args.no_peer)
+    failed = run_bench(
+        cfg,
+        args.quick,
+        args.stages,
+        args.no_peer,
+        not args.no_instructions,
+        selected_scenarios(args.only, args.throughput),
+        args.count_settings,
+    )
     return 1 if failed else 0
 
 
 def run_for_pipeline(cfg: Config) -> str:
     """`hmastack run`'s benchmark step: the quick set (memory figures checked
-    exactly, timings reported only). Raises :class:`HmastackError` on a mismatch."""
-    if run_bench(cfg, quick=True, stages_text=None, no_peer=False):
+    exactly, the witness of the instruction counts must be caught, ratios
+    reported only). Raises :class:`HmastackError` on a failure."""
+    chosen = selected_scenarios(None, throughput=True)
+    if run_bench(cfg, quick=True, stages_text=None, no_peer=False, only=chosen):
         raise HmastackError(
-            "a benchmark figure differs from its expected value",
+            "a benchmark check failed (a memory figure, the witness or a "
+            "cached-token count of the throughput runs)",
             f"see {cfg.reports / 'bench'} and build/logs/bench/",
         )
     return f"quick set, reports in {cfg.reports / 'bench'}"
 
 
-def run_bench(cfg: Config, quick: bool, stages_text: str | None, no_peer: bool) -> bool:
-    """Run every scenario on the trees in alternation; True when a check failed."""
+def _run_scenarios(
+    ctx: Context, out: Path, skipped: dict, failures: list, reports: dict
+) -> None:
+    for scenario in SCENARIOS:
+        if scenario.name not in ctx.selected:
+            continue
+        t0 = time.monotonic()
+        with step(f"bench {scenario.name}"):
+            report = scenario.run(ctx)
+        # A tree that cannot run a scenario is skipped with its reason; the peer
+        # may lack what our env provides.
+        for label, why in report.get("errors", {}).items():
+            if label == PEER_LABEL:
+                skipped[label] = why
+            else:
+                failures.append(f"{scenario.name}: {label} failed: {why}")
+        failures += [f"{scenario.name}: {f}" for f in scenario.failed(report)]
+        report["skipped"] = skipped
+        report["quick"] = bool(ctx.quick)
+        report["seconds"] = round(time.monotonic() - t0)
+        report["generated"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        (out / f"{scenario.name}.json").write_text(json.dumps(report, indent=2) + "\n")
+        plot(scenario.name, report, out)
+        print_table(report)
+        reports[scenario.name] = report
+
+
+def run_bench(
+    cfg: Config,
+    quick: bool,
+    stages_text: str | None,
+    no_peer: bool,
+    instructions: bool = True,
+    only: tuple[str, ...] | None = None,
+    count_settings: str | None = None,
+) -> bool:
+    """Run the scenarios ``only`` (default: all but the optional ones) on the
+    trees in alternation; True when a check failed. The summary also holds the
+    last reports of the scenarios not run."""
     plan = QUICK if quick else FULL
+    if count_settings == "quick" and not quick:
+        # The full set's trees (every stage, its commits, the peer) on the quick
+        # settings: what a loaded machine can count in well under an hour.
+        plan = {
+            **plan,
+            "counts": {
+                **plan["counts"],
+                "settings": bench_cost.QUICK_SETTINGS,
+                "witness_settings": bench_cost.WITNESS_QUICK,
+            },
+        }
+    only = selected_scenarios(None, False) if only is None else only
+    instructions = instructions and "scheduler_instructions" in only
     selected = parse_stages(stages_text, cfg, quick)  # validate before any work
+    if instructions:
+        callgrind.locate()  # fail before any work when valgrind is missing
     pyenv = env_mod.ensure(cfg)
-    trees = [BenchTree("stage 0", stage_tree(cfg, 0))]
+    # The throughput builds its own trees (build/bench/engine, with the compiled
+    # kernels); the others run in build/bench/stages and the peer's tree.
+    if set(only) <= set(OPTIONAL):
+        selected, no_peer = [], True
+    trees = (
+        [BenchTree("stage 0", stage_tree(cfg, 0))] if selected or not no_peer else []
+    )
     trees += [BenchTree(f"stage {k}", stage_tree(cfg, k)) for k in selected]
     skipped = {}
     if not no_peer:
         path, why = peer_tree(cfg)
         if path is not None:
-            trees.append(BenchTree("v0.14.0", path))
+            trees.append(BenchTree(PEER_LABEL, path))
         else:
-            skipped["v0.14.0"] = why
+            skipped[PEER_LABEL] = why
+    ctx = Context(cfg, pyenv, trees, plan, quick, selected=only)
     out = cfg.reports / "bench"
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    failed = False
-    for name, fn in (
-        ("peak_blocks", bench_peak),
-        ("admission", bench_admission),
-        ("scheduler_cost", bench_cost),
-        ("eagle_hits", bench_eagle),
-    ):
-        with step(f"bench {name} on {', '.join(t.label for t in trees)}"):
-            report = fn(cfg, pyenv, trees, plan)
-        # A tree that cannot run a scenario is skipped with its reason; the peer
-        # may lack what our env provides.
-        for label, why in report["errors"].items():
-            if label == "v0.14.0":
-                skipped[label] = why
-        report["skipped"] = skipped
-        report["quick"] = bool(quick)
-        report["generated"] = time.strftime("%Y-%m-%d %H:%M:%S")
-        (out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
-        plot(name, report, out)
-        print_table(report)
-        failed |= report.get("checked") == "MISMATCH" or any(
-            label != "v0.14.0" for label in report["errors"]
-        )
-    reports = {
-        name: json.loads((out / f"{name}.json").read_text()) for name in SCENARIOS
-    }
+    failures: list[str] = []
+    reports = {}
+    try:
+        if instructions:
+            with step("start the instruction counts (marker probe, fork server)"):
+                ctx.counting = bench_cost.start_counting(cfg, pyenv, trees[0])
+        _run_scenarios(ctx, out, skipped, failures, reports)
+    finally:
+        if ctx.counting is not None:
+            ctx.counting[1].close()
+    for s in SCENARIOS:  # the last report of a scenario not run this time
+        if s.name not in reports and (out / f"{s.name}.json").is_file():
+            with contextlib.suppress(ValueError):
+                reports[s.name] = json.loads((out / f"{s.name}.json").read_text())
     (out / SUMMARY).write_text(summary_markdown(reports))
     for label, why in skipped.items():
         console.print(f"[yellow]skipped {label}:[/yellow] {why}")
-    console.print(f"bench reports in {out} ({time.time() - started:.0f}s)")
-    return failed
+    for f in failures:
+        console.print(f"[red]{f}[/red]")
+    total = time.time() - started
+    # A run of the optional scenarios alone keeps the last full or quick run's
+    # record (the page's "Last run") and writes its own.
+    run_file = "run-optional.json" if set(only) <= set(OPTIONAL) else "run.json"
+    (out / run_file).write_text(
+        json.dumps(
+            {
+                "quick": bool(quick),
+                "seconds": round(total),
+                "scenarios": list(only),
+                "count_settings": count_settings,
+                "trees": [t.label for t in trees],
+                "failures": failures,
+                "generated": time.strftime("%Y-%m-%d %H:%M:%S"),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    console.print(f"bench reports in {out} ({total:.0f}s)")
+    return bool(failures)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -1033,11 +1139,35 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--quick", action="store_true", help="the CI set (< 3 min)")
+    parser.add_argument(
+        "--quick", action="store_true", help="the CI set (a few minutes)"
+    )
     parser.add_argument(
         "--stages", help="stages to compare with the base, e.g. 3 or 1-3 (default all)"
     )
     parser.add_argument(
         "--no-peer", action="store_true", help="skip the vLLM 0.14.0 peer tree"
+    )
+    parser.add_argument(
+        "--no-instructions",
+        action="store_true",
+        help="skip the instruction counts (they need valgrind)",
+    )
+    parser.add_argument(
+        "--throughput",
+        action="store_true",
+        help="also the real-engine throughput under a KV budget (build/e2e-env, "
+        "~4 GB of downloads on first use; minutes of engine runs)",
+    )
+    parser.add_argument(
+        "--count-settings",
+        choices=("quick", "full"),
+        help="the instruction counts' settings: the quick set's 4 on the full "
+        "set's trees (quick), or all 16 (full, the default without --quick)",
+    )
+    parser.add_argument(
+        "--only",
+        metavar="NAMES",
+        help="run only these scenarios (comma-separated), e.g. throughput",
     )
     parser.set_defaults(func=cmd_bench)

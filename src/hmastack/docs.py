@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hmastack import config as config_mod
-from hmastack import site_model, site_reports, site_svg
+from hmastack import site_bench, site_model, site_reports, site_svg
 from hmastack.config import Config
 from hmastack.errors import HmastackError
 from hmastack.progress import CommandError, console, run, step
@@ -839,43 +839,8 @@ def model_page(cfg: Config) -> str:
 
 
 def bench_page(cfg: Config, site: Site) -> str:
-    benches, loose = site_reports.load_benchmarks(cfg)
-    out = ["# Benchmarks\n"]
-    method = cfg.root / "bench" / "README.md"
-    if method.is_file():
-        # The method and its limits, written once next to the scenarios.
-        text = method.read_text()
-        out.append(text.split("\n", 1)[1] if text.startswith("# ") else text)
-    if not benches and not loose:
-        out.append(
-            '!!! note "Not run yet"\n    The benchmarks write their results and '
-            "plots to "
-            "`build/reports/bench/`; none are there yet.\n"
-        )
-        return "\n".join(out)
-    summary = cfg.reports / "bench" / "summary.md"
-    if summary.is_file():
-        # The three results side by side, one column per tree (`hmastack bench`).
-        out.append("## Summary of the last run\n")
-        out.append(summary.read_text())
-    for b in benches:
-        out.append(f"## {b.title}\n")
-        if b.scalars:
-            out.append(
-                md_table(["", ""], [[code(k), str(v)] for k, v in b.scalars.items()])
-            )
-        if b.rows:
-            cols = list(dict.fromkeys(k for r in b.rows for k in r))[:12]
-            out.append(
-                md_table(cols, [[str(r.get(c, "")) for c in cols] for r in b.rows])
-            )
-        for plot in b.plots:
-            site.assets[f"assets/bench/{plot.name}"] = plot.read_bytes()
-            out.append(f"![{plot.stem}](assets/bench/{plot.name})\n")
-    for plot in loose:
-        site.assets[f"assets/bench/{plot.name}"] = plot.read_bytes()
-        out.append(f"## {plot.stem}\n\n![{plot.stem}](assets/bench/{plot.name})\n")
-    return "\n".join(out)
+    """The Benchmarks page: headline figures and plots first (``site_bench``)."""
+    return site_bench.page(cfg, site)
 
 
 # --- the site ----------------------------------------------------------------------

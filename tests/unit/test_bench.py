@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
 
-from hmastack import bench, docs
+from hmastack import bench, bench_cost, bench_trees, docs
 from hmastack import config as config_mod
 from hmastack import env as env_mod
+from hmastack.errors import HmastackError
 
 ROOT = Path(__file__).resolve().parents[2]
 B = 16
@@ -72,25 +74,28 @@ def test_register_adds_bench_command():
     assert args.quick and args.no_peer and args.stages == "3"
 
 
-def _cost_run(ms: dict[tuple, float], work: int = 100) -> dict:
-    """One scheduler_cost run: rows keyed (connector, mode, requests) -> ms."""
+def _cost_run(values: dict[tuple, float], work: int = 100) -> dict:
+    """One scheduler-cost run: rows keyed (layout, connector, mode, requests)."""
     return {
         "rows": [
             {
-                "connector": k[0],
-                "mode": k[1],
-                "requests": k[2],
+                "layout": k[0],
+                "connector": k[1],
+                "mode": k[2],
+                "requests": k[3],
                 "cpu_ms_per_step": v,
+                "instructions_per_step": v * 1e6,
                 "scheduled_tokens": work,
                 "finished": 0,
             }
-            for k, v in ms.items()
+            for k, v in values.items()
         ]
     }
 
 
-def test_cost_rows_pairs_rounds_by_setting():
-    a, b = ("none", "decode", 64), ("connector", "decode", 64)
+def test_ratio_rows_pair_rounds_by_setting():
+    a = ("full", "none", "decode", 64)
+    b = ("gemma3", "connector", "decode", 64)
     results = {
         "stage 0": [_cost_run({a: 1.0, b: 2.0}), _cost_run({a: 2.0, b: 2.0})],
         # Rows in another order: matched by setting, not by position.
@@ -98,25 +103,32 @@ def test_cost_rows_pairs_rounds_by_setting():
         "v0.14.0": [_cost_run({a: 1.0, b: 2.0}, work=99)],
     }
     rows = {
-        (r["tree"], r["connector"]): r for r in bench.cost_rows(list(results), results)
+        (r["tree"], r["layout"]): r
+        for r in bench_cost.ratio_rows(list(results), results, "cpu_ms_per_step")
     }
-    base = rows[("stage 0", "none")]
+    base = rows[("stage 0", "full")]
     assert (base["ratio min"], base["ratio median"], base["ratio max"]) == (1, 1, 1)
-    s3 = rows[("stage 3", "none")]
+    assert base["spread %"] == round(100 * (2.0 - 1.0) / 1.5, 4)
+    s3 = rows[("stage 3", "full")]
     assert (s3["ratio min"], s3["ratio median"], s3["ratio max"]) == (1.0, 1.25, 1.5)
     assert s3["reps"] == 2 and s3["work = base"] is True
-    s3c = rows[("stage 3", "connector")]
-    assert (s3c["ratio min"], s3c["ratio max"]) == (0.5, 1.5)
-    assert s3c["cpu ms min-max"] == "1.000-3.000"
-    peer = rows[("v0.14.0", "none")]
+    s3b = rows[("stage 3", "gemma3")]
+    assert (s3b["ratio min"], s3b["ratio max"]) == (0.5, 1.5)
+    assert (s3b["min"], s3b["max"]) == (1.0, 3.0)
+    peer = rows[("v0.14.0", "full")]
     assert peer["reps"] == 1 and peer["work = base"] is False
-    assert bench.cost_rows(["stage 0"], {"stage 0": []}) == []
+    assert bench_cost.ratio_rows(["stage 0"], {"stage 0": []}, "x") == []
 
 
 def test_tree_colors_are_stable():
-    assert bench.tree_color("stage 0") == "C0"
-    assert bench.tree_color("stage 4") == "C4"
-    assert bench.tree_color("v0.14.0") == "C9"
+    assert bench.tree_color("stage 0") == bench.TAB10[0]
+    assert bench.tree_color("stage 4") == bench.TAB10[4]
+    assert bench.tree_color("v0.14.0") == bench.TAB10[9]
+    # Partial commits: lighter shades of their stage's colour, all distinct.
+    shades = [bench.tree_color(f"stage 3.{j}") for j in (1, 2)]
+    assert len({*shades, bench.tree_color("stage 3")}) == 3
+    assert all(s.startswith("#") and len(s) == 7 for s in shades)
+    assert bench.tree_color("stage 4 slowed") == "#000000"
 
 
 def _reports() -> dict[str, dict]:
@@ -150,7 +162,8 @@ def _reports() -> dict[str, dict]:
         for t in trees
         for p in ("gemma3", "gptoss")
     ]
-    a, b = ("none", "prefill", 256), ("connector", "prefill", 256)
+    a = ("full", "none", "prefill", 256)
+    b = ("gemma3", "connector", "prefill", 256)
     runs = {
         t: [_cost_run({a: 1.0, b: 2.0}), _cost_run({a: 1.2, b: 1.8})] for t in trees
     }
@@ -172,7 +185,16 @@ def _reports() -> dict[str, dict]:
         "eagle_hits": {"title": "eagle", "rows": eagle},
         "peak_blocks": {"title": "peak", "block_size": B, "rows": peak},
         "admission": {"title": "admission", "budget_blocks": 4096, "rows": admission},
-        "scheduler_cost": {"title": "cost", "rows": bench.cost_rows(trees, runs)},
+        "scheduler_instructions": {
+            "title": "instructions",
+            "unit": "instructions per step",
+            "rows": bench_cost.ratio_rows(trees, runs, "instructions_per_step"),
+        },
+        "scheduler_cost": {
+            "title": "cost",
+            "unit": "CPU ms per step",
+            "rows": bench_cost.ratio_rows(trees, runs, "cpu_ms_per_step"),
+        },
     }
 
 
@@ -190,37 +212,51 @@ def test_every_scenario_has_a_plot_and_the_site_shows_it(project):
     page = site.pages["benchmarks.md"]
     assert "## Summary of the last run" in page
     assert "### Longest admitted external hit" in page
-    for name in bench.SCENARIOS:
+    # The optional throughput has its own page test (test_bench_throughput.py).
+    names = [s.name for s in bench.SCENARIOS if s.name not in bench.OPTIONAL]
+    assert sorted(names) == sorted(_reports())
+    for name in names:
         assert f"![{name}](assets/bench/{name}.png)" in page
         assert f"assets/bench/{name}.png" in site.assets
 
 
 def test_rounds_alternate_direction():
     trees = ["A", "B", "C"]
-    assert [bench.round_order(trees, i) for i in range(3)] == [
+    assert [bench_trees.round_order(trees, i) for i in range(3)] == [
         ["A", "B", "C"],
         ["C", "B", "A"],
         ["A", "B", "C"],
     ]
 
 
-def test_summary_has_the_three_tables_one_column_per_tree():
+def _cells(text: str) -> str:
+    """A Markdown table with the padding around its cells removed."""
+    return re.sub(r" *\| *", "|", text)
+
+
+def test_summary_has_the_tables_one_column_per_tree():
     text = bench.summary_markdown(_reports())
-    assert text.count("### ") == 5  # peak, longest hit, concurrency, cost, eagle
-    peak, hit, conc, cost, eagle = text.split("### ")[1:]
+    # peak, longest hit, concurrency, instructions, CPU time, eagle
+    assert text.count("### ") == 6
+    peak, hit, conc, counts, cpu, eagle = (_cells(t) for t in text.split("### ")[1:])
+    assert "|gemma3|512|8192|513|33|513|33|33|" in peak
+    assert "|gemma3|512|10895|10911|62879|62879|62879|" in hit
+    assert "|gptoss|512|1|1|6|6|6|" in conc
+    # The base's figure and its spread over runs, then each tree's ratio:
+    # median (min-max) over the rounds.
+    assert "median (min-max) over 2 round(s)" in counts
+    assert "|full|none|prefill|256|1,100,000|18.1818%|1.000 (1.000-1.000)|" in counts
+    assert "|gemma3|connector|prefill|256|1.900 ms|10.5263%|" in cpu
     # One column per tree, then the rule and the hit without eagle of stage 5.
-    assert "| gptoss | 128 | connector async | 4101 | 4064 | 0 | 4064 | 0 | 4096 |" in (
-        eagle
-    )
-    assert "| gemma3 | 512 | 8192 | 513 | 33 | 513 | 33 | 33 |" in peak
-    assert "| gemma3 | 512 | 10895 | 10911 | 62879 | 62879 | 62879 |" in hit
-    assert "| gptoss | 512 | 1 | 1 | 6 | 6 | 6 |" in conc
-    # Ratios of the non-base trees: median (min-max) over the rounds.
-    assert "median (min-max) over 2 rounds" in cost
-    assert (
-        "| none | prefill | 256 | 1.1 | 1.00 (1.00-1.00) | 1.00 (1.00-1.00) |" in cost
-    )
+    assert "|gptoss|128|connector async|4101|4064|0|4064|0|4096|" in eagle
     assert bench.summary_markdown({}) == ""
+
+
+def test_a_ratio_above_the_threshold_is_marked():
+    a = ("gptoss", "connector", "decode", 64)
+    runs = {"stage 0": [_cost_run({a: 1.0})], "stage 3": [_cost_run({a: 1.02})]}
+    report = {"rows": bench_cost.ratio_rows(list(runs), runs, "cpu_ms_per_step")}
+    assert "|**1.020**|" in _cells(bench.ratio_table(report, "x", "{}"))
 
 
 def test_no_plot_without_rows(tmp_path):
@@ -290,34 +326,164 @@ def test_admission_stage3_reaches_the_physical_limit():
     assert r["concurrent"] == r["concurrent_physical"] == 6
 
 
-COST_ARGS = {"sizes": [64], "modes": ["decode", "prefill"], "steps": 3}
+COST_ARGS = {
+    "meter": "cpu",
+    "steps": 3,
+    "settings": bench_cost.settings(sizes=(64,)),
+}
 
 
 def test_scheduler_cost_with_the_scripted_connector_does_the_same_work():
     base = _run(0, "scheduler_cost", COST_ARGS)["rows"]
     stage3 = _run(3, "scheduler_cost", COST_ARGS)["rows"]
-    assert [bench.cost_key(r) for r in base] == [
-        ("none", "decode", 64),
-        ("none", "prefill", 64),
-        ("connector", "decode", 64),
-        ("connector", "prefill", 64),
+    assert [bench_cost.key(r) for r in base] == [
+        bench_cost.key(s) for s in COST_ARGS["settings"]
     ]
     for mine, theirs in zip(stage3, base, strict=True):
         # Timing aside, both trees schedule alike: the ratio compares like work.
-        for key in ("scheduled_tokens", "finished", "hit_tokens"):
-            assert mine[key] == theirs[key], (bench.cost_key(mine), key)
+        for key in ("scheduled_tokens", "finished", "hit_tokens", "groups"):
+            assert mine[key] == theirs[key], (bench_cost.key(mine), key)
     for r in base:
+        # HMA on in every setting, also with the connector on 0.13.0 (forced).
+        assert r["hma"] is True
+        assert r["groups"] == {"full": 1, "gemma3": 6, "gptoss": 2}[r["layout"]]
+        assert r["meter_calls"] == 2 * r["steps"] and r["cpu_s"] > 0
         if r["connector"] == "connector":
             # 3/4 of the prompt in whole blocks, reported for every new request.
             assert r["hit_tokens"] == r["prompt_tokens"] * 3 // 4
             calls = r["connector_calls"]
             assert calls["matched"] >= calls["alloc"] > 0
-            assert r["hma"] is False  # 0.13.0 turns HMA off with a connector
         if r["mode"] == "prefill":
             assert r["pool_left"] > 0  # steady state: never ran out of requests
             assert r["finished"] > 0
         else:
             assert r["scheduled_per_step"] == 64
+
+
+# --- trees: per-commit prefixes and the slowed copy --------------------------------
+
+
+def test_insert_statement_goes_after_the_docstring():
+    source = (
+        "class A:\n"
+        "    def f(self, x):\n"
+        '        """Doc.\n\n        More."""\n'
+        "        return x\n"
+        "\n"
+        "def g():\n"
+        "    return 1\n"
+    )
+    out = bench_trees.insert_statement(source, "A.f", "x += 1")
+    assert out.splitlines()[5] == "        x += 1"
+    ns: dict = {}
+    exec(compile(out, "m", "exec"), ns)
+    assert ns["A"]().f(1) == 2
+    assert "    y = 0\n    return 1" in bench_trees.insert_statement(
+        source, "g", "y = 0"
+    )
+    with pytest.raises(HmastackError, match="no function A.h"):
+        bench_trees.insert_statement(source, "A.h", "pass")
+    with pytest.raises(HmastackError, match="no class B"):
+        bench_trees.insert_statement(source, "B.f", "pass")
+
+
+def test_commit_trees_are_the_proper_prefixes_of_a_stage():
+    from hmastack import workspace
+    from hmastack.gitutil import git
+
+    cfg = config_mod.load(ROOT)
+    if not (cfg.workspace("vllm") / ".git").exists():
+        pytest.skip("no vLLM workspace: run `hmastack base` first")
+    series = workspace.discover(cfg)
+    multi = [s.number for s in series if len(s.patches_for("vllm")) > 1]
+    if not multi:
+        pytest.skip("no stage has several vLLM commits")
+    k = multi[0]
+    trees = bench_trees.commit_trees(cfg, [k])
+    n = len(series[k - 1].patches_for("vllm"))
+    assert [t.label for t in trees] == [f"stage {k}.{j}" for j in range(1, n)]
+    before = sum(len(s.patches_for("vllm")) for s in series[: k - 1])
+    for j, t in enumerate(trees, 1):
+        count = git(t.path, "rev-list", "--count", "v0.13.0..HEAD").strip()
+        assert int(count) == before + j
+        assert f"{k}/{cfg.num_series_stages}]" in t.note  # the commit's subject
+
+
+def test_the_page_opens_with_headline_and_plots_then_method(project):
+    pytest.importorskip("matplotlib")
+    out = project.reports / "bench"
+    out.mkdir(parents=True)
+    reports = _reports()
+    counts = reports["scheduler_instructions"]
+    counts["threshold"] = bench_cost.THRESHOLD
+    counts["profiles"] = [
+        {
+            "tree": "stage 3",
+            "setting": "gemma3-connector-prefill-256",
+            "instructions base": 1000,
+            "instructions": 1030,
+            "bytecodes base": 100,
+            "bytecodes": 110,
+            "python_functions": [
+                {
+                    "function": "vllm/v1/core/kv_cache_manager.py:KVCacheManager.f",
+                    "self base": 10,
+                    "self": 20,
+                    "self difference": 10,
+                    "share": 1.0,
+                    "inclusive difference": 10,
+                    "calls base": 1,
+                    "calls": 1,
+                }
+            ],
+            "c_functions": [
+                {
+                    "function": "_PyEval_EvalFrameDefault [libpython3.11.so.1.0]",
+                    "base": 500,
+                    "other": 530,
+                    "difference": 30,
+                    "share": 1.0,
+                }
+            ],
+        }
+    ]
+    counts["witness"] = {
+        "tree": "stage 4 slowed",
+        "of": "stage 4",
+        "slowdown": "a loop",
+        "caught": True,
+        "rows": [
+            {
+                "layout": "full",
+                "connector": "none",
+                "mode": "decode",
+                "requests": 64,
+                "ratio median": 1.05,
+            }
+        ],
+        "named": ["vllm/v1/core/kv_cache_manager.py:KVCacheManager.allocate_slots"],
+    }
+    for name, report in reports.items():
+        (out / f"{name}.json").write_text(json.dumps(report))
+        bench.plot(name, report, out)
+    (out / "run.json").write_text(json.dumps({"quick": True, "seconds": 300}))
+    page = docs.generate(project).pages["benchmarks.md"]
+    order = [
+        page.index("## Headline"),
+        page.index("## Plots"),
+        page.index("## Scheduler instructions per step"),
+        page.index("## Where the cost goes"),
+        page.index("## Witness"),
+        page.index("## Method"),
+    ]
+    assert order == sorted(order)
+    headline = page[order[0] : order[1]]
+    assert "**Peak blocks**" in headline and "**Admission**" in headline
+    assert "**Witness**: stage 4 slowed" in headline and "is caught" in headline
+    assert "not measured yet" in headline  # throughput: no report yet
+    assert "quick set" in headline and "300 s" in headline
+    assert "`vllm/v1/core/kv_cache_manager.py:KVCacheManager.f`" in page
+    assert "`_PyEval_EvalFrameDefault [libpython3.11.so.1.0]`" in page
 
 
 def _eagle_row(case: str, **kw) -> dict:
@@ -352,11 +518,8 @@ def test_eagle_check_flags_a_wrong_hit(monkeypatch):
     report = {"rows": [row | {"hit": 4064, "hit_no_eagle": 4096}]}
     monkeypatch.setattr(
         bench,
-        "alternate",
-        lambda cfg, pyenv, trees, name, args, reps: (
-            {t.label: [report] for t in trees},
-            {},
-        ),
+        "_run_each",
+        lambda cfg, pyenv, trees, name, args: ({t.label: [report] for t in trees}, {}),
     )
     trees = [bench.BenchTree(label, None) for label in ("stage 4", "v0.14.0")]
     assert bench.bench_eagle(None, None, trees, bench.QUICK)["checked"] == "exact"
@@ -366,9 +529,8 @@ def test_eagle_check_flags_a_wrong_hit(monkeypatch):
     assert out["mismatches"] == [
         "stage 5: gptoss W=128 fully cached: hit 4064 (want 4080)"
     ]
-    assert (
-        "| gptoss | 128 | fully cached | 4101 | 4064 | 4064 | 4064 | 4080 | 4096 |"
-        in (bench.eagle_markdown(out["rows"]))
+    assert "|gptoss|128|fully cached|4101|4064|4064|4064|4080|4096|" in _cells(
+        bench.eagle_markdown(out["rows"])
     )
 
 

@@ -1,0 +1,183 @@
+"""The real-engine throughput benchmark's host side: plans, figures, verdicts.
+
+The engine runs themselves belong to `hmastack bench --throughput` (minutes of
+engine processes, not `make test`); here the pure parts, on run results shaped
+as `hmastack_e2e.throughput` writes them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from hmastack import bench, docs
+from hmastack import bench_throughput as bt
+from hmastack.errors import HmastackError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(seconds: float, running: int, steps: int, blocks: list[int], groups: int):
+    return {
+        "completed": 16,
+        "seconds": seconds,
+        "cpu_seconds": seconds,
+        "steps": steps,
+        "max_running": running,
+        "preemptions": 0,
+        "peak_total_blocks": [b * running for b in blocks],
+        "peak_request_blocks": blocks,
+        "groups": ["g"] * groups,
+        "num_blocks": 240 if groups == 1 else 1440,
+        "batch": bt.BATCH,
+        "cached_tokens": [1024],
+        "load_seconds": 1.0,  # the same block files read in every tree
+        "step_seconds_median": 0.005 if groups == 1 else 0.006,
+    }
+
+
+def _runs(base_s: list[float], tree_s: list[float], case="memory-bound"):
+    return {
+        (case, "stage 0"): [_run(s, 3, 200, [67], 1) for s in base_s],
+        (case, "stage 3"): [_run(s, 16, 40, [67, 4, 4, 4, 4, 4], 6) for s in tree_s],
+    }
+
+
+def test_plans_base_hma_off_plain_connector_series_hma_on():
+    base = bt.plan("memory-bound", 0, Path("/m"), Path("/s"))
+    series = bt.plan("memory-bound", 3, Path("/m"), Path("/s"))
+    assert (base["hma"], base["connector"]) == (False, "plain")
+    assert (series["hma"], series["connector"]) == (True, "hma")
+    # The same memory: blocks of one layer (the engine divides by the layers a
+    # block holds, models.ModelSpec.num_blocks).
+    assert base["pool_layer_blocks"] == series["pool_layer_blocks"] == 1440
+    forced = bt.plan("control", 0, Path("/m"), Path("/s"), hma=True)
+    assert (forced["hma"], forced["connector"]) == (True, "hma")
+    assert bt.tree_label(0, True) == "stage 0 (HMA on)"
+    assert bt.tree_label(3, None) == bt.tree_label(3, True) == "stage 3"
+    sys.path.insert(0, str(ROOT / "tests" / "e2e"))
+    try:
+        from hmastack_e2e.models import MODELS
+    finally:
+        sys.path.pop(0)
+    spec = MODELS[bt.MODEL]
+    assert spec.num_layers == bt.LAYERS
+    assert spec.num_blocks(bt.MEMORY_BOUND_LAYER_BLOCKS, False) == 240
+    assert spec.num_blocks(bt.CONTROL_LAYER_BLOCKS, False) == 1200
+
+
+def test_the_budgets_bound_the_base_and_not_the_control():
+    """From the block counts alone: a request of the batch holds ceil(1096/16)
+    = 69 blocks at the end with HMA off; 3 fit in the memory-bound pool, all 16
+    in the control pool."""
+    tokens = bt.BATCH["prefix"] + bt.BATCH["suffix"] + bt.BATCH["max_tokens"]
+    per_request = -(-tokens // 16)
+    assert per_request == 69
+    assert bt.predicted_concurrency(240, per_request, 16) == 3
+    assert bt.predicted_concurrency(1200, per_request, 16) == 16
+    assert bt.predicted_concurrency(1100, per_request, 16) == 15
+    # The series: 69 full-attention blocks and 3 per sliding-window group.
+    assert bt.predicted_concurrency(1440, 69 + 5 * 3, 16) == 16
+    assert bt.predicted_concurrency(1440, 0, 16) == 16
+
+
+def test_summary_ratio_per_round_and_verdict():
+    runs = _runs([8.0, 10.0, 9.0], [2.0, 2.0, 3.0])
+    rows = bt.summarize(runs, ["stage 0", "stage 3"])
+    base, tree = rows
+    assert base["ratio median"] == 1.0
+    # per round: 4.0, 5.0, 3.0
+    assert (tree["ratio median"], tree["ratio min"], tree["ratio max"]) == (4, 3, 5)
+    assert tree["req/s median"] == 8.0
+    assert base["peak layer blocks"] == 6 * 3 * 67  # HMA off: a block holds 6 layers
+    assert tree["peak layer blocks"] == 16 * 87
+    assert base["predicted running"] == 3 and tree["predicted running"] == 16
+    v = bt.judge(rows, ["stage 0", "stage 3"])["memory-bound: stage 3"]
+    assert v["predicted admitted ratio"] == round(16 / 3, 3)
+    assert v["admitted (base → tree)"] == "3 → 16"
+    assert v["steps ratio (base / tree)"] == 5.0
+    assert v["at least predicted"] is False  # 4.0 < 5.33
+    assert "4.00x" in bt.headline({"memory-bound: stage 3": v}, 3)
+    # Without the loads (1 s each) the rest shrinks 8/1 = 8x (medians 9 s, 2 s).
+    assert v["ratio without loads"] == 8.0
+    why = bt.explanation({"memory-bound: stage 3": v})
+    assert "below the 5.33x" in why and "1.00 CPU s of the base's 9.00 s" in why
+    assert "5.00x fewer engine steps" in why and "6.0 ms against 5.0 ms" in why
+    v["at least predicted"] = True
+    assert bt.explanation({"memory-bound: stage 3": v}) == ""
+    why = bt.explanation({"control: stage 3": v})
+    assert "6.0 CPU ms against the base's 5.0" in why
+
+
+def test_a_failed_run_drops_out_of_the_ratios():
+    runs = _runs([8.0, 10.0], [2.0, 2.0])
+    runs[("memory-bound", "stage 3")][1] = {"error": "boom"}
+    rows = bt.summarize(runs, ["stage 0", "stage 3"])
+    assert rows[1]["rounds"] == 1 and rows[1]["ratio median"] == 4.0
+
+
+def test_cached_token_mismatch_fails_timing_never():
+    assert bt.failed({"mismatches": ["memory-bound stage 0: req-1: 0 cached"]})
+    assert bt.failed({"rows": [{"ratio median": 0.1}], "mismatches": []}) == []
+
+
+def test_throughput_runs_only_when_asked_for():
+    default = bench.selected_scenarios(None, throughput=False)
+    assert "throughput" not in default and "scheduler_instructions" in default
+    assert bench.selected_scenarios(None, throughput=True)[-1] == "throughput"
+    assert bench.selected_scenarios("throughput", throughput=False) == ("throughput",)
+    with pytest.raises(HmastackError, match="unknown scenario nope"):
+        bench.selected_scenarios("nope", throughput=False)
+
+
+def test_plot_draws_the_three_panels():
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = _runs([8.0, 10.0], [2.0, 2.5]) | _runs([2.0, 2.1], [2.0, 2.0], "control")
+    report = {
+        "rows": bt.summarize(runs, ["stage 0", "stage 3"]),
+        "cases": bt.CASES,
+        "batch": bt.BATCH,
+    }
+    fig = bt.plot(report, plt)
+    assert len(fig.axes) == 3
+    plt.close(fig)
+
+
+def test_the_page_shows_the_throughput_headline_plot_and_verdict(project):
+    pytest.importorskip("matplotlib")
+    out = project.reports / "bench"
+    out.mkdir(parents=True)
+    runs = _runs([8.0, 10.0], [2.0, 2.5]) | _runs([2.0, 2.1], [2.0, 2.0], "control")
+    rows = bt.summarize(runs, ["stage 0", "stage 3"])
+    verdicts = bt.judge(rows, ["stage 0", "stage 3"])
+    report = {
+        "title": "Real-engine throughput under a KV budget",
+        "method": "the method",
+        "rows": rows,
+        "cases": bt.CASES,
+        "batch": bt.BATCH,
+        "verdicts": verdicts,
+        "headline": bt.headline(verdicts, 2),
+        "explanation": bt.explanation(verdicts),
+    }
+    (out / "throughput.json").write_text(json.dumps(report))
+    bench.plot("throughput", report, out)
+    page = docs.generate(project).pages["benchmarks.md"]
+    head = page[page.index("## Headline") : page.index("## Plots")]
+    assert "**Throughput**: memory-bound: stage 3: 4.00x" in head
+    assert "not measured yet" not in head
+    plots = page[page.index("## Plots") : page.index("## Real-engine throughput")]
+    assert "![throughput](assets/bench/throughput.png)" in plots
+    section = page[page.index("## Real-engine throughput") : page.index("## Method")]
+    cells = re.sub(r" *\| *", "|", section)
+    row = "|memory-bound: stage 3|4.000 (4.000-4.000)|4.000 (4.000-4.000)|3 → 16|5.333|"
+    assert row + "5.000|no|" in cells
+    assert "|control: stage 3|" in cells
+    assert "below the 5.33x" in section  # the explanation
