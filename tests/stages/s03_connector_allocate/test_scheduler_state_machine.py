@@ -44,6 +44,8 @@ property per failure path of stage 03 (issue "stage 03 failure paths"):
   into real blocks only;
 - `ResumeAfterLoad` (where an async load resumes): the resume point, and the
   external count after a failure, come from the loaded tokens;
+- `ConnectorTables` (what `update_state_after_alloc` gets): the block ids of
+  a request's calls since its last lookup, appended, are its block tables;
 - `MambaRejected` (Mamba groups): creating the connector with a Mamba group
   fails;
 - `Progress` (the stall): nothing scheduled for STALL_STEPS steps while
@@ -213,14 +215,21 @@ class ScriptedConnectorBase(KVConnectorBase_V1):
         self.async_load_end: dict[str, int] = {}
         # req_id -> local hit tokens before its last async load.
         self.async_load_start: dict[str, int] = {}
+        # req_id -> the block ids of every update_state_after_alloc call since
+        # its last lookup, appended per group (as LMCacheMPConnector keeps
+        # them), and the calls after which they were not the scheduler's.
+        self.block_tables: dict[str, list[list[int]]] = {}
+        self.table_violations: list[str] = []
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         # A new lookup (a new request, or one that starts over): an earlier
-        # load's end no longer bounds what the request resumes with.
+        # load's end no longer bounds what the request resumes with, and its
+        # block tables start over.
         self.async_load_end.pop(request.request_id, None)
         self.async_load_start.pop(request.request_id, None)
+        self.block_tables.pop(request.request_id, None)
         num_tokens, load_async = self.script.external.get(
             request.request_id, (0, False)
         )
@@ -234,9 +243,10 @@ class ScriptedConnectorBase(KVConnectorBase_V1):
         return num_external, load_async
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        req_id = request.request_id
+        self._append_block_ids(req_id, blocks.get_block_ids())
         if num_external_tokens == 0:
             return
-        req_id = request.request_id
         start = self._num_local.pop(req_id)
         end = start + num_external_tokens
         first = start // BLOCK_SIZE
@@ -258,6 +268,26 @@ class ScriptedConnectorBase(KVConnectorBase_V1):
             self.async_load_start[req_id] = start
         else:
             self.sync_loads[req_id] = load
+
+    def _append_block_ids(self, req_id: str, block_ids: tuple[list[int], ...]):
+        """Append the call's block ids to the request's tables; they must then
+        be the scheduler's tables (where the scheduler has not replaced a
+        block by the null block since): each call got only the blocks
+        appended to the tables (`KVConnectorBase_V1.update_state_after_alloc`)."""
+        assert self.scheduler is not None
+        kept = self.block_tables.setdefault(req_id, [[] for _ in block_ids])
+        for table, group_block_ids in zip(kept, block_ids, strict=True):
+            table.extend(group_block_ids)
+        manager = self.scheduler.kv_cache_manager
+        null_block_id = manager.block_pool.null_block.block_id
+        tables = manager.get_block_ids(req_id)
+        if len(kept) != len(tables) or any(
+            len(k) != len(t) or any(a != b for a, b in zip(k, t) if b != null_block_id)
+            for k, t in zip(kept, tables)
+        ):
+            self.table_violations.append(
+                f"{req_id}: connector's tables {kept}, scheduler's {list(tables)}"
+            )
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         assert self.scheduler is not None
@@ -854,6 +884,7 @@ class Harness:
             ("StoreHold", lambda: self.check_store_hold(tables, held, free)),
             ("PlainConnectorBlocks", self.check_plain_connector_blocks),
             ("ResumeAfterLoad", self.check_resume_after_load),
+            ("ConnectorTables", self.check_connector_tables),
         ]
         for name, check in checks:
             try:
@@ -862,6 +893,12 @@ class Harness:
                 raise AssertionError(f"{name} violated: {exc}") from exc
         if self.violations:
             raise AssertionError(self.violations[0])
+
+    def check_connector_tables(self) -> None:
+        """A connector that appends the block ids of each
+        `update_state_after_alloc` call has the request's block tables, no
+        block twice (`ScriptedConnectorBase._append_block_ids`)."""
+        assert not self.connector.table_violations, self.connector.table_violations[0]
 
     def check_resume_after_load(self) -> None:
         """A request resumes after an async load with at most its local hit +
