@@ -282,8 +282,9 @@ class ScriptedConnectorBase(KVConnectorBase_V1):
         null_block_id = manager.block_pool.null_block.block_id
         tables = manager.get_block_ids(req_id)
         if len(kept) != len(tables) or any(
-            len(k) != len(t) or any(a != b for a, b in zip(k, t) if b != null_block_id)
-            for k, t in zip(kept, tables)
+            len(k) != len(t)
+            or any(a != b for a, b in zip(k, t, strict=True) if b != null_block_id)
+            for k, t in zip(kept, tables, strict=True)
         ):
             self.table_violations.append(
                 f"{req_id}: connector's tables {kept}, scheduler's {list(tables)}"
