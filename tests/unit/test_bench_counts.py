@@ -104,11 +104,16 @@ def counted(tmp_path_factory):
     return first, run_counted(tmp, PLAN), (dump.total, summary), tmp
 
 
-def test_counts_repeat_exactly_between_identical_runs(counted):
+def test_counts_repeat_between_identical_runs(counted):
+    """Two runs of the same code count the same to 0.01%: a hundred times finer
+    than the 1% the ratios resolve. (Not always exactly: on a loaded machine
+    a few dozen instructions of 3 million move between runs, e.g. in the
+    dynamic loader or the allocator.)"""
     (_, first), (_, second), _, _ = counted
     for label in ("base", "slower", "outside"):
         assert first[label].total > 0
-        assert first[label].total == second[label].total, label
+        diff = abs(first[label].total - second[label].total) / first[label].total
+        assert diff < 1e-4, (label, first[label].total, second[label].total)
 
 
 def test_one_and_a_half_percent_more_work_shows_above_the_threshold(counted):
