@@ -2,7 +2,8 @@
 
 The fixtures under ``fixtures/replay/`` (or the directory named by
 ``HMASTACK_REPLAY_TRACES``, as ``hmastack conform`` does) are behaviours of
-``fixtures/replay-small.cfg`` written by
+``fixtures/replay-small.cfg`` (``Policy = "SeriesAsCoded"``: stage 03 as it is)
+written by
 ``hmastack spec traces tests/stages/s03_connector_allocate/fixtures/replay-small.cfg
 -n 40 --depth 60 --out tests/stages/s03_connector_allocate/fixtures/replay``
 (TLC -simulate, seed of spec/tlc.toml), committed so that this test needs no
@@ -19,12 +20,19 @@ is compared with the model state:
 * every request's per-group table (null entries and mapped real blocks),
 * ``ref_cnt`` of every model block through the bijection (0 if unmapped),
 * the free queue size, the number of prefix-cached blocks,
-* the prefix cache hit found by ``get_computed_blocks`` (``hit`` of the event).
+* the prefix cache hit found by ``get_computed_blocks`` (``hit`` of the event),
+* vLLM's own admission count (``get_num_blocks_to_allocate``) with the model's
+  prediction, and a refusal (``Refused``: ``allocate_slots`` returns None)
+  with a refusal,
+* after a load failure, ``can_recompute_from`` with the model's choice to
+  resume in place or start over.
 
 A mismatch fails with the trace, the step and both states. The model may evict
-any cached free block where vLLM evicts the LRU head: when the evicted blocks
-differ (through the bijection), the rest of the behaviour is not comparable and
-the replay of that trace stops there (counted, not a failure).
+any cached free block where vLLM evicts the LRU head, and hit any block of a
+prefix-cache key where vLLM takes the first: both choices are steered
+(``kvtest.steer_free_queue``, ``kvtest.steer_hits``); when the evicted blocks
+still differ (a block freed in the same step), the rest of the behaviour is not
+comparable and the replay of that trace stops there (counted, not a failure).
 """
 
 from __future__ import annotations
@@ -37,12 +45,14 @@ from pathlib import Path
 import pytest
 import torch
 from kvtest import (
+    AdmissionSpy,
     SkippedBlocksSpy,
     bind_new_blocks,
     compare_pool,
     compare_table,
     make_request,
     steer_free_queue,
+    steer_hits,
 )
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.kv_cache_interface import (
@@ -62,10 +72,10 @@ GROUPS = ("full", "swa")
 
 # Events that touch no block state of the KVCacheManager (the scheduler keeps
 # the blocks): replayed as no-ops, the comparison still runs after them.
-NO_OP = {"NoAbort", "AbortDelayed", "FinishDelayed"}
+NO_OP = {"AbortDelayed", "FinishDelayed"}
 # Event kinds not mapped: a trace stops being replayed at the first one.
-# SaveDone/held: the model's Series pins skipped blocks a save still reads
-# (`held`), KVCacheManager has no counterpart (the fixtures use Save = FALSE).
+# SaveDone: a store that outlives the step (the fixtures save inside the
+# step; stage 03 does not protect outliving stores, see series-save-race).
 SKIPPED_EVENTS = {"SaveDone"}
 
 
@@ -109,6 +119,7 @@ class Replay:
         )
         self.pool = self.manager.block_pool
         self.skipped_spy = SkippedBlocksSpy(self.manager.coordinator)
+        self.admission = AdmissionSpy(self.manager.coordinator)
         for k, r in enumerate(c["Req"]):
             base = 1000 * (k + 1)
             shared = list(range(c["Shared"]))
@@ -122,13 +133,6 @@ class Replay:
             g: [b.block_id for b in t] for g, t in zip(GROUPS, tables, strict=False)
         }
 
-    def cached_hashes(self) -> set:
-        """The distinct prefix-cache keys (the model keeps one block per key)."""
-        return {
-            b.block_hash
-            for b in self.pool.blocks
-            if not b.is_null and b.block_hash is not None
-        }
 
     def cached_real(self) -> set[int]:
         return {
@@ -143,30 +147,26 @@ class Replay:
         order = [m for g in GROUPS for m in ev["blocks"][g]]
         steer_free_queue(self.pool, self.m2r, self.r2m, order)
 
-    def allocate(self, before: dict, after: dict, ev: dict) -> None:
+    def call_allocate(self, before: dict, after: dict, ev: dict):
+        """``allocate_slots`` as the scheduler calls it for the model's step
+        (the hit checked against the model's); returns what it returns."""
         r, a = ev["req"], ev["args"]
         request = self.requests[r]
-        fresh = before["computed"][r] == 0
-        self.skipped_spy.calls.clear()
-        if self.steer:
-            if not fresh:
-                # allocate_slots frees the skipped blocks before it allocates;
-                # do it first so the freed blocks can be steered too (a second
-                # call finds them null and frees nothing). The spy checks
-                # below that allocate_slots still makes that call.
-                self.skipped_spy.free_now(r, before["computed"][r])
-            self.steer_eviction(ev)
-        cached_before = self.cached_real()
-        # The keys of the cached blocks the model evicts in this step.
-        model_new = set(ev["blocks"]["full"]) | set(ev["blocks"]["swa"])
-        model_evicted = {m for m in model_new if before["hash"][m - 1]}
-        evicted_keys = {
-            self.pool.blocks[self.m2r[m]].block_hash
-            for m in model_evicted
-            if m in self.m2r
-        }
+        fresh = before["status"][r] == "waiting" and before["computed"][r] == 0
+        self.admission.counts.clear()
         if fresh:
             request.num_computed_tokens = 0
+            if after is not None:
+                # The model's hit blocks (any block of their key) first.
+                steer_hits(
+                    self.pool,
+                    [
+                        self.m2r[m]
+                        for g in GROUPS
+                        for m in after["table"][r][g][: a["hit"]]
+                        if m and m in self.m2r
+                    ],
+                )
             hits, num_hit = self.manager.get_computed_blocks(request)
             if num_hit != a["hit"] * self.B:
                 raise Mismatch(
@@ -186,8 +186,43 @@ class Replay:
             new = self.manager.allocate_slots(
                 request, a["n"], num_lookahead_tokens=a["d"]
             )
+        if self.admission.counts[-1:] != [a["predicted"]]:
+            raise Mismatch(
+                f"get_num_blocks_to_allocate: vLLM {self.admission.counts}, "
+                f"model {a['predicted']}"
+            )
+        return new
+
+    def refused(self, before: dict, after: dict, ev: dict) -> None:
+        """The model refuses a waiting request: so must allocate_slots."""
+        r = ev["req"]
+        if self.call_allocate(before, None, ev) is not None:
+            raise Mismatch(
+                f"allocate_slots scheduled {r} although the model refuses it "
+                f"({ev['args']['predicted']} blocks, {ev['args']['free']} free)"
+            )
+        self.requests[r].num_computed_tokens = before["computed"][r]
+
+    def allocate(self, before: dict, after: dict, ev: dict) -> None:
+        r = ev["req"]
+        fresh = before["status"][r] == "waiting" and before["computed"][r] == 0
+        self.skipped_spy.calls.clear()
+        if self.steer:
+            if not fresh:
+                # allocate_slots frees the skipped blocks before it allocates;
+                # do it first so the freed blocks can be steered too (a second
+                # call finds them null and frees nothing). The spy checks
+                # below that allocate_slots still makes that call.
+                self.skipped_spy.free_now(r, before["computed"][r])
+            self.steer_eviction(ev)
+        cached_before = self.cached_real()
+        model_new = set(ev["blocks"]["full"]) | set(ev["blocks"]["swa"])
+        model_evicted = {m for m in model_new if before["hash"][m - 1]}
+        new = self.call_allocate(before, after, ev)
         if new is None:
-            raise Mismatch(f"allocate_slots refused ({a['predicted']} predicted)")
+            raise Mismatch(
+                f"allocate_slots refused ({ev['args']['predicted']} predicted)"
+            )
         if not fresh and (r, before["computed"][r]) not in self.skipped_spy.calls:
             raise Mismatch(
                 f"allocate_slots did not free the skipped blocks of {r} for "
@@ -206,21 +241,7 @@ class Replay:
         bind_new_blocks(
             self.m2r, self.r2m, after["table"][r], self.real_tables(r), ev["blocks"]
         )
-        # The model publishes one block per key; vLLM also publishes a block
-        # whose key a cached block already has (BlockHashToBlockMap keeps both).
-        # When the model evicts the key's block, vLLM still hits the other.
-        model_keys = {
-            self.pool.blocks[self.m2r[m]].block_hash
-            for m, key in enumerate(after["hash"], start=1)
-            if key and m in self.m2r
-        }
-        kept = (evicted_keys & self.cached_hashes()) - model_keys
-        if kept:
-            raise Diverged(
-                f"model evicts the only block of {len(kept)} prefix-cache key(s) "
-                "that vLLM also holds on a duplicate block"
-            )
-        request.num_computed_tokens = after["computed"][r]
+        self.requests[r].num_computed_tokens = after["computed"][r]
 
     def execute(self, before: dict, after: dict, ev: dict) -> None:
         r = ev["req"]
@@ -235,16 +256,66 @@ class Replay:
     def finish_load(self, before: dict, after: dict, ev: dict) -> None:
         r = ev["req"]
         request = self.requests[r]
-        if ev["act"] == "FinishLoadFree":
+        if ev["act"] == "FinishLoadFree" or after["status"][r] == "done":
             self.manager.free(request)
             return
         if before["status"][r] == "finishing":
             return
         # As Scheduler._update_waiting_for_remote_kv: the request resumes after
-        # its hit + external tokens (the scheduler replay checks that count).
-        c = before["computed"][r]
-        self.manager.cache_blocks(request, c)
+        # its hit + external tokens (the scheduler replay checks that count),
+        # or after what a load failure left valid; with none it starts over.
+        c = after["computed"][r]
+        if c == 0:
+            self.manager.free(request)
+        else:
+            self.manager.cache_blocks(request, c)
         request.num_computed_tokens = c
+
+    def check_recompute(self, r: str, at: int, computed: int) -> None:
+        """The model resumes in place from slot ``at`` (1-based) or starts over:
+        KVCacheManager.can_recompute_from must agree."""
+        t = (at - 1) * self.B
+        if t == 0:
+            return
+        can = self.manager.can_recompute_from(r, t)
+        if can != (computed == t):
+            raise Mismatch(
+                f"can_recompute_from({r}, {t}) = {can}, model resumes {r} at "
+                f"{computed} tokens"
+            )
+
+    def load_failed(self, before: dict, after: dict, ev: dict) -> None:
+        """_handle_invalid_blocks + _update_waiting_for_remote_kv of an async
+        load that failed from slot ``at`` on."""
+        r, a = ev["req"], ev["args"]
+        if before["status"][r] == "finishing":
+            if after["status"][r] == "done":
+                self.manager.free(self.requests[r])
+            return
+        self.check_recompute(r, a["at"], a["computed"])
+        self.finish_load(before, after, ev)
+
+    def sync_load_failed(self, before: dict, after: dict, ev: dict) -> None:
+        """_handle_invalid_blocks for a synchronous load: the affected requests
+        resume from the model's num_computed_tokens; the restarted ones have
+        their invalid blocks evicted from the prefix cache and are freed."""
+        r, a = ev["req"], ev["args"]
+        if r in a["affected"] and r not in a["restart"] and a["computed"] != before[
+            "computed"
+        ][r]:
+            self.check_recompute(r, a["at"], a["computed"])
+        for q in a["restart"]:
+            if self.manager.can_recompute_from(q, 0):
+                raise Mismatch(f"{q} starts over, but can_recompute_from({q}, 0)")
+            unhashed = {
+                self.m2r[m]
+                for m in range(1, self.N + 1)
+                if before["hash"][m - 1] and not after["hash"][m - 1] and m in self.m2r
+            }
+            self.manager.evict_blocks(unhashed)
+            self.manager.free(self.requests[q])
+        for q in a["affected"]:
+            self.requests[q].num_computed_tokens = after["computed"][q]
 
     def free_and_restart(self, before: dict, after: dict, ev: dict) -> None:
         r = ev["req"]
@@ -260,7 +331,13 @@ class Replay:
             self.execute(before, after, ev)
         elif act in ("FinishLoad", "FinishLoadFree"):
             self.finish_load(before, after, ev)
-        elif act in ("LoadFailed", "Preempt", "Abort"):
+        elif act == "LoadFailed":
+            self.load_failed(before, after, ev)
+        elif act == "SyncLoadFailed":
+            self.sync_load_failed(before, after, ev)
+        elif act == "Refused":
+            self.refused(before, after, ev)
+        elif act in ("Preempt", "Abort"):
             self.free_and_restart(before, after, ev)
         elif act in NO_OP:
             pass
@@ -275,10 +352,12 @@ class Replay:
                 r, self.real_tables(r), state["table"][r], self.r2m
             )
         problems += compare_pool(self.pool, self.m2r, state, self.N)
-        model_cached = sum(1 for h in state["hash"] if h)
-        if len(self.cached_hashes()) != model_cached:
+        model_cached = {m for m, h in enumerate(state["hash"], start=1) if h}
+        real_cached = {self.r2m.get(x, f"?{x}") for x in self.cached_real()}
+        if real_cached != model_cached:
             problems.append(
-                f"cached keys: model {model_cached}, vLLM {len(self.cached_hashes())}"
+                f"cached blocks: model {sorted(model_cached)}, vLLM "
+                f"{sorted(real_cached, key=str)} (as model ids)"
             )
         return problems
 
@@ -300,6 +379,7 @@ def model_state(state: dict) -> dict:
 
 
 STATS = {
+    "acts": {},
     "pc_only": 0,
     "traces": 0,
     "steps": 0,
@@ -310,7 +390,7 @@ STATS = {
 
 def replay(path: Path) -> None:
     doc = json.loads(path.read_text())
-    assert doc["constants"]["Policy"] == "Series"
+    assert doc["constants"]["Policy"] == "SeriesAsCoded", "replay the code as it is"
     rp = Replay(doc["constants"])
     states = doc["states"]
     STATS["traces"] += 1
@@ -334,6 +414,7 @@ def replay(path: Path) -> None:
         else:
             problems = rp.compare(after)
         STATS["steps"] += 1
+        STATS["acts"][act] = STATS["acts"].get(act, 0) + 1
         if problems:
             raise Mismatch(
                 f"{path.name} step {k} ({after['event']}):\n  "
@@ -356,20 +437,17 @@ def test_fixtures_present_and_replayed():
     assert len(index["traces"]) == len(TRACES)
     print(f"\nreplay: {STATS['traces']} traces, {STATS['steps']} steps compared")
     print(f"pc-only steps (no event): {STATS['pc_only']}")
-    print(f"diverged (eviction choice, duplicate key): {len(STATS['diverged'])}")
+    print(f"diverged (eviction choice): {len(STATS['diverged'])}")
     for where in STATS["diverged"]:
         print(f"  {where}")
     print(f"skipped events: {STATS['skipped']}")
+    print(f"compared steps by action: {dict(sorted(STATS['acts'].items()))}")
     if os.environ.get("HMASTACK_CONFORM_SUMMARY"):
         summary = {
             "traces": STATS["traces"],
             "steps_compared": STATS["steps"],
-            "diverged_eviction_choice": sum(
-                "duplicate" not in d[2] for d in STATS["diverged"]
-            ),
-            "diverged_duplicate_key": sum(
-                "duplicate" in d[2] for d in STATS["diverged"]
-            ),
+            "diverged_eviction_choice": len(STATS["diverged"]),
+            "acts": dict(STATS["acts"]),
             "stopped_unmapped_event": len(STATS["skipped"]),
         }
         Path(os.environ["HMASTACK_CONFORM_SUMMARY"]).write_text(json.dumps(summary))
