@@ -114,8 +114,9 @@ def has_external_arg(mgr) -> bool:
     )
 
 
-def allocate_with_external(mgr, req, external: int, new: int):
-    """Admit a new request whose first ``external`` tokens a connector loads.
+def allocate_with_external(mgr, req, external: int, new: int, load_async: bool = True):
+    """Admit a new request whose first ``external`` tokens a connector loads
+    (asynchronously: nothing is cached until the load finished).
 
     The call the scheduler of the tree makes: before stage 3 (and on 0.13.0)
     external tokens go through ``num_new_tokens``; with the separate argument
@@ -129,10 +130,10 @@ def allocate_with_external(mgr, req, external: int, new: int):
             num_local,
             computed,
             num_external_computed_tokens=external,
-            delay_cache_blocks=True,
+            delay_cache_blocks=load_async,
         )
     return mgr.allocate_slots(
-        req, new + external, num_local, computed, delay_cache_blocks=True
+        req, new + external, num_local, computed, delay_cache_blocks=load_async
     )
 
 

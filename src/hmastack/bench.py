@@ -1,6 +1,6 @@
 """Benchmarks: what the series changes in memory, admission and scheduler cost.
 
-``hmastack bench [--quick] [--stages 0,3] [--no-peer]`` runs three scenarios
+``hmastack bench [--quick] [--stages 0,3] [--no-peer]`` runs four scenarios
 (``bench/scenarios/*.py``), each INSIDE one vLLM tree's process (the tree on
 ``PYTHONPATH``, the interpreter of ``build/env``), on the base (stage 0), on each
 selected stage and optionally on the vLLM 0.14.0 peer, alternating trees
@@ -17,6 +17,10 @@ selected stage and optionally on the vLLM 0.14.0 peer, alternating trees
    the scripted ``BenchConnector`` (``bench/scenarios/_bench_connector.py``), as
    the ratio stage/base over interleaved repetitions (median, min, max). Never
    fails on timing.
+4. ``eagle_hits``: the prefix cache hit (tokens) of a request whose prompt was
+   cached (fully, evicted in one group, loaded by a KV connector), with eagle on
+   and off. Checked exactly from stage 5 on against the rule
+   (:func:`expected_eagle_hit`); earlier trees and the peer are reported.
 
 Results: ``build/reports/bench/<scenario>.json``, ``summary.md`` (the three
 results as Markdown tables), one ``<scenario>.png`` plot each
@@ -47,7 +51,7 @@ from hmastack.progress import CommandError, console, run, step
 
 MARKER = "HMASTACK_BENCH_JSON "
 PEER_KEY = "vllm-0-14"
-SCENARIOS = ("peak_blocks", "admission", "scheduler_cost")
+SCENARIOS = ("peak_blocks", "admission", "scheduler_cost", "eagle_hits")
 SUMMARY = "summary.md"  # the three results as Markdown tables, one column per tree
 
 COST = {
@@ -118,6 +122,8 @@ def check_peak(report: dict) -> list[str]:
 
 
 GROUPS = {"gemma3": 6, "gptoss": 2}  # KV cache groups of each pattern
+# The group kinds of each pattern, in order (as bench/scenarios/_common.py).
+GROUP_KINDS = {"gemma3": ["full"] + ["swa"] * 5, "gptoss": ["full", "swa"]}
 
 
 def expected_admission(
@@ -156,6 +162,100 @@ def check_admission(report: dict, args: dict) -> list[str]:
                     f"{r['pattern']} W={r['window']}: {key} {r[key]} (want {value})"
                 )
     return bad
+
+
+# --- prefix cache hits with eagle (stage 5) ---------------------------------------
+
+# The first stage whose prefix cache hits follow the eagle rule
+# (patches/05-eagle-hits); its hits are checked exactly, earlier trees and the
+# peer are reported.
+EAGLE_RULE_STAGE = 5
+EAGLE_WINDOWS = [128, 512]
+
+
+def eagle_first_cached_block(kind: str, window: int, B: int, row: dict) -> int:
+    """The first block of the first request's prompt that a group holds in the
+    prefix cache on a tree with the eagle rule: all of them, except after a
+    connector load in a sliding window group, which allocated (and cached)
+    only the window of the first computed token, x = min(external, prompt - 1)
+    (stage 3)."""
+    if kind == "full" or not row.get("load"):
+        return 0
+    x = min(row["external"], row["prompt"] - 1)
+    return max(0, x - window + 1) // B
+
+
+def expected_eagle_hit(kinds: list[str], window: int, B: int, row: dict) -> int:
+    """The longest hit (tokens) of a second request with the same prompt by the
+    rule, trying every length: L + B <= prompt - 1, and every group holds its
+    blocks for L (full attention: 0 ~ L/B - 1; sliding window: the window of
+    token L) and block L/B, which eagle computes again."""
+    max_len = row["prompt"] - 1
+    evicted = {tuple(e) for e in row.get("evict", [])}
+
+    def cached(group: int, kind: str, block: int) -> bool:
+        return (
+            (block + 1) * B <= max_len
+            and block >= eagle_first_cached_block(kind, window, B, row)
+            and (group, block) not in evicted
+        )
+
+    def serves(L: int) -> bool:
+        for group, kind in enumerate(kinds):
+            first = 0 if kind == "full" else max(0, L - window + 1) // B
+            if not all(cached(group, kind, b) for b in range(first, L // B + 1)):
+                return False
+        return True
+
+    return max([0] + [L for L in range(B, max_len + 1, B) if serves(L)])
+
+
+def tree_stage(label: str) -> int | None:
+    """``"stage 5"`` -> 5; the peer -> None."""
+    kind, _, num = label.partition(" ")
+    return int(num) if kind == "stage" and num.isdigit() else None
+
+
+def bench_eagle(cfg, pyenv, trees, plan) -> dict:
+    B = 16
+    args = {"patterns": plan["patterns"], "windows": EAGLE_WINDOWS, "block_size": B}
+    results, errors = alternate(cfg, pyenv, trees, "eagle_hits", args, 1)
+    rows, mismatches = [], []
+    for label, runs in results.items():
+        stage = tree_stage(label)
+        checked = stage is not None and stage >= EAGLE_RULE_STAGE
+        for r in runs[0]["rows"] if runs else []:
+            kinds = GROUP_KINDS[r["pattern"]]
+            rule = expected_eagle_hit(kinds, r["window"], B, r)
+            if checked and r["hit"] != rule:
+                mismatches.append(
+                    f"{label}: {r['pattern']} W={r['window']} {r['case']}: hit "
+                    f"{r['hit']} (want {rule})"
+                )
+            rows.append(
+                {
+                    "tree": label,
+                    "pattern": r["pattern"],
+                    "W": r["window"],
+                    "case": r["case"],
+                    "prompt": r["prompt"],
+                    "hit (eagle)": r["hit"],
+                    # A connector's cache contents depend on the tree's allocation.
+                    "rule": rule if checked or not r.get("load") else "-",
+                    "hit without eagle": r["hit_no_eagle"],
+                }
+            )
+    return {
+        "title": "Prefix cache hits with eagle (tokens)",
+        "method": "a prompt computed (or loaded by a KV connector first) and "
+        "freed, blocks evicted from one group, then the same prompt's prefix "
+        "cache hit (get_computed_blocks) with eagle on and off; B=16; 'rule': the "
+        f"longest hit by the rule, checked exactly from stage {EAGLE_RULE_STAGE} on",
+        "checked": "exact" if not mismatches else "MISMATCH",
+        "mismatches": mismatches,
+        "errors": errors,
+        "rows": rows,
+    }
 
 
 # --- trees -----------------------------------------------------------------------
@@ -640,10 +740,67 @@ def plot_cost(report: dict, plt):
     return fig
 
 
+def plot_eagle(report: dict, plt):
+    """Tokens a repeated prompt's hit loses to eagle (hit without eagle - hit
+    with eagle) per case, one bar per tree, the rule's loss as a dashed mark
+    (one block is the least); one panel per (pattern, W), symlog scale."""
+    rows = report["rows"]
+    panels = _categories(rows, "pattern", "W")
+    trees = list(dict.fromkeys(r["tree"] for r in rows))
+    width = 0.8 / len(trees)
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(11, 3.2 * len(panels)), squeeze=False
+    )
+    for ax, (pattern, W) in zip(axes.flat, panels, strict=True):
+        mine = [r for r in rows if (r["pattern"], r["W"]) == (pattern, W)]
+        cases = list(dict.fromkeys(r["case"] for r in mine))
+        for j, tree in enumerate(trees):
+            lost = {
+                r["case"]: r["hit without eagle"] - r["hit (eagle)"]
+                for r in mine
+                if r["tree"] == tree
+            }
+            xs = [i - 0.4 + width * (j + 0.5) for i in range(len(cases))]
+            ax.bar(
+                xs,
+                [lost.get(c, 0) for c in cases],
+                width,
+                label=tree,
+                color=tree_color(tree),
+            )
+        for i, case in enumerate(cases):
+            rule = [
+                r["hit without eagle"] - r["rule"]
+                for r in mine
+                if r["case"] == case and r["rule"] != "-"
+            ]
+            if rule:
+                ax.hlines(
+                    rule[-1],
+                    i - 0.45,
+                    i + 0.45,
+                    colors="k",
+                    linestyles="--",
+                    label="rule" if i == 0 else None,
+                )
+        ax.set_yscale("symlog", linthresh=16)
+        ax.set_xticks(range(len(cases)))
+        ax.set_xticklabels(cases, fontsize=7)
+        ax.set_ylabel("tokens lost to eagle")
+        ax.set_title(f"{pattern}, W={W}")
+        ax.grid(True, axis="y", alpha=0.3)
+    axes.flat[0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.suptitle(
+        "Prefix cache hit of a repeated prompt: hit without eagle - hit with eagle"
+    )
+    return fig
+
+
 PLOTS = {
     "peak_blocks": plot_peak,
     "admission": plot_admission,
     "scheduler_cost": plot_cost,
+    "eagle_hits": plot_eagle,
 }
 
 
@@ -773,7 +930,33 @@ def summary_markdown(reports: dict[str, dict]) -> str:
                 rows,
             )
         )
+    eagle = reports.get("eagle_hits", {}).get("rows", [])
+    if eagle:
+        out.append(eagle_markdown(eagle))
     return "\n".join(out)
+
+
+def eagle_markdown(rows: list[dict]) -> str:
+    """Hit tokens with eagle per case, one column per tree, with the rule's
+    value and the hit without eagle (of the last tree) for reference."""
+    trees = list(dict.fromkeys(r["tree"] for r in rows))
+    by = {(r["tree"], r["pattern"], r["W"], r["case"]): r for r in rows}
+    table = []
+    for pattern, W, case in _categories(rows, "pattern", "W", "case"):
+        mine = [by.get((t, pattern, W, case)) for t in trees]
+        # The rule and the hit without eagle: from the latest stage measured.
+        ref = max(
+            (r for r in mine if r and tree_stage(r["tree"]) is not None),
+            key=lambda r: tree_stage(r["tree"]),
+        )
+        table.append(
+            [pattern, W, case, ref["prompt"]]
+            + [r["hit (eagle)"] if r else "-" for r in mine]
+            + [ref["rule"], ref["hit without eagle"]]
+        )
+    return "### Prefix cache hits with eagle (tokens, B=16)\n\n" + _md(
+        ["pattern", "W", "case", "prompt", *trees, "rule", "without eagle"], table
+    )
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -815,6 +998,7 @@ def run_bench(cfg: Config, quick: bool, stages_text: str | None, no_peer: bool) 
         ("peak_blocks", bench_peak),
         ("admission", bench_admission),
         ("scheduler_cost", bench_cost),
+        ("eagle_hits", bench_eagle),
     ):
         with step(f"bench {name} on {', '.join(t.label for t in trees)}"):
             report = fn(cfg, pyenv, trees, plan)

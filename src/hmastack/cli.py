@@ -28,6 +28,7 @@ COMMAND_MODULES = (
     "hmastack.conform",
     "hmastack.docs",
     "hmastack.bench",
+    "hmastack.e2e",
     "hmastack.pipeline",
 )
 

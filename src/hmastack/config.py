@@ -34,7 +34,10 @@ class Config:
     root: Path
     trees: dict[str, Tree]
     title_tag: str
-    num_stages: int
+    # The stages of the series proper, the PRs "[<title_tag> K/N]" (N of them).
+    num_series_stages: int
+    # Follow-up stages numbered after them, "[<title_tag> follow-up J]".
+    num_followups: int
     base_author: str
     base_date: str
     torch: str
@@ -43,6 +46,21 @@ class Config:
     plugin: Path
     vllm_suite: list[str]
     deselected: Path
+    # LMCache's own tests, run in the LMCache tree at the stages that patch it.
+    lmcache_suite: list[str] = field(default_factory=list)
+
+    @property
+    def num_stages(self) -> int:
+        """All stages: the series' and its follow-ups (stage 0 is the base)."""
+        return self.num_series_stages + self.num_followups
+
+    def stage_tag(self, number: int) -> str:
+        """The bracketed tag every commit subject of stage ``number`` carries:
+        ``[<title_tag> K/N]`` for the series' N stages, ``[<title_tag>
+        follow-up J]`` for follow-up J (stage N + J)."""
+        if number <= self.num_series_stages:
+            return f"[{self.title_tag} {number}/{self.num_series_stages}]"
+        return f"[{self.title_tag} follow-up {number - self.num_series_stages}]"
 
     @property
     def build(self) -> Path:
@@ -121,7 +139,8 @@ def load(root: Path | None = None) -> Config:
             root=root,
             trees=trees,
             title_tag=series["title_tag"],
-            num_stages=int(series["stages"]),
+            num_series_stages=int(series["stages"]),
+            num_followups=int(series.get("followups", 0)),
             base_author=series["base_author"],
             base_date=series["base_date"],
             torch=env["torch"],
@@ -130,6 +149,7 @@ def load(root: Path | None = None) -> Config:
             plugin=root / env["plugin"],
             vllm_suite=list(suite["vllm"]),
             deselected=root / suite["deselected"],
+            lmcache_suite=list(suite.get("lmcache", [])),
         )
     except (tomllib.TOMLDecodeError, KeyError, TypeError, ValueError) as exc:
         raise HmastackError(

@@ -28,7 +28,7 @@ from hmastack.config import Config
 from hmastack.errors import HmastackError
 from hmastack.progress import CommandError, console, run, step
 from hmastack.site_patches import FileChange, Patch, combined_files, parse_patch
-from hmastack.workspace import Stage, discover
+from hmastack.workspace import Stage, discover, subject_stage
 
 MARKER = re.compile(r"<!--\s*hmastack:([\w-]+)\s*-->")
 TREE_TITLES = {"vllm": "vLLM", "lmcache": "LMCache"}
@@ -347,7 +347,13 @@ def stage_page(
         ", ".join(f"{len(v)} {tree_title(t)}" for t, v in trees.items()) or "none yet"
     )
     summary = [
-        f"**Stage {s.number} of {len(stages)}** · `patches/{s.name}/`",
+        (
+            f"**Stage {s.number} of {cfg.num_series_stages}**"
+            if s.number <= cfg.num_series_stages
+            else f"**Stage {s.number}: follow-up {s.number - cfg.num_series_stages} "
+            f"to the {cfg.num_series_stages} stages of the series**"
+        )
+        + f" · `patches/{s.name}/`",
         f"**Patches:** {counts}",
         f"**Diffstat:** {len(files)} files changed, +{sum(f.added for f in files)} "
         f"−{sum(f.removed for f in files)}",
@@ -498,7 +504,6 @@ def base_row(report: site_reports.StageReport | None) -> str:
 def checklist_block(
     cfg: Config, stages: list[StageInfo], report: site_reports.StageReport | None
 ) -> str:
-    tag = re.compile(rf"\[{re.escape(cfg.title_tag)} (\d+)/(\d+)\]")
     rows = []
 
     def mark(ok: bool | None) -> str:
@@ -510,12 +515,7 @@ def checklist_block(
         }
         missing = [h for h in README_SECTIONS if h.lower() not in headings]
         subjects_ok = (
-            all(
-                (m := tag.search(p.subject))
-                and int(m[1]) == s.stage.number
-                and int(m[2]) == len(stages)
-                for p in s.patches
-            )
+            all(subject_stage(cfg, p.subject) == s.stage.number for p in s.patches)
             if s.patches
             else None
         )
@@ -543,7 +543,8 @@ def checklist_block(
             "stage",
             "cover letter sections",
             "patches",
-            f"subjects carry `[{cfg.title_tag} K/{len(stages)}]`",
+            f"subjects carry `[{cfg.title_tag} K/{cfg.num_series_stages}]`"
+            + (f" or `[{cfg.title_tag} follow-up J]`" if cfg.num_followups else ""),
             "tests travel with it",
             "suite green",
             "ruff clean",
@@ -712,6 +713,8 @@ def bench_page(cfg: Config, site: Site) -> str:
 
 def generate(cfg: Config, docs_dir: Path | None = None) -> Site:
     """Every generated page, asset and marker block, and the nav."""
+    from hmastack.e2e import site as e2e_site  # it uses md_table from here
+
     docs_dir = docs_dir or cfg.root / "docs"
     stages = load_stages(cfg)
     report = site_reports.load_stage_report(cfg)
@@ -720,6 +723,7 @@ def generate(cfg: Config, docs_dir: Path | None = None) -> Site:
         site.pages[s.page] = stage_page(cfg, s, stages, report)
     site.pages["model-results.md"] = model_page(cfg)
     site.pages["benchmarks.md"] = bench_page(cfg, site)
+    site.pages[e2e_site.PAGE] = e2e_site.page(cfg.reports / "e2e.json")
     site.assets["assets/regions.svg"] = site_svg.regions_svg().encode()
     site.blocks = {
         "series-table": series_table(stages, report),
@@ -756,6 +760,7 @@ def generate(cfg: Config, docs_dir: Path | None = None) -> Site:
         {"Stages": [{f"{s.stage.number:02d} {s.stage.slug}": s.page} for s in stages]}
     )
     nav.append({"Benchmarks": "benchmarks.md"})
+    nav.append({"End to end": e2e_site.PAGE})
     for title, page in (
         ("Apply the stack", "apply.md"),
         ("Reviewer checklist", "checklist.md"),

@@ -5,6 +5,8 @@ workspaces in ``build/<tree>`` are never touched), and runs:
 
 * the selected vLLM suite of the patched vLLM tree (``[suite] vllm`` in
   ``hmastack.toml``) minus the entries of ``env/deselected.toml``;
+* at the stages that patch LMCache, LMCache's own tests (``[suite] lmcache``)
+  from the patched LMCache tree, with LMCache's own pytest configuration;
 * our own stage tests ``tests/stages/sNN_*`` for every NN <= k;
 * ``ruff check`` and ``ruff format --check`` with each tree's own configuration and
   pinned ruff, on the Python files the stages touch.
@@ -82,10 +84,9 @@ class PytestResult:
     def summary(self) -> str:
         c = self.counts
         text = f"{c.get('passed', 0)} passed / {c.get('failed', 0)} failed"
-        if c.get("errors"):
-            text += f" / {c['errors']} errors"
-        if c.get("deselected"):
-            text += f" / {c['deselected']} deselected"
+        for key in ("errors", "skipped", "deselected"):
+            if c.get(key):
+                text += f" / {c[key]} {key}"
         return text
 
 
@@ -143,13 +144,14 @@ class StageResult:
     patches: dict[str, int]
     heads: dict[str, str]
     vllm: PytestResult | None = None
+    lmcache: PytestResult | None = None
     ours: PytestResult | None = None
     ruff: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
-        parts = [r for r in (self.vllm, self.ours) if r is not None]
+        parts = [r for r in (self.vllm, self.lmcache, self.ours) if r is not None]
         return all(r.ok for r in parts) and all(
             v in ("ok", "n/a") for v in self.ruff.values()
         )
@@ -256,6 +258,18 @@ def run_stage(
                 [vllm_tree],
                 logs / f"stage-{stage}-vllm.log",
             )
+        if patches.get("lmcache") and cfg.lmcache_suite:
+            # From the LMCache tree: pytest finds LMCache's tests/pytest.ini
+            # and tests/conftest.py (its own configuration), and imports the
+            # patched vLLM tree.
+            result.lmcache = run_pytest(
+                cfg,
+                pyenv,
+                list(cfg.lmcache_suite),
+                trees["lmcache"],
+                [vllm_tree, trees["lmcache"]],
+                logs / f"stage-{stage}-lmcache.log",
+            )
         ours = our_stage_tests(cfg, stage)
         if ours:
             result.ours = run_pytest(
@@ -318,7 +332,7 @@ def cmd_test(args: argparse.Namespace) -> int:
     reports.print_stage_table(results)
     console.print(f"report: {path}")
     for r in results:
-        for part in (r.vllm, r.ours):
+        for part in (r.vllm, r.lmcache, r.ours):
             if part is not None and not part.ok:
                 console.print(f"stage {r.stage}: see {part.log}", highlight=False)
                 for failure in part.failures[:20]:

@@ -2,7 +2,8 @@
 
 base → env → apply (all stages into the workspaces) → stage matrix → model check
 → conformance (TLC behaviours replayed, random schedules, broken copies)
-→ quick benchmarks → site, then one summary. A failing step is reported and the
+→ quick benchmarks → end to end (the real CPU engine at every stage) → site,
+then one summary. A failing step is reported and the
 later steps still run where they can, so one run shows everything that is red.
 """
 
@@ -72,6 +73,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     bench_quick = _optional("hmastack.bench", "run_for_pipeline")
     if bench_quick is not None and ok:
         ok = do("benchmarks (quick)", lambda: bench_quick(cfg)) and ok
+    e2e_run = _optional("hmastack.e2e", "run_for_pipeline")
+    if e2e_run is not None and ok:
+        ok = do("end to end (real engine)", lambda: e2e_run(cfg)) and ok
     docs_build = _optional("hmastack.docs", "build_for_pipeline")
     if docs_build is not None:
         ok = do("site", lambda: docs_build(cfg)) and ok

@@ -50,6 +50,7 @@ def stage_table_rows(results: Sequence[StageResult]) -> list[list[str]]:
                 f"{r.stage} {r.name}",
                 patches,
                 r.vllm.summary() if r.vllm else "skipped",
+                r.lmcache.summary() if r.lmcache else "-",
                 r.ours.summary() if r.ours else "-",
                 ", ".join(f"{t} {v}" for t, v in r.ruff.items() if v != "n/a") or "n/a",
                 f"{r.seconds:.0f}",
@@ -59,7 +60,16 @@ def stage_table_rows(results: Sequence[StageResult]) -> list[list[str]]:
     return rows
 
 
-HEADERS = ["stage", "patches", "vLLM suite", "our tests", "ruff", "seconds", "result"]
+HEADERS = [
+    "stage",
+    "patches",
+    "vLLM suite",
+    "LMCache suite",
+    "our tests",
+    "ruff",
+    "seconds",
+    "result",
+]
 
 
 def print_stage_table(results: Sequence[StageResult]) -> None:

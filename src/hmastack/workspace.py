@@ -8,7 +8,8 @@ Layout of ``patches/``::
 The subdirectory names the tree a patch targets (``vllm`` or ``lmcache``). Stages
 apply in number order, files in name order. Editing a patch means: ``apply``,
 change and commit in ``build/<tree>``, ``export``. A commit's stage is read from
-its subject, ``[<title_tag> K/N]``.
+its subject: ``[<title_tag> K/N]`` for the N stages of the series, ``[<title_tag>
+follow-up J]`` for a follow-up stage beyond them (stage N + J).
 """
 
 from __future__ import annotations
@@ -227,9 +228,20 @@ def apply(cfg: Config, upto: int, force: bool = False) -> dict[str, int]:
 # --- export ----------------------------------------------------------------------
 
 
-def _subject_stage(cfg: Config, subject: str) -> int | None:
-    m = re.search(rf"\[{re.escape(cfg.title_tag)} (\d+)/(\d+)\]", subject)
-    return int(m.group(1)) if m else None
+def subject_stage(cfg: Config, subject: str) -> int | None:
+    """The stage a commit subject names (see :meth:`Config.stage_tag`), or None.
+
+    ``"[Core][T 3/4] ..."`` is stage 3 and ``"[Core][T follow-up 1] ..."`` stage 5
+    of a series of 4 with title tag T. A ``K/N`` tag whose N is not the series'
+    number of stages, or whose K exceeds it, names no stage.
+    """
+    tag = re.escape(cfg.title_tag)
+    if m := re.search(rf"\[{tag} (\d+)/(\d+)\]", subject):
+        k, n = int(m[1]), int(m[2])
+        return k if n == cfg.num_series_stages and 1 <= k <= n else None
+    if m := re.search(rf"\[{tag} follow-up (\d+)\]", subject):
+        return cfg.num_series_stages + int(m[1])
+    return None
 
 
 def commits_by_stage(cfg: Config, tree: Tree, repo: Path) -> dict[int, list[str]]:
@@ -239,12 +251,17 @@ def commits_by_stage(cfg: Config, tree: Tree, repo: Path) -> dict[int, list[str]
     last = 0
     for commit in revs:
         subject = git(repo, "log", "-1", "--format=%s", commit)
-        stage = _subject_stage(cfg, subject)
+        stage = subject_stage(cfg, subject)
         if stage is None or not 1 <= stage <= cfg.num_stages:
+            forms = f"'{cfg.stage_tag(1)}' .. '{cfg.stage_tag(cfg.num_series_stages)}'"
+            if cfg.num_followups:
+                forms += f" or '{cfg.stage_tag(cfg.num_series_stages + 1)}'"
+                if cfg.num_followups > 1:
+                    forms += f" .. '{cfg.stage_tag(cfg.num_stages)}'"
             raise HmastackError(
                 f"commit {commit[:12]} in {repo} names no stage: {subject!r}",
-                f"subjects carry '[{cfg.title_tag} K/{cfg.num_stages}]'; squash "
-                "fixup! commits first (git rebase -i --autosquash)",
+                f"subjects carry {forms}; squash fixup! commits first "
+                "(git rebase -i --autosquash)",
             )
         if stage < last:
             raise HmastackError(

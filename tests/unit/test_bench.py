@@ -154,7 +154,22 @@ def _reports() -> dict[str, dict]:
     runs = {
         t: [_cost_run({a: 1.0, b: 2.0}), _cost_run({a: 1.2, b: 1.8})] for t in trees
     }
+    eagle = [
+        {
+            "tree": t,
+            "pattern": "gptoss",
+            "W": 128,
+            "case": case,
+            "prompt": 4101,
+            "hit (eagle)": hit if t == "stage 5" else 4064,
+            "rule": hit if t == "stage 5" or case != "connector async" else "-",
+            "hit without eagle": 4096,
+        }
+        for t in ("stage 0", "stage 5", "v0.14.0")
+        for case, hit in (("fully cached", 4080), ("connector async", 0))
+    ]
     return {
+        "eagle_hits": {"title": "eagle", "rows": eagle},
         "peak_blocks": {"title": "peak", "block_size": B, "rows": peak},
         "admission": {"title": "admission", "budget_blocks": 4096, "rows": admission},
         "scheduler_cost": {"title": "cost", "rows": bench.cost_rows(trees, runs)},
@@ -191,8 +206,12 @@ def test_rounds_alternate_direction():
 
 def test_summary_has_the_three_tables_one_column_per_tree():
     text = bench.summary_markdown(_reports())
-    assert text.count("### ") == 4  # peak, longest hit, concurrency, cost
-    peak, hit, conc, cost = text.split("### ")[1:]
+    assert text.count("### ") == 5  # peak, longest hit, concurrency, cost, eagle
+    peak, hit, conc, cost, eagle = text.split("### ")[1:]
+    # One column per tree, then the rule and the hit without eagle of stage 5.
+    assert "| gptoss | 128 | connector async | 4101 | 4064 | 0 | 4064 | 0 | 4096 |" in (
+        eagle
+    )
     assert "| gemma3 | 512 | 8192 | 513 | 33 | 513 | 33 | 33 |" in peak
     assert "| gemma3 | 512 | 10895 | 10911 | 62879 | 62879 | 62879 |" in hit
     assert "| gptoss | 512 | 1 | 1 | 6 | 6 | 6 |" in conc
@@ -299,3 +318,69 @@ def test_scheduler_cost_with_the_scripted_connector_does_the_same_work():
             assert r["finished"] > 0
         else:
             assert r["scheduled_per_step"] == 64
+
+
+def _eagle_row(case: str, **kw) -> dict:
+    return {"case": case, "prompt": 4101} | kw
+
+
+@pytest.mark.parametrize(
+    "row,window,want",
+    [
+        (_eagle_row("fully cached"), 128, 4080),
+        (_eagle_row("aligned", prompt=4096), 128, 4064),
+        (_eagle_row("short", prompt=33), 128, 16),
+        (_eagle_row("full evicted", evict=[[0, 100]]), 128, 1584),
+        # Block 247 starts the window of token 4080 (W=128): the hit must end
+        # before it, with block 246 computed again.
+        (_eagle_row("swa evicted", evict=[[1, 247]]), 128, 3936),
+        (_eagle_row("swa evicted", evict=[[1, 223]]), 512, 3552),
+        # A connector's prefix: the sliding window group holds only the window
+        # of token 4096 (blocks 248~255), the hit of 4080 tokens needs 247.
+        (_eagle_row("async", external=4096, load="async"), 128, 0),
+        (_eagle_row("sync", external=4096, load="sync"), 128, 0),
+    ],
+)
+def test_expected_eagle_hit(row, window, want):
+    assert bench.expected_eagle_hit(["full", "swa"], window, 16, row) == want
+
+
+def test_eagle_check_flags_a_wrong_hit(monkeypatch):
+    """Stage 5 is checked exactly (a tree giving 0.13.0's double drop fails),
+    stage 4 and the peer are only reported."""
+    row = _eagle_row("fully cached") | {"pattern": "gptoss", "window": 128}
+    report = {"rows": [row | {"hit": 4064, "hit_no_eagle": 4096}]}
+    monkeypatch.setattr(
+        bench,
+        "alternate",
+        lambda cfg, pyenv, trees, name, args, reps: (
+            {t.label: [report] for t in trees},
+            {},
+        ),
+    )
+    trees = [bench.BenchTree(label, None) for label in ("stage 4", "v0.14.0")]
+    assert bench.bench_eagle(None, None, trees, bench.QUICK)["checked"] == "exact"
+    trees.append(bench.BenchTree("stage 5", None))
+    out = bench.bench_eagle(None, None, trees, bench.QUICK)
+    assert out["checked"] == "MISMATCH"
+    assert out["mismatches"] == [
+        "stage 5: gptoss W=128 fully cached: hit 4064 (want 4080)"
+    ]
+    assert (
+        "| gptoss | 128 | fully cached | 4101 | 4064 | 4064 | 4064 | 4080 | 4096 |"
+        in (bench.eagle_markdown(out["rows"]))
+    )
+
+
+EAGLE_ARGS = {"patterns": ["gptoss"], "windows": [128], "block_size": B}
+
+
+def test_eagle_hits_stage5_follows_the_rule_and_the_base_drops_twice():
+    kinds = bench.GROUP_KINDS["gptoss"]
+    stage5 = _run(5, "eagle_hits", EAGLE_ARGS)["rows"]
+    for r in stage5:
+        assert r["hit"] == bench.expected_eagle_hit(kinds, 128, B, r), r["case"]
+    base = {r["case"]: r for r in _run(0, "eagle_hits", EAGLE_ARGS)["rows"]}
+    # 0.13.0: full attention and sliding window each drop a block for eagle.
+    assert base["fully cached"]["hit"] == base["fully cached"]["hit_no_eagle"] - 2 * B
+    assert base["short prompt"]["hit"] == 0

@@ -187,8 +187,10 @@ def test_pages_say_not_run_yet_without_reports_or_patches(project):
         "stages/02-second.md",
         "model-results.md",
         "benchmarks.md",
+        "end-to-end.md",
     }
     assert "No patches yet" in site.pages["stages/01-first.md"]
+    assert "Not run yet" in site.pages["end-to-end.md"]
     assert "Not run yet" in site.pages["stages/01-first.md"]
     assert "Not run yet" in site.pages["benchmarks.md"]
     assert "No model yet" in site.pages["model-results.md"]
@@ -260,8 +262,8 @@ def test_stage_row_of_the_last_stage_table_is_on_the_page(series):
     site = docs.generate(series)
     page = site.pages["stages/01-first.md"]
     assert (
-        "| 1 01-first | 2 demo | 10 passed / 1 failed | 4 passed / 0 failed | demo "
-        "ok | 12 | RED |" in page
+        "| 1 01-first | 2 demo | 10 passed / 1 failed | - | 4 passed / 0 failed "
+        "| demo ok | 12 | RED |" in page
     )
     assert "| 0 base |" in page
     assert (
@@ -409,7 +411,7 @@ def test_nav_lists_every_page_and_the_model_page_when_written(project, tmp_path)
     nav = docs.generate(project, docs_dir).nav
     assert [next(iter(item)) for item in nav] == [
         "Overview", "The problem", "Token regions", "The model", "Stages",
-        "Benchmarks", "Apply the stack", "Reviewer checklist",
+        "Benchmarks", "End to end", "Apply the stack", "Reviewer checklist",
     ]  # fmt: skip
     assert nav[3]["The model"] == [{"Properties and results": "model-results.md"}]
     assert nav[4]["Stages"] == [

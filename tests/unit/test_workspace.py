@@ -1,11 +1,12 @@
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
 import pytest
 
-from hmastack import base, workspace
+from hmastack import base, config, workspace
 from hmastack.errors import HmastackError
 from hmastack.gitutil import git
 
@@ -172,3 +173,50 @@ def test_unknown_tree_directory_is_refused(project):
     (project.patches / "01-first" / "vllmm").mkdir()
     with pytest.raises(HmastackError, match="names no known tree"):
         workspace.discover(project)
+
+
+def test_subject_stage_of_series_and_follow_up(project):
+    follow = dataclasses.replace(project, num_followups=2)
+    assert follow.num_stages == 4
+    assert workspace.subject_stage(follow, "[Core][Demo series 2/2] x") == 2
+    assert workspace.subject_stage(follow, "[Core][Demo series follow-up 1] x") == 3
+    assert workspace.subject_stage(follow, "[Core][Demo series follow-up 2] x") == 4
+    # "K/N" names stage K of the series' N stages only.
+    assert workspace.subject_stage(follow, "[Core][Demo series 3/2] x") is None
+    assert workspace.subject_stage(follow, "[Core][Demo series 3/3] x") is None
+    assert workspace.subject_stage(follow, "[Core][Other 1/2] x") is None
+    assert follow.stage_tag(2) == "[Demo series 2/2]"
+    assert follow.stage_tag(3) == "[Demo series follow-up 1]"
+
+
+def test_follow_up_stage_exports_into_its_directory(project):
+    """A follow-up stage (``followups = 1`` in hmastack.toml) is stage N + 1:
+    its commits carry ``[<title_tag> follow-up 1]``; a ``K/N`` tag beyond the
+    series is refused with the accepted forms."""
+    toml = project.root / "hmastack.toml"
+    toml.write_text(
+        toml.read_text().replace("stages = 2\n", "stages = 2\nfollowups = 1\n")
+    )
+    (project.patches / "03-third").mkdir()
+    (project.patches / "03-third" / "README.md").write_text("# 03-third\n")
+    cfg = config.load(project.root)
+    assert cfg.num_stages == 3
+    base.materialize(cfg, cfg.tree("demo"))
+    workspace.apply(cfg, 3)
+    repo = cfg.workspace("demo")
+    commit_change(cfg, 1, "demo/core.py", "return 3", "return 33", "Change f3")
+    (repo / "README").write_text("follow-up\n")
+    git(repo, "commit", "-qam", "[Core][Demo series follow-up 1] Change README")
+    workspace.export(cfg, check=False)
+    files = sorted(
+        p.relative_to(cfg.patches).as_posix() for p in cfg.patches.rglob("*.patch")
+    )
+    assert files == [
+        "01-first/demo/0001-Core-Demo-series-1-2-Change-f3.patch",
+        "03-third/demo/0001-Core-Demo-series-follow-up-1-Change-README.patch",
+    ]
+    assert workspace.export(cfg, check=True) == []
+    (repo / "README").write_text("again\n")
+    git(repo, "commit", "-qam", "[Core][Demo series 3/2] Not a stage")
+    with pytest.raises(HmastackError, match="follow-up 1"):
+        workspace.export(cfg, check=True)

@@ -1,0 +1,488 @@
+"""Run the end-to-end set: stage trees, engine processes, verdicts, report.
+
+For each stage k: the trees of stage k (``matrix.stage_trees`` under
+``build/e2e/stages/k``, the compiled kernels placed next to vLLM's sources),
+then one engine process per group of scenarios that share engine settings
+(``hmastack_e2e.driver``), and one reference process per model and HMA
+setting (no connector, no prefix caching). Each process runs under a watchdog: a
+process that outlives its time is killed and its scenarios are reported as
+``hang``; an engine that stops making progress is reported by the driver as a
+``stall``. The verdicts go to ``build/reports/e2e.json``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hmastack.config import Config
+from hmastack.e2e import catalogue as cat
+from hmastack.e2e.compare import Verdict, admission_check, judge
+from hmastack.e2e.environment import E2EConfig, place_kernels
+from hmastack.errors import HmastackError
+from hmastack.progress import console, run, step
+
+REPORT = "e2e.json"
+PROCESS_TIMEOUT = 240.0  # seconds for one engine process, plus per scenario:
+SCENARIO_TIMEOUT = 60.0
+MODELS_SOURCE = "tests/e2e/hmastack_e2e/models.py"
+
+
+@dataclass
+class Process:
+    """One engine process: a plan for ``hmastack_e2e.driver``."""
+
+    name: str
+    stage: int
+    model: str
+    hma: bool
+    connector: str | None  # None: the reference
+    engine: cat.Engine
+    functions: list[str]
+    pythonhashseed: str = "0"
+    namespace: str | None = None
+    wave: int = 0  # P/D consumers run after their producer (wave 1)
+    result: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def plan(self, model_dir: Path, store: Path) -> dict:
+        return {
+            "model": self.model,
+            "model_dir": str(model_dir),
+            "scenarios": self.functions,
+            "connector": self.connector,
+            "hma": self.hma,
+            "store_dir": str(store) if self.connector else None,
+            "pool_layer_blocks": self.engine.pool_layer_blocks_hma
+            if self.hma and self.engine.pool_layer_blocks_hma is not None
+            else self.engine.pool_layer_blocks,
+            "max_num_batched_tokens": self.engine.max_num_batched_tokens,
+            "max_num_seqs": self.engine.max_num_seqs,
+            "async_scheduling": self.engine.async_scheduling,
+            "namespace": self.namespace,
+        }
+
+
+def plan_stage(stage: int, scenarios: list[cat.Scenario]) -> list[Process]:
+    """The engine processes of one stage for ``scenarios`` (pure)."""
+    procs: dict[tuple, Process] = {}
+    for s in scenarios:
+        if not cat.runs_at(s, stage):
+            continue
+        hma = cat.hma_at(s, stage)
+        conn = cat.connector_at(s, stage)
+        if s.producer:
+            pkey = ("producer", s.producer, s.model, hma)
+            procs.setdefault(
+                pkey,
+                Process(
+                    f"{s.producer}-{s.model}-{'hma' if hma else 'nohma'}",
+                    stage,
+                    s.model,
+                    hma,
+                    conn,
+                    cat.ENGINES["default"],
+                    [s.producer],
+                    namespace="pd",
+                ),
+            )
+            key = ("consumer", s.name, s.model, hma, s.pythonhashseed)
+            procs[key] = Process(
+                f"{s.name}-{s.model}-seed{s.pythonhashseed}",
+                stage,
+                s.model,
+                hma,
+                conn,
+                cat.ENGINES["default"],
+                [s.name],
+                pythonhashseed=s.pythonhashseed,
+                namespace="pd",
+                wave=1,
+            )
+        else:
+            key = ("run", s.model, s.engine, hma, conn, s.name if s.isolated else "")
+            suffix = f"-{s.name}" if s.isolated else ""
+            proc = procs.setdefault(
+                key,
+                Process(
+                    f"{s.model}-{s.engine}-{'hma' if hma else 'nohma'}-{conn}{suffix}",
+                    stage,
+                    s.model,
+                    hma,
+                    conn,
+                    cat.ENGINES[s.engine],
+                    [],
+                ),
+            )
+            if s.name not in proc.functions:
+                proc.functions.append(s.name)
+        rkey = ("reference", s.model, hma)
+        ref = procs.setdefault(
+            rkey,
+            Process(
+                f"reference-{s.model}-{'hma' if hma else 'nohma'}",
+                stage,
+                s.model,
+                hma,
+                None,
+                cat.ENGINES["default"],
+                [],
+            ),
+        )
+        if s.name not in ref.functions:
+            ref.functions.append(s.name)
+    return list(procs.values())
+
+
+def engine_environ(
+    e2e: E2EConfig, trees: dict[str, Path], support: Path, seed: str
+) -> dict[str, str]:
+    """The variables every engine process runs with (facts: e2e-facts.md)."""
+    return {
+        "PYTHONPATH": os.pathsep.join(
+            str(p) for p in (trees["vllm"], trees["lmcache"], support)
+        ),
+        "PYTHONHASHSEED": seed,
+        "TORCH_COMPILE_DISABLE": "1",
+        # vLLM 0.13.0 turns HMA off for chunked local attention unless this is
+        # set (a latency concern on GPU); the Llama-4-like model needs it on.
+        "VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_LOGGING_LEVEL": "WARNING",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
+
+
+def run_process(
+    e2e: E2EConfig,
+    proc: Process,
+    trees: dict[str, Path],
+    support: Path,
+    models: Path,
+    workdir: Path,
+) -> None:
+    """Run ``proc`` under a watchdog; fills ``proc.result`` (the driver's JSON,
+    or a ``hang`` / ``error`` entry for every scenario)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    plan_file = workdir / f"{proc.name}.plan.json"
+    out_file = workdir / f"{proc.name}.out.json"
+    log_file = workdir / f"{proc.name}.log"
+    out_file.unlink(missing_ok=True)
+    # One store per process; a P/D pair shares the producer's.
+    store = (
+        workdir
+        / "store"
+        / (f"pd-{proc.model}-{proc.hma}" if proc.namespace == "pd" else proc.name)
+    )
+    plan_file.write_text(json.dumps(proc.plan(models / proc.model, store), indent=1))
+    env = {**os.environ, **engine_environ(e2e, trees, support, proc.pythonhashseed)}
+    timeout = PROCESS_TIMEOUT + SCENARIO_TIMEOUT * len(proc.functions)
+    start = time.monotonic()
+    with log_file.open("w") as log:
+        child = subprocess.Popen(
+            [str(e2e.python), "-m", "hmastack_e2e.driver", plan_file, out_file],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+        try:
+            child.wait(timeout=timeout)
+            hung = False
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            hung = True
+    proc.seconds = time.monotonic() - start
+    try:
+        result = json.loads(out_file.read_text())
+    except (OSError, ValueError):
+        result = {"scenarios": {}}
+    if "error" in result:
+        detail = result["error"][-2000:]
+        result["scenarios"] = {
+            f: {"outcome": "error", "detail": detail} for f in proc.functions
+        }
+    for f in proc.functions:
+        entry = result["scenarios"].setdefault(f, {})
+        if not entry or entry.get("outcome") is None:
+            entry["outcome"] = "hang" if hung else "error"
+            entry["detail"] = (
+                f"killed by the watchdog after {timeout:.0f} s (log: {log_file})"
+                if hung
+                else f"the engine process exited with {child.returncode} "
+                f"(log: {log_file})"
+            )
+        elif hung and entry.get("outcome") == "ran" and "requests" not in entry:
+            entry["outcome"] = "hang"
+    proc.result = result
+
+
+def ensure_models(e2e: E2EConfig, root: Path, dest: Path, names: set[str]) -> Path:
+    """Generate the tiny models (seeded) into ``dest`` once per models.py."""
+    key = hashlib.sha256((root / MODELS_SOURCE).read_bytes()).hexdigest()
+    key_file = dest / ".key"
+    todo = sorted(n for n in names if not (dest / n / "config.json").is_file())
+    if key_file.is_file() and key_file.read_text() == key and not todo:
+        return dest
+    with step(f"generate the tiny models ({', '.join(sorted(names))})"):
+        tmp = dest.with_name(dest.name + ".tmp")
+        if tmp.exists():
+            _rmtree(tmp)
+        run(
+            [e2e.python, "-m", "hmastack_e2e.models", tmp, *sorted(names)],
+            env={"PYTHONPATH": str(root / "tests" / "e2e"), "OMP_NUM_THREADS": "1"},
+            log=e2e.build / "logs" / "e2e-models.log",
+        )
+        if dest.exists():
+            _rmtree(dest)
+        tmp.rename(dest)
+        key_file.write_text(key)
+    return dest
+
+
+def _rmtree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path)
+
+
+@dataclass
+class StageRun:
+    stage: int
+    verdicts: list[Verdict]
+    processes: list[dict]
+    seconds: float
+
+
+def run_stage(
+    cfg: Config,
+    e2e: E2EConfig,
+    stage: int,
+    trees: dict[str, Path],
+    scenarios: list[cat.Scenario],
+    jobs: int,
+    models: Path,
+) -> StageRun:
+    """Every process of ``stage``, then the verdicts."""
+    start = time.monotonic()
+    place_kernels(e2e, trees["vllm"])
+    support = cfg.root / "tests" / "e2e"
+    workdir = cfg.build / "e2e" / "runs" / str(stage)
+    if workdir.exists():
+        _rmtree(workdir)
+    procs = plan_stage(stage, scenarios)
+    for wave in (0, 1):
+        batch = [p for p in procs if p.wave == wave]
+        if not batch:
+            continue
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            futures = [
+                pool.submit(run_process, e2e, p, trees, support, models, workdir)
+                for p in batch
+            ]
+            for f in futures:
+                f.result()
+    verdicts = judge_stage(stage, scenarios, procs)
+    return StageRun(
+        stage,
+        verdicts,
+        [
+            {
+                "name": p.name,
+                "scenarios": p.functions,
+                "seconds": round(p.seconds, 1),
+                "init_seconds": p.result.get("init_seconds"),
+                "groups": p.result.get("groups"),
+                "pythonhashseed": p.pythonhashseed,
+            }
+            for p in procs
+        ],
+        time.monotonic() - start,
+    )
+
+
+def judge_stage(
+    stage: int, scenarios: list[cat.Scenario], procs: list[Process]
+) -> list[Verdict]:
+    """The verdicts of one stage from its finished processes (pure)."""
+
+    verdicts = []
+    for s in scenarios:
+        if not cat.runs_at(s, stage):
+            continue
+        hma = cat.hma_at(s, stage)
+        conn = cat.connector_at(s, stage)
+        proc = next((p for p in procs if _runs(p, s, hma, conn)), None)
+        ref = next(
+            (
+                p
+                for p in procs
+                if p.connector is None and p.model == s.model and p.hma == hma
+            ),
+            None,
+        )
+        run_entry = None
+        if proc is not None:
+            entry = proc.result.get("scenarios", {}).get(s.name)
+            if entry is not None:
+                run_entry = {**entry, "groups": proc.result.get("groups", [])}
+        ref_entry = (ref.result.get("scenarios", {}) if ref else {}).get(s.name)
+        verdicts.append(
+            judge(
+                s,
+                stage,
+                hma,
+                conn,
+                run_entry,
+                ref_entry,
+                cat.scenario_id(s),
+                s.title,
+            )
+        )
+    _admission(verdicts)
+    return verdicts
+
+
+def _runs(p: Process, s: cat.Scenario, hma: bool, conn: str) -> bool:
+    """Whether process ``p`` ran scenario ``s`` with the connector (not the
+    reference, not a P/D producer)."""
+    if p.connector != conn or p.model != s.model or p.hma != hma:
+        return False
+    if s.producer:
+        return (
+            p.wave == 1
+            and p.functions == [s.name]
+            and p.pythonhashseed == s.pythonhashseed
+        )
+    return p.wave == 0 and p.engine.name == s.engine and s.name in p.functions
+
+
+def _admission(verdicts: list[Verdict]) -> None:
+    """With HMA on, more long-prefix requests run at once than with HMA off in
+    the same memory (both runs at the same stage)."""
+    on = next((v for v in verdicts if v.scenario == "admission" and v.hma), None)
+    off = next((v for v in verdicts if v.scenario == "admission/hma-off"), None)
+    if on is None or off is None:
+        return
+    ok = admission_check(on, off)
+    on.figures["max_running_hma_off"] = off.figures.get("max_running")
+    on.checks["admission"] = bool(ok)
+    on.passed = on.passed and bool(ok)
+
+
+def run_e2e(
+    cfg: Config,
+    e2e: E2EConfig,
+    stages: list[int],
+    quick: bool,
+    jobs: int,
+    trees_for: Callable[[int], dict[str, Path]],
+) -> dict:
+    """Run the set (``quick``: the CI-sized one) at ``stages``; returns the
+    report written to ``build/reports/e2e.json``."""
+    scenarios = cat.selected(quick)
+    models = ensure_models(
+        e2e, cfg.root, cfg.build / "e2e" / "models", {s.model for s in scenarios}
+    )
+    start = time.monotonic()
+    runs = []
+    for k in stages:
+        with step(f"stage {k}: trees (git am) and compiled kernels"):
+            trees = trees_for(k)
+        n = sum(1 for s in scenarios if cat.runs_at(s, k))
+        with step(f"stage {k}: {n} scenarios in engine processes ({jobs} at once)"):
+            runs.append(run_stage(cfg, e2e, k, trees, scenarios, jobs, models))
+    path = cfg.reports / REPORT
+    report = merge_report(
+        _previous(path),
+        {
+            "generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "quick": quick,
+            "stages": stages,
+            "tolerance": cat.LOGPROB_TOLERANCE,
+            "seconds": round(time.monotonic() - start, 1),
+            "runs": [
+                {
+                    "stage": r.stage,
+                    "seconds": round(r.seconds, 1),
+                    "processes": r.processes,
+                }
+                for r in runs
+            ],
+            "verdicts": [v.to_json() for r in runs for v in r.verdicts],
+        },
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+def _previous(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def merge_report(previous: dict | None, new: dict) -> dict:
+    """``new`` plus the stages of ``previous`` it did not run (same set only:
+    a quick report never mixes with a full one). ``seconds`` stays this run's."""
+    if not previous or previous.get("quick") != new["quick"]:
+        return new
+    kept = [k for k in previous.get("stages", []) if k not in new["stages"]]
+    return {
+        **new,
+        "stages": sorted(kept + new["stages"]),
+        "runs": sorted(
+            [r for r in previous.get("runs", []) if r["stage"] in kept] + new["runs"],
+            key=lambda r: r["stage"],
+        ),
+        "verdicts": sorted(
+            [v for v in previous.get("verdicts", []) if v["stage"] in kept]
+            + new["verdicts"],
+            key=lambda v: v["stage"],
+        ),
+    }
+
+
+def failures(report: dict) -> list[str]:
+    return [
+        f"stage {v['stage']} {v['scenario']}: {v['outcome']}"
+        + (f" ({v['detail'][:200]})" if v.get("detail") else "")
+        for v in report["verdicts"]
+        if not v["passed"]
+    ]
+
+
+def require_report(cfg: Config) -> dict:
+    path = cfg.reports / REPORT
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise HmastackError(
+            f"no end-to-end report at {path}", "run `hmastack e2e` first"
+        ) from exc
+
+
+def print_table(report: dict) -> None:
+    from hmastack.e2e.site import result_table
+
+    console.print(result_table(report))

