@@ -63,7 +63,7 @@ CONSTANTS
     SaveMode,    \* connector saves: "none", "step" (inside the step), "async" (outlive it)
     CanAbort,    \* TRUE: a client may abort its request
     Refusals,    \* TRUE: a refused allocation of a waiting request is a step (replays)
-    Policy,      \* "Legacy" (0.13.0), "SeriesAsCoded" (stage 03 today), "SeriesProposed"
+    Policy,      \* "Legacy" (0.13.0), "SeriesMain", "SeriesAsCoded", "SeriesProposed" (below)
     Mutation     \* "none", or the one protection of the code that is switched off
 
 ASSUME /\ N \in Nat \ {0} /\ B \in Nat \ {0} /\ W \in Nat \ {0, 1}
@@ -72,34 +72,53 @@ ASSUME /\ N \in Nat \ {0} /\ B \in Nat \ {0} /\ W \in Nat \ {0, 1}
        /\ MaxDraft \in Nat /\ MaxFailures \in Nat /\ AsyncLoad \in BOOLEAN
        /\ SaveMode \in {"none", "step", "async"}
        /\ CanAbort \in BOOLEAN /\ Refusals \in BOOLEAN
-       /\ Policy \in {"Legacy", "SeriesAsCoded", "SeriesProposed"}
+       /\ Policy \in {"Legacy", "SeriesMain", "SeriesAsCoded", "SeriesProposed"}
        /\ Mutation \in {"none", "EarlyPublish", "PublishDraft", "LateClaim",
                         "FreeInFlight", "EagerFree", "AllocSkipped", "PadFull",
                         "UnderCount", "SkipTouch", "LeakSkipped", "SkipCeil"}
 
 -----------------------------------------------------------------------------
 (***************************************************************************)
-(* What stage 03 of the series does today, one line per mechanism that    *)
-(* the stage-03 failure-paths work (issue 16) adds. "SeriesAsCoded" is    *)
-(* exactly the code: when the code gains a mechanism, flip its line to    *)
-(* TRUE (and the expected results of the SeriesAsCoded models in          *)
-(* spec/manifest.toml with it). "SeriesProposed" always has all three.    *)
+(* The three versions of stage 03 the model knows, by the mechanisms of   *)
+(* its failure paths (patches 03/0001-0012 of the series branch):         *)
+(*  - "SeriesMain": stage 03 as it is on main (patches 8-11 alone): no    *)
+(*    hold for in-flight stores, no stall fix, the first holder of a      *)
+(*    shared invalid block recomputes it for all;                         *)
+(*  - "SeriesAsCoded": the twelve commits of stage 03: patch 12 holds the *)
+(*    blocks a connector's store still reads (request_blocks_freed),      *)
+(*    patch 7 frees the blocks of waiting requests back from async loads  *)
+(*    when the first waiting request cannot be allocated and nothing runs,*)
+(*    patch 5 makes every holder of an invalid block compute it again;    *)
+(*  - "SeriesProposed": SeriesAsCoded plus what the model proposes and    *)
+(*    the code lacks: a running request's load-failure range is the      *)
+(*    tokens it computed before this step, not num_cached_tokens (which  *)
+(*    preemption never resets).                                           *)
+(* Patches 4 (in-flight fence) and 6 (failure reported after the next     *)
+(* step) only matter with asynchronous scheduling, which is not modelled *)
+(* (one step in flight per request); patches 1-3 are the async-load      *)
+(* paths below (FinishLoad, Abort while loading, resume point).           *)
 (***************************************************************************)
-\* Kind 4: blocks a connector still saves for a running request keep a
-\* reference until the connector reports the store done (the proposed hold).
-CodeHoldsSaves == FALSE
-\* Kind 8: a waiting request that holds blocks can be preempted when nothing
-\* running can be, so some request always progresses (the stall fix).
-CodePreemptsWaiting == FALSE
-\* Kind 1: every holder of a block whose load failed recomputes it (or starts
-\* over), and the block leaves the prefix cache (shared invalid blocks).
-CodeRecomputesSharedInvalid == FALSE
-
-IsSeries == Policy \in {"SeriesAsCoded", "SeriesProposed"}
-Has(code) == IsSeries /\ (Policy = "SeriesProposed" \/ code)
-SaveHold == Has(CodeHoldsSaves) /\ Mutation # "FreeInFlight"
-StallFix == Has(CodePreemptsWaiting)
-SharedInvalidFix == Has(CodeRecomputesSharedInvalid)
+IsSeries == Policy \in {"SeriesMain", "SeriesAsCoded", "SeriesProposed"}
+Fixed == Policy \in {"SeriesAsCoded", "SeriesProposed"}
+\* Patch 12 (SeriesAsCoded, SeriesProposed): before the scheduler frees blocks
+\* of a request (window slide, preemption, stall fix, load-failure restart,
+\* abort), the connector names those its stores still read
+\* (request_blocks_freed); they keep one reference (KVCacheManager.held_blocks)
+\* until finished_sending. Mutation "FreeInFlight" switches it off.
+SaveHold == Fixed /\ Mutation # "FreeInFlight"
+\* Patch 7 (SeriesAsCoded, SeriesProposed): when the first waiting request
+\* cannot be allocated and nothing runs, the other waiting requests back from
+\* async loads free their blocks and start over (FreeWaiting).
+StallFix == Fixed
+\* Patch 5 (SeriesAsCoded, SeriesProposed): every request that counts an
+\* invalid block as computed truncates at its own first invalid block, and
+\* blocks from there on leave the prefix cache (FixedScan); before it, the
+\* first holder recomputes for all and policy "recompute" evicts nothing.
+SharedInvalidFix == Fixed
+\* Proposal (SeriesProposed only): a running request's load-failure range is
+\* the tokens it computed before its step, not num_cached_tokens (which
+\* preemption never resets: series-stale-read-preempt).
+RangeByComputed == Policy = "SeriesProposed"
 
 -----------------------------------------------------------------------------
 Null == 0                                 \* the null block (BlockPool.null_block)
@@ -170,15 +189,19 @@ VARIABLES
     failures,   \* connector load failures injected so far
     bad,        \* block slots <<block, offset>> whose KV a failed load left invalid
     cachedTok,  \* Request.num_cached_tokens: set once, when first scheduled (-1 before)
+    order,      \* Scheduler.waiting's order, front first (all requests; preemption moves one to the front)
+    stallHead,  \* StallFix: the request patch 7 could not allocate (first in Scheduler.waiting) and those it freed (behind it)
     event       \* the step just taken: action, request, blocks per group, arguments
 
 vars == <<ref, hash, freeQ, status, len, computed, table, ncached, step, loads,
-          saves, held, running, failures, bad, cachedTok, event>>
+          saves, held, running, failures, bad, cachedTok, order, stallHead, event>>
 \* Distinct states as TLC counts them: `event` is history only; cachedTok is
-\* read only when loads can fail.
+\* read only when loads can fail, the waiting queue's order only by the
+\* stall fix (which has victims only with async loads).
 View == <<ref, hash, freeQ, status, len, computed, table, ncached, step, loads,
           saves, held, running, failures, bad,
-          IF MaxFailures = 0 THEN 0 ELSE cachedTok>>
+          IF MaxFailures = 0 THEN 0 ELSE cachedTok,
+          IF StallFix /\ AsyncLoad THEN order ELSE <<>>, stallHead>>
 
 Ev(act, r, blks, args) == [act |-> act, req |-> r, blocks |-> blks, args |-> args]
 
@@ -225,6 +248,8 @@ InFlight == UNION {Transfers(r) : r \in Req}
 \* A waiting request that holds blocks (back from an async load, or
 \* truncated by a load failure).
 Fresh(r) == status[r] = "waiting" /\ computed[r] = 0
+\* The tokens a request had computed before its step in flight.
+ReadFrom(r) == IF step[r].on THEN step[r].from ELSE computed[r]
 
 (* Scheduler choices. *)
 \* Connector.get_num_new_matched_tokens: external tokens past the local hit.
@@ -313,21 +338,26 @@ Fits(r, e, async, d, hit) ==
     \E p \in {Plan(r, e, async, d, hit)} : p.predicted <= Cardinality(FreeAfterRemove(p))
 \* The next step of a request holding blocks does not fit (its hit is moot).
 NextStepFits(r) == Fits(r, 0, FALSE, 0, NoBlocks)
-\* A waiting request that can be scheduled (some connector answer fits).
-CanSchedule(q) ==
-    \E e \in ExtChoices(q),
-       hit \in (IF Fresh(q) THEN HitChoices(q, HitLen(q)) ELSE {NoBlocks}) :
-       \E async \in AsyncChoices(e) : Fits(q, e, async, 0, hit)
-\* Proposed (StallFix): a waiting request that holds blocks and can be
-\* scheduled goes before a fresh request (else a request preempted by the
-\* stall fix takes the freed blocks back and the two thrash forever).
-HolderFirst(r) ==
-    Fresh(r) /\ \E q \in Req \ {r} : status[q] = "waiting" /\ Entries(q) # {}
-                                     /\ CanSchedule(q)
-\* Nothing runs, no load is in flight and no waiting request can be scheduled.
-Stalled ==
-    /\ running = <<>>
-    /\ \A q \in Req : loads[q] = {} /\ (status[q] = "waiting" => ~CanSchedule(q))
+\* Scheduler.schedule, waiting loop: allocate_slots returns None for waiting
+\* request h (for some answer of the connector).
+Refused(h) ==
+    \E e \in ExtChoices(h),
+       hit \in (IF Fresh(h) THEN HitChoices(h, HitLen(h)) ELSE {NoBlocks}) :
+       \E async \in AsyncChoices(e) : ~Fits(h, e, async, 0, hit)
+\* Scheduler._free_blocks_of_waiting_requests(h) (patch 7): the waiting
+\* requests other than h that hold blocks no load writes any more
+\* (num_computed_tokens > 0; the model moves a request back from its load to
+\* "waiting" when the load is reported).
+StallVictims(h) == {q \in Req \ {h} : status[q] = "waiting" /\ computed[q] > 0}
+\* Scheduler.waiting's order, as far as patch 7 needs it: the requests it
+\* freed stay behind the one it could not allocate until that one is
+\* scheduled (any other order of the waiting queue is left open).
+NoHead == [h |-> "none", vs |-> {}]
+Yields(r) == stallHead # NoHead /\ r \in stallHead.vs
+Pos(r) == CHOOSE i \in DOMAIN order : order[i] = r
+\* h is the first waiting request in Scheduler.waiting (the ones before it
+\* are loading: skipped).
+FirstWaiting(h) == \A q \in Req \ {h} : status[q] = "waiting" => Pos(h) < Pos(q)
 
 \* BlockPool.cache_full_blocks for request r: slots from[g]+1 .. to of each
 \* group, skipping null blocks and blocks already cached. A key may name
@@ -412,17 +442,29 @@ ScanInvalid(qs, inv, acc) ==
 NoScan == [nc |-> <<>>, marked |-> {}, first |-> {}, evict |-> {}]
 
 (***************************************************************************)
-(* Proposed (SharedInvalidFix): every holder of an invalid block that     *)
-(* counts its tokens as computed recomputes from its first invalid slot   *)
-(* (from 0 if can_recompute_from says no); no holder trusts another.      *)
+(* Scheduler._update_requests_with_invalid_blocks with SharedInvalidFix    *)
+(* (patches 5 and 11): every request that counts an invalid block as      *)
+(* computed truncates at its own first invalid slot (over all groups), or *)
+(* starts over when can_recompute_from says no; no request counts on      *)
+(* another one. Counted as computed: num_computed_tokens_after_recving    *)
+(* (loading, = computed in the model), num_cached_tokens (running; with    *)
+(* RangeByComputed, the tokens computed before its step), computed        *)
+(* (waiting with blocks). Its blocks from the first invalid slot on leave *)
+(* the prefix cache (evict_blocks, for every affected request).            *)
 (***************************************************************************)
-ProposedScan(inv) ==
-  LET holders == {q \in Req : status[q] \in {"waiting", "loading", "running"}
-                     /\ SlotsOf(q, inv, CeilDiv(computed[q], B)) # {}}
-      first(q) == SetMin(SlotsOf(q, inv, CeilDiv(computed[q], B)))
+FixedScan(inv) ==
+  LET rng(q) == IF status[q] = "running"
+                THEN IF RangeByComputed THEN CeilDiv(ReadFrom(q), B)
+                     ELSE CeilDiv(Max(cachedTok[q], 0), B)
+                ELSE CeilDiv(computed[q], B)
+      holders == {q \in Req :
+                    /\ \/ status[q] \in {"loading", "running"}
+                       \/ status[q] = "waiting" /\ computed[q] > 0
+                    /\ SlotsOf(q, inv, rng(q)) # {}}
+      first(q) == SetMin(SlotsOf(q, inv, rng(q)))
       nc(q) == IF CanRecomputeFrom(q, (first(q) - 1) * B) THEN (first(q) - 1) * B ELSE 0
   IN [nc |-> [q \in holders |-> nc(q)], marked |-> inv, first |-> holders,
-      evict |-> inv]
+      evict |-> UNION {BlocksAt(table[q], first(q), LongestTable(q)) : q \in holders}]
 
 -----------------------------------------------------------------------------
 (***************************************************************************)
@@ -446,6 +488,8 @@ Init ==
     /\ failures = 0
     /\ bad = {}
     /\ cachedTok = [r \in Req |-> -1]
+    /\ order \in {o \in [1..Cardinality(Req) -> Req] : Range(o) = Req}
+    /\ stallHead = NoHead
     /\ event = Ev("Init", "none", NoBlocks, [none |-> 0])
 
 \* Scheduler.schedule for request r: get_computed_blocks (the hit),
@@ -455,7 +499,8 @@ Init ==
 \* eviction, cache_full_blocks) and connector.update_state_after_alloc.
 AllocateSlots(r) ==
   /\ status[r] \in {"waiting", "running"} /\ ~step[r].on
-  /\ StallFix => ~HolderFirst(r)
+  /\ ~Yields(r)
+  /\ stallHead' = IF stallHead # NoHead /\ stallHead.h = r THEN NoHead ELSE stallHead
   /\ \E e \in ExtChoices(r), d \in DraftChoices(r),
         hit \in (IF Fresh(r) THEN HitChoices(r, HitLen(r)) ELSE {NoBlocks}) :
      \E async \in AsyncChoices(e) :
@@ -510,7 +555,7 @@ AllocateSlots(r) ==
                        [hit |-> p.h, ext |-> p.e, async |-> p.async, n |-> p.n,
                         d |-> p.d, predicted |-> p.predicted,
                         taken |-> Cardinality(q1) - Cardinality(q3)])
-        /\ UNCHANGED <<len, failures>>
+        /\ UNCHANGED <<len, failures, order>>
 
 \* Scheduler.schedule, waiting loop: allocate_slots returned None for a
 \* waiting request (replays only: Refusals; no state changes).
@@ -526,7 +571,8 @@ Refuse(r) ==
                        predicted |-> p.predicted,
                        free |-> Cardinality(FreeAfterRemove(p))])
   /\ UNCHANGED <<ref, hash, freeQ, status, len, computed, table, ncached, step,
-                 loads, saves, held, running, failures, bad, cachedTok>>
+                 loads, saves, held, running, failures, bad, cachedTok, order,
+                 stallHead>>
 
 \* The blocks of request v that SaveHold keeps when v's tables are freed
 \* while it runs: those a store that outlives the step still reads (a step's
@@ -573,7 +619,7 @@ Execute(r) ==
              /\ UNCHANGED <<ref, freeQ, table, ncached, held>>
         ELSE /\ event' = Ev("Execute", r, NoBlocks, [accepted |-> a])
              /\ UNCHANGED <<ref, freeQ, table, ncached, held, status, running>>
-  /\ UNCHANGED <<hash, loads, failures, cachedTok>>
+  /\ UNCHANGED <<hash, loads, failures, cachedTok, order, stallHead>>
 
 \* Scheduler.update_from_output with invalid_block_ids: request r's
 \* synchronous load (inside its step) failed from table slot i on, reported
@@ -591,13 +637,13 @@ SyncLoadFailed(r) ==
          \* step is in flight, or their async load started with it.
          holders == {q \in Req \ {r} : Entries(q) \cap inv # {}}
          loading == {q \in Req : status[q] = "loading"}
-         scan(order) == IF SharedInvalidFix THEN ProposedScan(inv)
-                        ELSE ScanInvalid(order \o running, inv, NoScan)
+         scan(lq) == IF SharedInvalidFix THEN FixedScan(inv)
+                     ELSE ScanInvalid(lq \o running, inv, NoScan)
      IN
      /\ \A q \in holders : step[q].on \/ status[q] = "loading"
-     /\ \E order \in {o \in [1..Cardinality(loading) -> loading] :
-                        Range(o) = loading} :
-        LET sc == scan(order)
+     /\ \E lq \in {o \in [1..Cardinality(loading) -> loading] :
+                     Range(o) = loading} :
+        LET sc == scan(lq)
             aff == DOMAIN sc.nc
             \* Running requests that must start over and lack blocks for it;
             \* (Proposed) waiting ones back from a load start over anyway.
@@ -630,7 +676,7 @@ SyncLoadFailed(r) ==
         /\ event' = Ev("SyncLoadFailed", r, NoBlocks,
                        [at |-> i, affected |-> aff, restart |-> restart,
                         computed |-> IF r \in aff THEN sc.nc[r] ELSE computed[r]])
-        /\ UNCHANGED <<len, loads, cachedTok>>
+        /\ UNCHANGED <<len, loads, cachedTok, order, stallHead>>
 
 \* Scheduler.schedule, running loop: allocate_slots returned None for
 \* running request r, so the last running request is preempted (maybe r):
@@ -650,27 +696,33 @@ Preempt(r) ==
      /\ computed' = [computed EXCEPT ![v] = 0]
      /\ status' = [status EXCEPT ![v] = "waiting"]
      /\ running' = Without(running, v)
+     /\ order' = <<v>> \o Without(order, v)
      /\ event' = Ev("Preempt", v, table[v], [by |-> r])
-  /\ UNCHANGED <<hash, len, step, loads, saves, failures, bad, cachedTok>>
+  /\ UNCHANGED <<hash, len, step, loads, saves, failures, bad, cachedTok, stallHead>>
 
-\* Proposed (StallFix): nothing runs, no load is in flight and no waiting
-\* request can be scheduled, whatever the connector answers (the stall); a
-\* waiting request
-\* v that holds blocks (back from an async load) is preempted: its blocks are
-\* freed (SaveHold keeps those a save reads) and it starts over.
-PreemptWaiting(v) ==
-  /\ StallFix /\ status[v] = "waiting" /\ Entries(v) # {}
-  /\ Stalled
-  /\ LET fr == SelectSeq(AllOf(v), LAMBDA x : x \notin Keep(v)) IN
+\* Scheduler.schedule with StallFix (patch 7): allocate_slots returned None
+\* for h, the first waiting request that could be scheduled, and nothing
+\* runs; Scheduler._free_blocks_of_waiting_requests frees the blocks of the
+\* other waiting requests back from async loads (KVCacheManager.free, so
+\* SaveHold keeps those a store reads); they start over.
+FreeWaiting(h) ==
+  /\ StallFix /\ status[h] = "waiting" /\ running = <<>> /\ ~Yields(h)
+  /\ FirstWaiting(h)
+  /\ StallVictims(h) # {}
+  /\ Refused(h)
+  /\ LET vs == StallVictims(h)
+         fr == SelectSeq(FreeSeq(vs), LAMBDA x : x \notin UNION {Keep(v) : v \in vs})
+     IN
      /\ ref' = RefAfterFree(fr)
      /\ freeQ' = FreeQAfterFree(fr)
-     /\ table' = [table EXCEPT ![v] = EmptyTables]
-     /\ ncached' = [ncached EXCEPT ![v] = [g \in Groups |-> 0]]
-     /\ held' = [held EXCEPT ![v] = held[v] \cup Keep(v)]
-     /\ computed' = [computed EXCEPT ![v] = 0]
-     /\ event' = Ev("PreemptWaiting", v, table[v], [none |-> 0])
+     /\ table' = [q \in Req |-> IF q \in vs THEN EmptyTables ELSE table[q]]
+     /\ ncached' = [q \in Req |-> IF q \in vs THEN [g \in Groups |-> 0] ELSE ncached[q]]
+     /\ held' = [q \in Req |-> IF q \in vs THEN held[q] \cup Keep(q) ELSE held[q]]
+     /\ computed' = [q \in Req |-> IF q \in vs THEN 0 ELSE computed[q]]
+     /\ stallHead' = [h |-> h, vs |-> vs]
+     /\ event' = Ev("FreeWaiting", h, NoBlocks, [freed |-> vs])
   /\ UNCHANGED <<hash, status, len, step, loads, saves, running, failures, bad,
-                 cachedTok>>
+                 cachedTok, order>>
 
 \* The delayed free of a finished request, when its last transfer ended.
 FreeFinished(r) ==
@@ -709,7 +761,8 @@ FinishLoad(r) ==
           /\ status' = [status EXCEPT ![r] = "waiting"]
           /\ event' = Ev("FinishLoad", r, NoBlocks, [computed |-> computed[r]])
           /\ UNCHANGED <<ref, freeQ, table, held, computed>>
-  /\ UNCHANGED <<len, step, saves, running, failures, bad, cachedTok>>
+  /\ UNCHANGED <<len, step, saves, running, failures, bad, cachedTok, order,
+                 stallHead>>
 
 \* Scheduler._handle_invalid_blocks + _update_waiting_for_remote_kv: the
 \* async load failed from table slot i on. The request keeps its blocks and
@@ -746,7 +799,7 @@ LoadFailed(r) ==
                      /\ ncached' = [ncached EXCEPT ![r] = [g \in Groups |-> 0]]
                      /\ event' = Ev("LoadFailed", r, table[r], [at |-> i, computed |-> 0])
                      /\ UNCHANGED <<hash, held>>
-  /\ UNCHANGED <<len, step, saves, running, cachedTok>>
+  /\ UNCHANGED <<len, step, saves, running, cachedTok, order, stallHead>>
 
 \* finished_sending: the connector's asynchronous store ended; blocks held
 \* for it are freed; a finished request's delayed free happens now.
@@ -760,7 +813,8 @@ SaveDone(r) ==
           /\ held' = [held EXCEPT ![r] = {}]
           /\ UNCHANGED <<table, ncached, status>>
   /\ event' = Ev("SaveDone", r, NoBlocks, [none |-> 0])
-  /\ UNCHANGED <<hash, len, computed, step, loads, running, failures, bad, cachedTok>>
+  /\ UNCHANGED <<hash, len, computed, step, loads, running, failures, bad, cachedTok,
+                 order, stallHead>>
 
 \* Scheduler.finish_requests(FINISHED_ABORTED): the client aborts request r
 \* (not while its step is in flight); the free is delayed while a transfer
@@ -774,14 +828,16 @@ Abort(r) ==
           /\ UNCHANGED <<ref, freeQ, table, ncached, held>>
      ELSE /\ FreeFinished(r)
           /\ event' = Ev("Abort", r, table[r], [none |-> 0])
-  /\ UNCHANGED <<hash, len, computed, step, loads, saves, failures, bad, cachedTok>>
+  /\ stallHead' = IF stallHead # NoHead /\ stallHead.h = r THEN NoHead ELSE stallHead
+  /\ UNCHANGED <<hash, len, computed, step, loads, saves, failures, bad, cachedTok,
+                 order>>
 
 \* Every request is done: the system stutters (no deadlock).
 Terminated == (\A r \in Req : status[r] = "done") /\ UNCHANGED vars
 
 Next ==
     \/ \E r \in Req :
-          \/ AllocateSlots(r) \/ Execute(r) \/ Preempt(r) \/ PreemptWaiting(r)
+          \/ AllocateSlots(r) \/ Execute(r) \/ Preempt(r) \/ FreeWaiting(r)
           \/ SyncLoadFailed(r) \/ FinishLoad(r) \/ LoadFailed(r) \/ SaveDone(r)
           \/ Abort(r) \/ Refuse(r)
     \/ Terminated
@@ -800,7 +856,7 @@ Fairness ==
     /\ \A r \in Req : SF_vars(AllocateSlots(r))
     /\ \A r \in Req : WF_vars(Execute(r))
     /\ \A r \in Req : WF_vars(Preempt(r))
-    /\ \A r \in Req : WF_vars(PreemptWaiting(r))
+    /\ \A r \in Req : WF_vars(FreeWaiting(r))
     /\ \A r \in Req : WF_vars(FinishLoad(r))
     /\ \A r \in Req : WF_vars(SaveDone(r))
 FairSpec == Spec /\ Fairness
@@ -814,7 +870,7 @@ Statuses == {"waiting", "loading", "running", "finishing", "done"}
 Hashes == {<<g, i>> : g \in Groups, i \in 1..MaxBlocks}
           \cup {<<g, i, r>> : g \in Groups, i \in 1..MaxBlocks, r \in Req}
 Acts == {"Init", "AllocateSlots", "Refused", "Execute", "Finish", "FinishDelayed",
-         "SyncLoadFailed", "Preempt", "PreemptWaiting", "FinishLoad",
+         "SyncLoadFailed", "Preempt", "FreeWaiting", "FinishLoad",
          "FinishLoadFree", "LoadFailed", "SaveDone", "Abort", "AbortDelayed"}
 Tables == [Groups -> Seq(Blocks \cup {Null})]
 
@@ -841,6 +897,8 @@ TypeOK ==
     /\ failures \in 0..MaxFailures
     /\ bad \subseteq Blocks \X (0..(B - 1))
     /\ cachedTok \in [Req -> -1..MaxLen]
+    /\ order \in [1..Cardinality(Req) -> Req] /\ Range(order) = Req
+    /\ stallHead = NoHead \/ stallHead \in [h : Req, vs : SUBSET Req]
     /\ event.act \in Acts /\ event.req \in Req \cup {"none"}
     /\ event.blocks \in [Groups -> Seq(Blocks \cup {Null})]
 
@@ -906,7 +964,6 @@ Needed(r, g) ==
     IF step[r].on
     THEN UNION {Attends(g, t) : t \in step[r].from..(step[r].from + step[r].n + step[r].d - 1)}
     ELSE Attends(g, computed[r]) \ {computed[r]}
-ReadFrom(r) == IF step[r].on THEN step[r].from ELSE computed[r]
 Reads(r) == status[r] \in {"waiting", "loading", "running"}
 
 \* Attention (the definition above, not the skip rule): for every request
@@ -995,6 +1052,7 @@ ReachSharedInvalid ==
     event'.act = "SyncLoadFailed" /\ event'.args.affected \ {event'.req} # {}
 ReachFailAfterAbort == event'.act = "LoadFailed" /\ event'.args.computed = -1
 ReachRefused == event'.act = "Refused"
+ReachFreeWaiting == event'.act = "FreeWaiting"
 WitnessHeld == [][~ReachHeld]_vars
 WitnessPreemptOther == [][~ReachPreemptOther]_vars
 WitnessEviction == [][~ReachEviction]_vars
@@ -1011,6 +1069,7 @@ WitnessSyncFailRestart == [][~ReachSyncFailRestart]_vars
 WitnessSharedInvalid == [][~ReachSharedInvalid]_vars
 WitnessFailAfterAbort == [][~ReachFailAfterAbort]_vars
 WitnessRefused == [][~ReachRefused]_vars
+WitnessFreeWaiting == [][~ReachFreeWaiting]_vars
 
 -----------------------------------------------------------------------------
 (***************************************************************************)
@@ -1019,13 +1078,24 @@ WitnessRefused == [][~ReachRefused]_vars
 (***************************************************************************)
 \* The code's protections are all on.
 Unmutated == Mutation = "none"
-\* No connector store outlives the step, or such stores are held.
+\* Stores that outlive the step are held (patch 12), or there are none.
 SavesSafe == SaveMode # "async" \/ SaveHold
-\* Load failures cannot leave a shared block unrecomputed.
-FailuresSafe == MaxFailures = 0 \/ SharedInvalidFix
-\* No request waits for an async load while another holds blocks with
-\* nothing preemptable: one request, no async loads, or the stall fix.
-NoStall == Cardinality(Req) = 1 \/ ~AsyncLoad \/ StallFix
+\* Load failures cannot leave a shared block unrecomputed: every holder
+\* recomputes (patch 5) and counts what it computed before its step as
+\* computed (the proposal; the code counts num_cached_tokens).
+FailuresSafe == MaxFailures = 0 \/ (SharedInvalidFix /\ RangeByComputed)
+\* Blocks vLLM's start-up check demands for one request of MaxLen tokens
+\* (check_enough_kv_cache_memory, KVCacheSpec.max_memory_usage_bytes per
+\* group: full attention ceil(max_model_len/B), a sliding window
+\* ceil(min(W-1+max_num_batched_tokens, max_model_len)/B)+1).
+OneRequestBlocks == CeilDiv(MaxLen, B) + CeilDiv(Min(W - 1 + Chunk, MaxLen), B) + 1
+PoolChecked == N >= OneRequestBlocks
+\* No request waits for an async load while others hold the blocks it
+\* needs: no async loads, or the stall fix (patch 7) on a pool that passes
+\* vLLM's start-up check (on a smaller pool a request back from its load
+\* may need more blocks than the pool has, and patch 7 never frees the
+\* blocks of the request it cannot allocate).
+NoStall == ~AsyncLoad \/ (StallFix /\ PoolChecked)
 
 THEOREM Spec => []TypeOK
 THEOREM (IsSeries /\ Unmutated) => (Spec => []Conservation)
@@ -1038,5 +1108,8 @@ THEOREM (IsSeries /\ Unmutated /\ FailuresSafe) => (Spec => []NoStaleRead)
 THEOREM (IsSeries /\ Unmutated) => (Spec => []NoPrematurePublish)
 THEOREM (IsSeries /\ Unmutated) => (Spec => WindowBound)
 THEOREM (IsSeries /\ Unmutated) => (Spec => ExactAdmission)
+\* Deadlock freedom (TLC's deadlock check): some action is always enabled
+\* until every request is done.
+THEOREM (IsSeries /\ Unmutated /\ NoStall /\ ~CanAbort) => (Spec => [](ENABLED Next))
 THEOREM (IsSeries /\ Unmutated /\ NoStall /\ ~CanAbort) => (FairSpec => Liveness)
 =============================================================================

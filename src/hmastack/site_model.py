@@ -86,7 +86,9 @@ def read_spec(path: Path) -> SpecInfo:
         if name not in seen:
             seen.add(name)
             info.actions.append((name, comments.get(name, "")))
-    for name in re.findall(r"^(Code\w+) == (?:TRUE|FALSE)", text, flags=re.M):
+    for name in re.findall(
+        r"^(SaveHold|StallFix|SharedInvalidFix|RangeByComputed) ==", text, flags=re.M
+    ):
         info.switches.append((name, comments.get(name, "")))
     theorem = re.compile(
         r"^THEOREM\s+(?:\((?P<assume>[^)]*)\)\s*=>\s*\()?(?P<spec>\w+)\s*=>\s*"
@@ -383,11 +385,11 @@ def model_page(root: Path, reports_dir: Path, md_table, fence) -> str:
             ["variable", "stands for"], [[f"`{n}`", c] for n, c in info.variables])]
     if info.switches:
         out += [
-            "## What stage 03 does today\n",
-            "`Policy = \"SeriesAsCoded\"` is the code on main; each switch below says "
-            "whether the code has a fix (`Policy = \"SeriesProposed\"` has all). When "
-            "a fix lands, its line flips to `TRUE` and so do the expected results "
-            "marked in the manifest.\n\n",
+            "## Stage 03: on main, as coded, proposed\n",
+            "`Policy = \"SeriesAsCoded\"` is the twelve commits of stage 03, "
+            "`\"SeriesMain\"` stage 03 as it is on main (none of the mechanisms "
+            "below), `\"SeriesProposed\"` the code plus the model's proposal. "
+            "Each mechanism, with the policies that have it:\n\n",
             md_table(["switch", "mechanism"], [[f"`{n}`", c] for n, c in info.switches]),
         ]
     if info.actions:

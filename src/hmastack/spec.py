@@ -106,6 +106,7 @@ class Model:
     witnesses: dict[str, int | None] = field(default_factory=dict)
     comment: str = ""
     extra: list[str] = field(default_factory=list)
+    module: str | None = None  # spec/<module>.tla; None: spec/tlc.toml's module
 
     @property
     def is_witness(self) -> bool:
@@ -143,7 +144,7 @@ def load_settings(root: Path) -> Settings:
 _KNOWN_KEYS = {
     "cfg", "mode", "result", "property", "deadlock", "size", "distinct_states",
     "generated_states", "depth", "trace_length", "seconds", "workers", "num",
-    "sim_depth", "witnesses", "comment", "extra",
+    "sim_depth", "witnesses", "comment", "extra", "module",
 }  # fmt: skip
 
 
@@ -207,7 +208,20 @@ def parse_model(name: str, entry: dict, spec_dir: Path) -> Model:
         witnesses=dict(witnesses),
         comment=str(entry.get("comment", "")),
         extra=list(entry.get("extra", [])),
+        module=_opt_module(entry),
     )
+
+
+def _opt_module(entry: dict) -> str | None:
+    module = entry.get("module")
+    if module is not None and (not isinstance(module, str) or not module.isidentifier()):
+        raise ValueError(f"module must be a TLA+ module name, not {module!r}")
+    return module
+
+
+def module_of(model: Model, settings: Settings) -> str:
+    """The TLA+ module TLC checks for ``model`` (``spec/<module>.tla``)."""
+    return model.module or settings.module
 
 
 def load_manifest(settings: Settings) -> dict[str, Model]:
@@ -244,6 +258,7 @@ def witness_model(model: Model, witness: str) -> Model:
         prop=f"Witness{witness}",
         trace_length=model.witnesses.get(witness),
         workers=1,
+        module=model.module,
     )
 
 
@@ -429,7 +444,7 @@ def tlc_command(
         cmd += ["-simulate", f"num={model.num}"]
         if model.sim_depth:
             cmd += ["-depth", str(model.sim_depth)]
-    cmd += [*model.extra, settings.module]
+    cmd += [*model.extra, module_of(model, settings)]
     return cmd
 
 
@@ -446,7 +461,13 @@ def run_model(
     if workdir.exists():
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True)
-    shutil.copyfile(settings.tla_file, workdir / settings.tla_file.name)
+    tla_file = settings.spec_dir / f"{module_of(model, settings)}.tla"
+    if not tla_file.exists():
+        raise HmastackError(
+            f"model {model.name}: {tla_file} is missing",
+            "fix the model's module in spec/manifest.toml",
+        )
+    shutil.copyfile(tla_file, workdir / tla_file.name)
     (workdir / "model.cfg").write_text(cfg_text(model))
     cmd = tlc_command(java, jar, settings, model, workdir)
     run, exit_code, seconds = tlc.run(cmd, workdir)

@@ -280,8 +280,8 @@ def _copy_spec(project) -> None:
 def test_model_page_lists_every_manifest_model_before_any_run(project):
     _copy_spec(project)
     page = docs.generate(project).pages["model-results.md"]
-    assert "## What stage 03 does today" in page
-    assert "| `CodeHoldsSaves` |" in page
+    assert "## Stage 03: on main, as coded, proposed" in page
+    assert "| `SaveHold` |" in page and "| `RangeByComputed` |" in page
     assert "| `WindowCovered` | `Spec => []WindowCovered` | `IsSeries /\\ Unmutated` |" in page
     models = spec.load_manifest(spec.load_settings(project.root))
     for name in models:

@@ -100,27 +100,41 @@ def test_exhaustive_series_models_are_big_enough():
         "SwaBeyondTwo", "WindowAtBound", "PreemptOther", "Eviction", "NullPadExternal",
         "Held", "Draft", "LoadFailure", "AsyncFailKeep", "AsyncFailRestart",
         "SyncFailKeep", "SyncFailRestart", "SharedInvalid", "FailAfterAbort",
+        "FreeWaiting", "EagleHit", "EagleSwaRun", "EagleChunkBack",
     }  # fmt: skip
 
 
 def test_passing_series_models_check_every_safety_property_they_claim():
-    for name in ("series-wide", "series-decode", "series-proposed"):
+    for name in ("series-wide", "series-decode", "series-saves"):
         cfg = site_model.read_cfg(MODELS[name].cfg)
         assert set(cfg.invariants) == set(SAFETY), name
         assert set(cfg.properties) == {"WindowBound", "ExactAdmission"}, name
 
 
-def test_as_coded_and_proposed_differ_only_in_policy():
+def test_each_fix_of_stage_03_bites_and_the_proposal_differs_only_in_policy():
+    """A model of stage 03 as on main (SeriesMain) fails where the twelve
+    commits (SeriesAsCoded) pass with the same constants: the save race
+    (patch 12), the stale read after an abort (patch 5), the stall as a
+    deadlock and as a liveness failure (patch 7). The proposal's model
+    differs from the code's only in the policy."""
     pairs = [
-        ("series-stall", "series-stall-fixed"),
-        ("series-liveness-2-as-coded", "series-liveness-2"),
-        ("series-faults-shared", "series-faults-proposed"),
-    ]
-    for coded, proposed in pairs:
-        a, b = constants(MODELS[coded]), constants(MODELS[proposed])
-        assert a.pop("Policy") == '"SeriesAsCoded"'
-        assert b.pop("Policy") == '"SeriesProposed"'
-        assert a == b, (coded, proposed)
+        ("series-save-race", "series-saves", '"SeriesMain"', '"SeriesAsCoded"'),
+        ("series-stale-read-abort", "series-faults", '"SeriesMain"', '"SeriesAsCoded"'),
+        ("series-stall", "series-stall-fixed", '"SeriesMain"', '"SeriesAsCoded"'),
+        ("series-liveness-2-main", "series-liveness-2", '"SeriesMain"', '"SeriesAsCoded"'),
+        ("series-faults-shared", "series-faults-proposed", '"SeriesAsCoded"', '"SeriesProposed"'),
+    ]  # fmt: skip
+    for before, after, policy_before, policy_after in pairs:
+        a, b = constants(MODELS[before]), constants(MODELS[after])
+        assert a.pop("Policy") == policy_before, before
+        assert b.pop("Policy") == policy_after, after
+        if before == "series-save-race":
+            # The race needs a store outliving a step of a long prompt; the
+            # passing model has aborts and async loads too (it is bigger).
+            assert a["SaveMode"] == b["SaveMode"] == '"async"'
+            continue
+        assert a == b, (before, after)
+        assert MODELS[before].result != "success" and MODELS[after].result == "success"
 
 
 def test_liveness_models_use_no_symmetry_nor_view():
@@ -216,8 +230,9 @@ def test_witness_run_keeps_the_constants_and_checks_only_the_witness():
 
 
 def test_every_witness_and_property_is_defined_in_the_spec():
-    text = SETTINGS.tla_file.read_text()
     for model in MODELS.values():
+        module = spec.module_of(model, SETTINGS)
+        text = (SETTINGS.spec_dir / f"{module}.tla").read_text()
         cfg = site_model.read_cfg(model.cfg)
         for name in [*cfg.invariants, *cfg.properties] + [
             f"Witness{w}" for w in model.witnesses
@@ -243,6 +258,17 @@ def test_register_adds_fetch_and_check():
     args = parser.parse_args(["spec", "check", "--nightly", "--no-witnesses"])
     assert args.nightly and args.no_witnesses
     assert parser.parse_args(["spec", "fetch"]).func is spec.cmd_fetch
+
+
+def test_a_model_may_name_its_module(tmp_path):
+    eagle = MODELS["eagle-hits"]
+    assert spec.module_of(eagle, SETTINGS) == "EagleHits"
+    assert spec.module_of(MODELS["series-wide"], SETTINGS) == SETTINGS.module
+    cmd = spec.tlc_command("java", Path("t.jar"), SETTINGS, eagle, tmp_path)
+    assert cmd[-1] == "EagleHits"
+    assert spec.witness_model(eagle, "EagleHit").module == "EagleHits"
+    with pytest.raises(ValueError, match="module"):
+        spec.parse_model("m", {"result": "success", "module": "a/b"}, tmp_path)
 
 
 def test_missing_java_is_a_clear_error(monkeypatch):
@@ -271,7 +297,8 @@ def test_model_matches_manifest(run, tlc_env, build):
     if run.result == "safety failure" and not run.is_witness:
         trace = report["trace"]
         assert trace, "a violation keeps its trace"
-        assert trace[0]["event"]["act"] == "Init"
+        if spec.module_of(run, SETTINGS) == SETTINGS.module:
+            assert trace[0]["event"]["act"] == "Init"
     if run.name == "legacy":
         # 0.13.0: every external token gets a sliding-window block.
         alloc = report["trace"][-1]["event"]
