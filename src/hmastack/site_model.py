@@ -279,48 +279,67 @@ def trace_table(trace: list[dict], violated: str | None = None) -> str:
 COUNTEREXAMPLES = [
     (
         "series-save-race",
-        "The save race of stage 03 as coded",
+        "The save race of stage 03 as on main (before patch 12)",
         "A connector whose store of a running request's blocks outlives the step "
         "(`SaveMode = \"async\"`): the next `allocate_slots` calls "
         "`remove_skipped_blocks`, which puts a sliding-window block the store still "
-        "reads (`↑`) back in the free queue. The code has no hold for it; "
+        "reads (`↑`) back in the free queue. Stage 03 on main has no hold for it; "
         "`tests/stages/s00_base/test_legacy_counterexample.py::test_series_race_absent` "
-        "replays this trace through vLLM as a strict xfail. The proposed hold "
-        "(`series-proposed`) keeps such blocks until the store is done.",
+        "replays this trace through vLLM as a strict xfail. Patch 12 of the series "
+        "(`request_blocks_freed`, `series-saves`) keeps such blocks until the "
+        "store is done.",
     ),
     (
         "series-stall",
-        "The stall (deadlock) of stage 03 as coded",
-        "Two requests back from asynchronous loads wait holding their blocks, one "
+        "The stall (deadlock) of stage 03 as on main (before patch 7)",
+        "Two requests back from asynchronous loads wait holding their blocks, no "
         "block is free, neither's next chunk fits, and the scheduler preempts only "
         "running requests: nothing can happen any more (TLC: deadlock). With aborts "
-        "a client eventually gives up; without, the engine hangs. "
-        "`series-stall-fixed` shows the proposed fix removes it.",
+        "a client eventually gives up; without, the engine hangs. Patch 7 removes "
+        "it (`series-stall-fixed`, nightly; `series-liveness-2`).",
+    ),
+    (
+        "series-stall-small-pool",
+        "The twelve commits on a pool below vLLM's start-up check",
+        "A request preempted after its prefill loads one token asynchronously; its "
+        "next chunk needs more blocks than the pool has left, and patch 7 frees the "
+        "blocks of the other waiting requests, never those of the request it cannot "
+        "allocate. Only on pools smaller than `check_enough_kv_cache_memory` "
+        "allows (`PoolChecked`).",
     ),
     (
         "series-stale-read-abort",
-        "A load failure whose block stays in the prefix cache",
+        "A load failure whose block stays in the prefix cache (before patch 5)",
         "A synchronous load fails; the request will recompute the block in place "
         "(policy \"recompute\"), so `_handle_invalid_blocks` keeps the published "
         "invalid block in the prefix cache. The request is aborted before it "
-        "recomputes, and the next request hits the invalid block (`NoStaleRead`).",
+        "recomputes, and the next request hits the invalid block (`NoStaleRead`). "
+        "Patch 5 evicts it (`series-faults`).",
     ),
     (
         "series-stale-read-preempt",
-        "A load failure lost after a preemption",
+        "A load failure lost after a preemption (the twelve commits)",
         "`Request.num_cached_tokens` is set when a request is first scheduled and "
         "never reset. A request first scheduled with a 2-token hit is preempted, "
         "comes back with external tokens loaded synchronously, and the load fails "
         "after token 2: `_update_requests_with_invalid_blocks` scans only the first "
         "`num_cached_tokens` of a running request, so the failure is ignored and "
-        "the request reads KV that was never loaded (`NoStaleRead`).",
+        "the request reads KV that was never loaded (`NoStaleRead`). The proposal "
+        "(`SeriesProposed`, `series-faults-proposed`) passes.",
     ),
     (
-        "series-liveness-2-as-coded",
-        "Liveness fails for two requests (stage 03 as coded)",
+        "series-liveness-2-main",
+        "Liveness fails for two requests (stage 03 as on main)",
         "Under the fairness assumptions, the behaviour ends in the stall above and "
-        "stutters there: neither request finishes. `series-liveness-2` (with the "
-        "proposed stall fix) passes.",
+        "stutters there: neither request finishes. `series-liveness-2` (the twelve "
+        "commits, patch 7) passes.",
+    ),
+    (
+        "mutations/eagle-base",
+        "vLLM 0.13.0's prefix cache lookup with EAGLE",
+        "Each attention type drops EAGLE's block on its own: a 5-token request "
+        "whose blocks 0 and 1 are cached in both groups hits nothing, where the "
+        "rule of stage 05 serves 2 tokens (`LongestServableHit`).",
     ),
     (
         "legacy",

@@ -457,7 +457,9 @@ def run_model(
     java: str, jar: Path, settings: Settings, model: Model, build: Path
 ) -> dict[str, Any]:
     """Run TLC on one model (or witness run); return its report."""
-    workdir = build / "spec" / model.name.replace("@", "/@")
+    # A witness run works beside its model's directory, not in it: the two
+    # may run at the same time and each starts from an empty directory.
+    workdir = build / "spec" / model.name
     if workdir.exists():
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True)

@@ -17,13 +17,14 @@ TLC finds two violations of the Legacy policy (vLLM 0.13.0), see
 Stage tests for stage k run on every tree >= k, so the expectations depend on
 the tree's API, not on a stage number: a tree whose ``allocate_slots`` takes
 ``num_external_computed_tokens`` (the series' stage 03) must not show the
-window-bound violation. The save race is NOT fixed by stage 03: the model of
-the code as it is (``spec/models/series-save-race.cfg``, ``Policy =
-"SeriesAsCoded"`` with stores that outlive the step) violates
-``NoTransferRace`` with the same first three steps (its counterexample is
+window-bound violation. The save race is NOT fixed by stage 03 as on main: its
+model (``spec/models/series-save-race.cfg``, ``Policy = "SeriesMain"`` with
+stores that outlive the step) violates ``NoTransferRace`` with the same first
+three steps (its counterexample is
 ``tests/stages/s03_connector_allocate/fixtures/counterexamples/series-save-race.json``);
-only the proposed hold (``SeriesProposed``) keeps such blocks. On such trees
-the race test is a strict xfail, so a fix shows up as an unexpected pass.
+the hold of the series' patch 12 (``SeriesAsCoded``, ``series-saves``) keeps
+such blocks. On such trees the race test is a strict xfail, so a fix shows up
+as an unexpected pass.
 """
 
 from __future__ import annotations
@@ -137,9 +138,9 @@ def test_legacy_race_reproduces():
 @pytest.mark.xfail(
     strict=True,
     reason="stage 03 frees skipped blocks a connector store still reads: the "
-    "model of the code (series-save-race, SeriesAsCoded) violates NoTransferRace "
-    "with this scenario; the hold for in-flight saves belongs to the stage-03 "
-    "failure-paths work (issue 16, kind 4)",
+    "model of the code (series-save-race, SeriesMain) violates NoTransferRace "
+    "with this scenario; the hold for in-flight saves is patch 12 of the "
+    "series branch (SeriesAsCoded)",
 )
 def test_series_race_absent():
     manager = make_manager(num_blocks=8)

@@ -1,6 +1,8 @@
 """Stage 03: the model's counterexamples for load failures, through vLLM's Scheduler.
 
-The model of stage 03 as coded (``Policy = "SeriesAsCoded"``) violates
+The models of stage 03 (``series-stale-read-abort``: as on main, ``Policy =
+"SeriesMain"``; ``series-stale-read-preempt``: the twelve commits,
+``"SeriesAsCoded"``, the defect is still there) violate
 ``NoStaleRead`` (no request reads KV that a failed load left invalid, unless
 another holder recomputes it first). TLC's two counterexamples are committed
 under ``fixtures/counterexamples/`` (``hmastack spec traces MODEL

@@ -2,7 +2,7 @@
 
 The fixtures under ``fixtures/replay/`` (or the directory named by
 ``HMASTACK_REPLAY_TRACES``, as ``hmastack conform`` does) are behaviours of
-``fixtures/replay-small.cfg`` (``Policy = "SeriesAsCoded"``: stage 03 as it is)
+``fixtures/replay-small.cfg`` (``Policy = "SeriesMain"``: stage 03 as it is)
 written by
 ``hmastack spec traces tests/stages/s03_connector_allocate/fixtures/replay-small.cfg
 -n 40 --depth 60 --out tests/stages/s03_connector_allocate/fixtures/replay``
@@ -45,6 +45,7 @@ from pathlib import Path
 import pytest
 import torch
 from kvtest import (
+    REPLAY_POLICIES,
     AdmissionSpy,
     SkippedBlocksSpy,
     bind_new_blocks,
@@ -390,7 +391,7 @@ STATS = {
 
 def replay(path: Path) -> None:
     doc = json.loads(path.read_text())
-    assert doc["constants"]["Policy"] == "SeriesAsCoded", "replay the code as it is"
+    assert doc["constants"]["Policy"] in REPLAY_POLICIES, "replay the code as it is"
     rp = Replay(doc["constants"])
     states = doc["states"]
     STATS["traces"] += 1

@@ -77,6 +77,7 @@ from typing import Any
 import pytest
 import torch
 from kvtest import (
+    REPLAY_POLICIES,
     AdmissionSpy,
     SkippedBlocksSpy,
     bind_new_blocks,
@@ -320,7 +321,7 @@ class Replay:
         # (kvtest.steer_free_queue).
         self.steer = True
         c = self.c = constants
-        assert c["Policy"] == "SeriesAsCoded" and c["Mutation"] == "none", c
+        assert c["Policy"] in REPLAY_POLICIES and c["Mutation"] == "none", c
         self.B, self.N = c["B"], c["N"]
         groups = [
             KVCacheGroupSpec(["full"], FullAttentionSpec(self.B, 1, 1, torch.float32)),
