@@ -144,7 +144,8 @@ def read_cfg(path: Path) -> ModelConfig:
         if word in ("CONSTANT", "CONSTANTS", "INVARIANT", "INVARIANTS", "PROPERTY",
                     "PROPERTIES", "SPECIFICATION", "SYMMETRY", "INIT", "NEXT",
                     "CHECK_DEADLOCK", "VIEW", "CONSTRAINT", "CONSTRAINTS"):  # fmt: skip
-            section = word.rstrip("S")
+            # CONSTANTS -> CONSTANT, PROPERTIES -> PROPERTY, ...
+            section = {"PROPERTIES": "PROPERTY"}.get(word, word.removesuffix("S"))
             rest = s[len(word) :].strip()
             if rest:
                 _cfg_item(cfg, section, rest)
@@ -281,10 +282,11 @@ COUNTEREXAMPLES = [
         "series-save-race",
         "The save race of stage 03 as on main (before patch 12)",
         "A connector whose store of a running request's blocks outlives the step "
-        "(`SaveMode = \"async\"`): the next `allocate_slots` calls "
+        '(`SaveMode = "async"`): the next `allocate_slots` calls '
         "`remove_skipped_blocks`, which puts a sliding-window block the store still "
         "reads (`↑`) back in the free queue. Stage 03 on main has no hold for it; "
-        "`tests/stages/s00_base/test_legacy_counterexample.py::test_series_race_absent` "
+        "`tests/stages/s00_base/test_legacy_counterexample.py::"
+        "test_series_race_absent` "
         "replays this trace through vLLM as a strict xfail. Patch 12 of the series "
         "(`request_blocks_freed`, `series-saves`) keeps such blocks until the "
         "store is done.",
@@ -311,7 +313,7 @@ COUNTEREXAMPLES = [
         "series-stale-read-abort",
         "A load failure whose block stays in the prefix cache (before patch 5)",
         "A synchronous load fails; the request will recompute the block in place "
-        "(policy \"recompute\"), so `_handle_invalid_blocks` keeps the published "
+        '(policy "recompute"), so `_handle_invalid_blocks` keeps the published '
         "invalid block in the prefix cache. The request is aborted before it "
         "recomputes, and the next request hits the invalid block (`NoStaleRead`). "
         "Patch 5 evicts it (`series-faults`).",
@@ -366,9 +368,12 @@ def _witness_rows(models, reports) -> list[list[str]]:
                     f"`{m.name}`",
                     f"`Witness{w}`",
                     "" if want is None else str(want),
-                    "not run yet" if r is None else (
+                    "not run yet"
+                    if r is None
+                    else (
                         f"{r['result']}, {r['trace_length']} states"
-                        if r["trace_length"] else r["result"]
+                        if r["trace_length"]
+                        else r["result"]
                     ),
                     "" if r is None else ("yes" if r["ok"] else "**no**"),
                 ]
@@ -397,23 +402,37 @@ def model_page(root: Path, reports_dir: Path, md_table, fence) -> str:
     if info.header:
         out += ["## What is modelled\n", fence(info.header, "text")]
     if info.constants:
-        out += ["## Constants\n", md_table(
-            ["constant", "meaning"], [[f"`{n}`", c] for n, c in info.constants])]
+        out += [
+            "## Constants\n",
+            md_table(
+                ["constant", "meaning"], [[f"`{n}`", c] for n, c in info.constants]
+            ),
+        ]
     if info.variables:
-        out += ["## State\n", md_table(
-            ["variable", "stands for"], [[f"`{n}`", c] for n, c in info.variables])]
+        out += [
+            "## State\n",
+            md_table(
+                ["variable", "stands for"], [[f"`{n}`", c] for n, c in info.variables]
+            ),
+        ]
     if info.switches:
         out += [
             "## Stage 03: on main, as coded, proposed\n",
-            "`Policy = \"SeriesAsCoded\"` is the twelve commits of stage 03, "
-            "`\"SeriesMain\"` stage 03 as it is on main (none of the mechanisms "
-            "below), `\"SeriesProposed\"` the code plus the model's proposal. "
+            '`Policy = "SeriesAsCoded"` is the twelve commits of stage 03, '
+            '`"SeriesMain"` stage 03 as it is on main (none of the mechanisms '
+            'below), `"SeriesProposed"` the code plus the model\'s proposal. '
             "Each mechanism, with the policies that have it:\n\n",
-            md_table(["switch", "mechanism"], [[f"`{n}`", c] for n, c in info.switches]),
+            md_table(
+                ["switch", "mechanism"], [[f"`{n}`", c] for n, c in info.switches]
+            ),
         ]
     if info.actions:
-        out += ["## Actions\n", md_table(
-            ["action", "what it models"], [[f"`{n}`", c] for n, c in info.actions])]
+        out += [
+            "## Actions\n",
+            md_table(
+                ["action", "what it models"], [[f"`{n}`", c] for n, c in info.actions]
+            ),
+        ]
     if info.properties:
         kinds = {"invariant": "Spec => []{}", "action": "Spec => {} (action property)",
                  "temporal": "FairSpec => {}"}  # fmt: skip
@@ -424,7 +443,7 @@ def model_page(root: Path, reports_dir: Path, md_table, fence) -> str:
     try:
         models = spec_mod.load_manifest(spec_mod.load_settings(root))
     except Exception as exc:  # noqa: BLE001 - the page says why instead
-        out.append(f"\n!!! warning \"Manifest unreadable\"\n    {exc}\n")
+        out.append(f'\n!!! warning "Manifest unreadable"\n    {exc}\n')
         return "\n".join(out)
     reports = {n: spec_mod.read_report(reports_dir, n) for n in models}
     rows = []

@@ -214,7 +214,9 @@ def parse_model(name: str, entry: dict, spec_dir: Path) -> Model:
 
 def _opt_module(entry: dict) -> str | None:
     module = entry.get("module")
-    if module is not None and (not isinstance(module, str) or not module.isidentifier()):
+    if module is not None and (
+        not isinstance(module, str) or not module.isidentifier()
+    ):
         raise ValueError(f"module must be a TLA+ module name, not {module!r}")
     return module
 
@@ -606,9 +608,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     return 0
 
 
-def select(
-    models: dict[str, Model], names: list[str], nightly: bool
-) -> list[str]:
+def select(models: dict[str, Model], names: list[str], nightly: bool) -> list[str]:
     """Model names to run: ``names`` (checked), else every ci model (and the
     nightly ones with ``nightly``)."""
     if names:
@@ -629,7 +629,13 @@ def cmd_check(args: argparse.Namespace) -> int:
     models = load_manifest(settings)
     selected = select(models, args.model, args.nightly)
     failed = check_models(
-        root, build, reports, settings, models, selected, witnesses=not args.no_witnesses
+        root,
+        build,
+        reports,
+        settings,
+        models,
+        selected,
+        witnesses=not args.no_witnesses,
     )
     console.print(
         f"{len(selected) - len(failed)}/{len(selected)} models as the manifest expects"

@@ -184,9 +184,7 @@ def generate(
     return summary
 
 
-def counterexample(
-    name: str, out: Path, *, root: Path | None = None
-) -> dict[str, Any]:
+def counterexample(name: str, out: Path, *, root: Path | None = None) -> dict[str, Any]:
     """Run TLC on manifest model ``name`` (a failure) and write its
     counterexample as a trace document (the format of :func:`generate`), so
     that the replays can drive vLLM through it. Returns the document."""
@@ -198,7 +196,7 @@ def counterexample(
     if model is None or model.result == "success":
         raise HmastackError(
             f"{name} is not a model whose manifest entry expects a failure",
-            "pick one with result = \"... failure\" in spec/manifest.toml",
+            'pick one with result = "... failure" in spec/manifest.toml',
         )
     java = spec.find_java()
     jar = spec.resolve_jar(root, settings)
@@ -233,10 +231,13 @@ def cmd_traces(args: argparse.Namespace) -> int:
     root, _, reports = spec._paths()
     settings = spec.load_settings(root)
     if args.counterexample:
-        out = Path(args.out) if args.out else reports / "spec" / f"{args.model}.cex.json"
+        out = (
+            Path(args.out) if args.out else reports / "spec" / f"{args.model}.cex.json"
+        )
         doc = counterexample(args.model, out, root=root)
         console.print(
-            f"{args.model}: {doc['violated']} after {len(doc['states'])} states -> {out}"
+            f"{args.model}: {doc['violated']} after {len(doc['states'])} states "
+            f"-> {out}"
         )
         return 0
     name, cfg = _resolve_cfg(root, settings, args.model)

@@ -28,13 +28,13 @@ from vllm.v1.kv_cache_interface import (
     MambaSpec,
     SlidingWindowSpec,
 )
+from vllm.v1.request import Request
 
 # The model policies (spec/HybridKVAlloc.tla) that describe this tree's stage
 # 03: "SeriesMain" (stage 03 as on main, patches 8-11 of the series) and
 # "SeriesAsCoded" (the twelve commits). A replay fixture names the one it was
 # generated for (fixtures/replay-small.cfg).
 REPLAY_POLICIES = ("SeriesMain", "SeriesAsCoded")
-from vllm.v1.request import Request
 
 init_none_hash(sha256)
 

@@ -17,12 +17,23 @@ import pytest
 from hmastack import traces
 
 ROOT = Path(__file__).resolve().parents[2]
-CEX = ROOT / "tests" / "stages" / "s03_connector_allocate" / "fixtures" / "counterexamples"
+CEX = (
+    ROOT
+    / "tests"
+    / "stages"
+    / "s03_connector_allocate"
+    / "fixtures"
+    / "counterexamples"
+)
 MODELS = sorted(p.stem for p in CEX.glob("*.json"))
 
 
 def test_the_known_defects_have_their_counterexample():
-    assert {"series-save-race", "series-stale-read-abort", "series-stale-read-preempt"} <= set(MODELS)
+    assert {
+        "series-save-race",
+        "series-stale-read-abort",
+        "series-stale-read-preempt",
+    } <= set(MODELS)
 
 
 @pytest.mark.skipif(shutil.which("java") is None, reason="TLC needs Java")
@@ -33,5 +44,6 @@ def test_fixture_is_tlcs_counterexample(model, tmp_path):
     assert committed["violated"] == fresh["violated"]
     assert committed["constants"] == fresh["constants"]
     assert committed["states"] == fresh["states"], (
-        f"regenerate: hmastack spec traces {model} --counterexample --out {CEX}/{model}.json"
+        f"regenerate: hmastack spec traces {model} --counterexample "
+        f"--out {CEX}/{model}.json"
     )

@@ -282,7 +282,10 @@ def test_model_page_lists_every_manifest_model_before_any_run(project):
     page = docs.generate(project).pages["model-results.md"]
     assert "## Stage 03: on main, as coded, proposed" in page
     assert "| `SaveHold` |" in page and "| `RangeByComputed` |" in page
-    assert "| `WindowCovered` | `Spec => []WindowCovered` | `IsSeries /\\ Unmutated` |" in page
+    assert (
+        "| `WindowCovered` | `Spec => []WindowCovered` | `IsSeries /\\ Unmutated` |"
+        in page
+    )
     models = spec.load_manifest(spec.load_settings(project.root))
     for name in models:
         assert f"| `{name}` |" in page, name

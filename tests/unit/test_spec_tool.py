@@ -78,8 +78,13 @@ def test_output_without_messages_is_rejected():
 
 
 def test_violation_kinds():
-    invariant = "@!@!@STARTMSG 2110:1 @!@!@\nInvariant X is violated.\n@!@!@ENDMSG 2110 @!@!@\n"
-    action = "@!@!@STARTMSG 2112:1 @!@!@\nAction property W is violated.\n@!@!@ENDMSG 2112 @!@!@\n"
+    invariant = (
+        "@!@!@STARTMSG 2110:1 @!@!@\nInvariant X is violated.\n@!@!@ENDMSG 2110 @!@!@\n"
+    )
+    action = (
+        "@!@!@STARTMSG 2112:1 @!@!@\nAction property W is violated.\n"
+        "@!@!@ENDMSG 2112 @!@!@\n"
+    )
     temporal = (
         "@!@!@STARTMSG 2116:1 @!@!@\nTemporal properties were violated.\n"
         "@!@!@ENDMSG 2116 @!@!@\n"

@@ -134,7 +134,6 @@ class Replay:
             g: [b.block_id for b in t] for g, t in zip(GROUPS, tables, strict=False)
         }
 
-
     def cached_real(self) -> set[int]:
         return {
             b.block_id
@@ -301,9 +300,11 @@ class Replay:
         resume from the model's num_computed_tokens; the restarted ones have
         their invalid blocks evicted from the prefix cache and are freed."""
         r, a = ev["req"], ev["args"]
-        if r in a["affected"] and r not in a["restart"] and a["computed"] != before[
-            "computed"
-        ][r]:
+        if (
+            r in a["affected"]
+            and r not in a["restart"]
+            and a["computed"] != before["computed"][r]
+        ):
             self.check_recompute(r, a["at"], a["computed"])
         for q in a["restart"]:
             if self.manager.can_recompute_from(q, 0):
