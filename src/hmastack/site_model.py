@@ -390,6 +390,13 @@ def model_page(root: Path, reports_dir: Path, md_table, fence) -> str:
     out = ["# The model: properties and results\n"]
     specs = sorted(spec_dir.glob("*.tla")) if spec_dir.is_dir() else []
     specs = [p for p in specs if "_TTrace_" not in p.name]
+    # The main module (spec/tlc.toml) first; others (EagleHits) are models of
+    # their own, listed with the manifest's models.
+    try:
+        main = spec_mod.load_settings(root).module
+    except Exception:  # noqa: BLE001 - no settings: the first module
+        main = None
+    specs.sort(key=lambda p: p.stem != main)
     if not specs:
         out.append('!!! note "No model yet"\n    `spec/` holds no TLA+ module yet.\n')
         return "\n".join(out)
