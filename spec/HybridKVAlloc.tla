@@ -198,12 +198,15 @@ VARIABLES
 vars == <<ref, hash, freeQ, status, len, computed, table, ncached, step, loads,
           saves, held, running, failures, bad, cachedTok, order, stallHead, event>>
 \* Distinct states as TLC counts them: `event` is history only; cachedTok is
-\* read only when loads can fail, the waiting queue's order only by the
-\* stall fix (which has victims only with async loads).
+\* read only when loads can fail; the waiting queue's order only by the
+\* stall fix (which has victims only with async loads), and only among the
+\* requests waiting or loading (a running request goes to the front when it
+\* is preempted, a finished one never waits again).
+WaitingOrder == SelectSeq(order, LAMBDA q : status[q] \in {"waiting", "loading"})
 View == <<ref, hash, freeQ, status, len, computed, table, ncached, step, loads,
           saves, held, running, failures, bad,
           IF MaxFailures = 0 THEN 0 ELSE cachedTok,
-          IF StallFix /\ AsyncLoad THEN order ELSE <<>>, stallHead>>
+          IF StallFix /\ AsyncLoad THEN WaitingOrder ELSE <<>>, stallHead>>
 
 Ev(act, r, blks, args) == [act |-> act, req |-> r, blocks |-> blks, args |-> args]
 
