@@ -62,10 +62,15 @@ def test_manifest_covers_every_model_file_and_records_results():
             assert model.distinct_states and model.generated_states and model.depth, (
                 f"{model.name} records its exact state counts"
             )
+        # EagleHits is violated by an initial state (one lookup is one state):
+        # TLC prints no numbered trace for it.
+        one_state = spec.module_of(model, SETTINGS) == "EagleHits"
         if model.result != "success":
-            assert model.trace_length, f"{model.name} records its trace length"
+            assert model.trace_length or one_state, f"{model.name} records its trace"
             assert model.workers == 1, "a failure's first trace is stable with 1 worker"
-        assert all(n is not None for n in model.witnesses.values()), model.name
+        assert one_state or all(n is not None for n in model.witnesses.values()), (
+            model.name
+        )
 
 
 def test_each_mutation_is_a_passing_model_with_one_protection_off():
