@@ -322,9 +322,11 @@ def test_model_matches_manifest(run, tlc_env, build):
     assert report["problems"] == [], f"{run.name}: see {path}"
     if run.result == "safety failure" and not run.is_witness:
         trace = report["trace"]
-        assert trace, "a violation keeps its trace"
         if spec.module_of(run, SETTINGS) == SETTINGS.module:
+            assert trace, "a violation keeps its trace"
             assert trace[0]["event"]["act"] == "Init"
+        # EagleHits is violated by an initial state, which TLC reports
+        # without a numbered trace (the report keeps none).
     if run.name == "legacy":
         # 0.13.0: every external token gets a sliding-window block.
         alloc = report["trace"][-1]["event"]
