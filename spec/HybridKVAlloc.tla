@@ -1,47 +1,54 @@
 --------------------------- MODULE HybridKVAlloc ---------------------------
 (***************************************************************************)
 (* Block allocation of vLLM's hybrid KV cache manager (HMA) with a KV      *)
-(* connector, as on vLLM 0.13.0 ("Legacy") and as our patch series        *)
-(* allocates it ("Series").                                                *)
+(* connector: as on vLLM 0.13.0 ("Legacy"), as stage 03's per-group      *)
+(* allocation alone ("SeriesAllocOnly"), as stage 03's fourteen commits   *)
+(* do it ("SeriesAsCoded"), and with what the model proposes on top       *)
+(* ("SeriesProposed", kept apart; see the policies below).                *)
 (*                                                                         *)
 (* Modelled:                                                               *)
 (*  - one BlockPool of N physical blocks (ids 1..N) plus the null block   *)
-(*    (id 0); per block its ref_cnt, its prefix-cache hash and whether a  *)
-(*    connector transfer reads or writes it;                              *)
+(*    (id 0); per block its ref_cnt and its prefix-cache key; a key may   *)
+(*    name several blocks (BlockHashToBlockMap), a hit takes any of them; *)
 (*  - two KV cache groups drawing from that pool: "full" (full attention) *)
 (*    and "swa" (sliding window of W tokens); both use block size B;      *)
-(*  - requests as processes: prefix-cache lookup, connector hits loaded   *)
+(*  - per request: prefix-cache lookup, connector hits loaded             *)
 (*    synchronously (inside the step) or asynchronously                  *)
-(*    (WAITING_FOR_REMOTE_KVS), load completion and failure, chunked      *)
-(*    prefill, decode steps with optional draft (speculative) tokens that  *)
-(*    slide the window, connector saves that outlive the step, preemption,*)
-(*    abort, finish with a delayed free, eviction of cached blocks.       *)
+(*    (WAITING_FOR_REMOTE_KVS), load completion, load failure from any    *)
+(*    block on (recovered as Scheduler._handle_invalid_blocks does, with *)
+(*    KVCacheManager.can_recompute_from), chunked prefill, decode steps   *)
+(*    with draft (speculative) tokens, connector saves (none, inside the  *)
+(*    step, or an asynchronous store that outlives it), preemption, abort,*)
+(*    finish with a delayed free, eviction of cached blocks;              *)
+(*  - the KV content of each block slot only as far as a failed load     *)
+(*    leaves it invalid (`bad`), to state which tokens are read.         *)
 (*                                                                         *)
 (* Abstracted away:                                                        *)
 (*  - token ids -> block hashes: every request has the same first Shared  *)
 (*    tokens, so block i of group g hashes to <<g, i>> while it lies in   *)
-(*    that prefix and to <<g, i, r>> after it (a preempted request can hit *)
-(*    its own blocks again); the hash key carries the group, as vLLM's    *)
-(*    BlockHashWithGroupId does;                                          *)
+(*    that prefix and to <<g, i, r>> after it;                            *)
 (*  - tensors -> nothing; a transfer is the set of blocks it touches;     *)
 (*  - the free queue's LRU order -> a set: allocation takes the lowest    *)
 (*    free uncached ids and any choice of cached (evictable) free blocks, *)
 (*    a superset of what the LRU order allows;                            *)
-(*  - the prefix cache keeps one block per hash (first writer wins);      *)
-(*  - the scheduler's token budget is per request (Chunk); the batch,     *)
-(*    the model runner and asynchronous scheduling are not modelled: a    *)
-(*    request is not rescheduled, preempted or aborted while its step is  *)
-(*    in flight, and GPU reads are ordered by the stream, so only         *)
-(*    connector transfers run concurrently with the block manager;        *)
+(*  - the batch and its token budget: a request is scheduled for at most  *)
+(*    Chunk tokens and has at most one step in flight; steps of different *)
+(*    requests may be in flight together (one batch). Asynchronous        *)
+(*    scheduling (a request's next step scheduled before its step in      *)
+(*    flight returned) is not modelled;                                   *)
+(*  - the waiting queue's order (any waiting request may be scheduled), *)
+(*    except where the stall fix reads it (`order`, `stallHead`);         *)
 (*  - num_computed_tokens of a request waiting for an asynchronous load   *)
-(*    already counts the external tokens (0.13.0 sets it when the load    *)
-(*    finished); a failed load invalidates all of them and the request    *)
-(*    restarts from its (possibly new) prefix-cache hit.                  *)
+(*    already counts the loaded tokens (stage 03 records them when the    *)
+(*    load starts, Scheduler.num_computed_tokens_after_recving).          *)
 (*                                                                         *)
-(* Every step sets `event` (action, request, blocks per group, args), so  *)
-(* a behaviour can be replayed against the implementation.                *)
+(* Every step sets `event` (action, request, blocks per group, args whose *)
+(* names carry their unit: ...Tokens, ...Blocks, atSlot), so a behaviour  *)
+(* can be replayed against the implementation; `event` is a               *)
+(* history variable: the VIEW leaves it out, and the properties that read *)
+(* it are action properties.                                              *)
 (***************************************************************************)
-EXTENDS Naturals, Sequences, FiniteSets, TLC
+EXTENDS Integers, Sequences, FiniteSets, TLC
 
 CONSTANTS
     N,           \* physical blocks in the BlockPool, ids 1..N (0 is the null block)
@@ -55,26 +62,92 @@ CONSTANTS
     MaxExt,      \* largest num_external_computed_tokens the connector reports
     AsyncLoad,   \* TRUE: the connector may load asynchronously (load_kv_async)
     MaxFailures, \* connector load failures allowed in one behaviour
+    LoadsFail,   \* TRUE: every asynchronous load fails (a lost store), without bound
     MaxDraft,    \* draft (speculative) tokens per decode step; 0 = no spec decode
-    Save,        \* TRUE: the connector saves computed blocks after each step
+    SaveMode,    \* connector saves: "none", "step" (inside the step), "async" (outlive it)
     CanAbort,    \* TRUE: a client may abort its request
-    Policy,      \* "Legacy" (vLLM 0.13.0) or "Series" (our patch series)
-    Mutation     \* "none", or the one Series protection that is switched off
+    Refusals,    \* TRUE: a refused allocation of a waiting request is a step (replays)
+    Policy,      \* "Legacy" (0.13.0), "SeriesAllocOnly", "SeriesAsCoded", "SeriesProposed" (below)
+    Mutation     \* "none", or the one protection of the code that is switched off
 
 ASSUME /\ N \in Nat \ {0} /\ B \in Nat \ {0} /\ W \in Nat \ {0, 1}
        /\ PromptLen \in Nat \ {0} /\ MaxLen > PromptLen /\ Shared <= PromptLen
-       /\ Chunk \in Nat \ {0} /\ MaxExt < PromptLen /\ MaxDraft \in Nat
-       /\ MaxFailures \in Nat /\ AsyncLoad \in BOOLEAN /\ Save \in BOOLEAN
-       /\ CanAbort \in BOOLEAN /\ Policy \in {"Legacy", "Series"}
+       /\ Chunk \in Nat \ {0} /\ MaxExt \in Nat /\ MaxExt < PromptLen
+       /\ MaxDraft \in Nat /\ MaxFailures \in Nat /\ AsyncLoad \in BOOLEAN
+       /\ LoadsFail \in BOOLEAN
+       /\ SaveMode \in {"none", "step", "async"}
+       /\ CanAbort \in BOOLEAN /\ Refusals \in BOOLEAN
+       /\ Policy \in {"Legacy", "SeriesAllocOnly", "SeriesAsCoded", "SeriesProposed"}
        /\ Mutation \in {"none", "EarlyPublish", "PublishDraft", "LateClaim",
                         "FreeInFlight", "EagerFree", "AllocSkipped", "PadFull",
-                        "UnderCount", "SkipTouch", "LeakSkipped"}
+                        "UnderCount", "SkipTouch", "LeakSkipped", "SkipCeil",
+                        "RangeByCached"}
 
+-----------------------------------------------------------------------------
+(***************************************************************************)
+(* The three versions of stage 03 the model knows, by the mechanisms of   *)
+(* its failure paths (patches/03-connector-allocate/vllm/00NN):           *)
+(*  - "SeriesAllocOnly": the per-group allocation (patches 11-12) without *)
+(*    the failure-path fixes: no hold for in-flight stores, no stall fix, *)
+(*    the first holder of a shared invalid block recomputes it for all,   *)
+(*    a running request's load-failure range is num_cached_tokens. Its    *)
+(*    models are the witnesses that each fix bites;                       *)
+(*  - "SeriesAsCoded": the fourteen commits of stage 03: patch 13 holds   *)
+(*    the blocks a connector's store still reads (request_blocks_freed),  *)
+(*    patch 7 frees the blocks of waiting requests back from async loads  *)
+(*    when the first waiting request cannot be allocated and nothing runs,*)
+(*    patch 5 makes every holder of an invalid block compute it again,    *)
+(*    patch 8 takes a running request's load-failure range from the       *)
+(*    tokens it computed before its step;                                 *)
+(*  - "SeriesProposed": SeriesAsCoded plus what the model proposes and    *)
+(*    the code lacks: a request whose async load failed and left it no   *)
+(*    valid token loads nothing more (proposals/03-no-new-kv-load-...).   *)
+(* Patches 4 (in-flight fence) and 6 (failure reported after the next     *)
+(* step) only matter with asynchronous scheduling, which is not modelled *)
+(* (one step in flight per request); patches 1-3 are the async-load      *)
+(* paths below (FinishLoad, Abort while loading, resume point); patches  *)
+(* 9-10 (configuration) and 14 (documentation) have no state.             *)
+(***************************************************************************)
+IsSeries == Policy \in {"SeriesAllocOnly", "SeriesAsCoded", "SeriesProposed"}
+Fixed == Policy \in {"SeriesAsCoded", "SeriesProposed"}
+\* Patch 13 (SeriesAsCoded, SeriesProposed): before the scheduler frees blocks
+\* of a request (window slide, preemption, stall fix, load-failure restart,
+\* abort), the connector names those its stores still read
+\* (request_blocks_freed); they keep one reference (KVCacheManager.held_blocks,
+\* a block at most once per request) until finished_sending. Mutation
+\* "FreeInFlight" switches it off.
+SaveHold == Fixed /\ Mutation # "FreeInFlight"
+\* Patch 7 (SeriesAsCoded, SeriesProposed): when the first waiting request
+\* cannot be allocated and nothing runs, the other waiting requests back from
+\* async loads free their blocks and start over (FreeWaiting).
+StallFix == Fixed
+\* Patch 5 (SeriesAsCoded, SeriesProposed): every request that counts an
+\* invalid block as computed truncates at its own first invalid block, and
+\* blocks from there on leave the prefix cache (FixedScan); before it, the
+\* first holder recomputes for all and policy "recompute" evicts nothing.
+SharedInvalidFix == Fixed
+\* Patch 8 (SeriesAsCoded, SeriesProposed): a running request's load-failure
+\* range is the tokens it computed before its step (num_computed_tokens less
+\* the tokens in flight that are not external), not num_cached_tokens (which
+\* preemption never resets: series-stale-read-preempt). Mutation
+\* "RangeByCached" switches it off.
+RangeByComputed == Fixed /\ Mutation # "RangeByCached"
+\* Proposal (SeriesProposed only; proposals/03-no-new-kv-load-after-one-
+\* failed-at-the-first-block.patch): a request whose async load failed and
+\* left it no valid computed token takes no external tokens any more
+\* (Scheduler.kv_load_failed_req_ids); the code asks the connector again,
+\* and a connector that fails at every attempt keeps it loading for ever
+\* (series-loads-fail).
+NoReload == Policy = "SeriesProposed"
+
+-----------------------------------------------------------------------------
 Null == 0                                 \* the null block (BlockPool.null_block)
 Blocks == 1..N                            \* the physical blocks
 Groups == {"full", "swa"}                 \* kv_cache_group_id, by attention type
 NoHash == <<>>                            \* block_hash of a block not in the cache
-NoStep == [on |-> FALSE, from |-> 0, n |-> 0, d |-> 0]  \* no step in flight
+NoStep == [on |-> FALSE, from |-> 0, n |-> 0, d |-> 0, e |-> 0]  \* no step in flight
+EmptyTables == [g \in Groups |-> <<>>]
+NoBlocks == [g \in Groups |-> <<>>]
 
 Min(a, b) == IF a < b THEN a ELSE b
 Max(a, b) == IF a > b THEN a ELSE b
@@ -85,778 +158,756 @@ Count(s, b) == Cardinality({i \in DOMAIN s : s[i] = b})
 \* The k lowest ids of S (the free queue's order is abstracted to ids).
 Lowest(S, k) == {x \in S : Cardinality({y \in S : y < x}) < k}
 \* The blocks of S in ascending order.
-Ascending(S) == [i \in 1..Cardinality(S) |->
-                  CHOOSE x \in S : Cardinality({y \in S : y < x}) = i - 1]
+SeqOf(S) == [i \in 1..Cardinality(S) |->
+              CHOOSE x \in S : Cardinality({y \in S : y < x}) = i - 1]
+Without(q, r) == SelectSeq(q, LAMBDA x : x # r)
+\* The same function, evaluated once (TLC applies [x \in S |-> e] lazily).
+SeqFcn(f) == CHOOSE v \in {f} : TRUE
+RECURSIVE ChoiceSeqs(_)
+\* Every sequence whose i-th element is in ss[i].
+ChoiceSeqs(ss) == IF ss = <<>> THEN {<<>>}
+                  ELSE {<<x>> \o rest : x \in Head(ss), rest \in ChoiceSeqs(Tail(ss))}
 
 \* Trailing blocks a sliding-window hit needs (sliding_window_contiguous_blocks).
 Contig == CeilDiv(W - 1, B)
-\* get_num_skipped_tokens(n) / B: blocks left of the window after n computed tokens.
-SkippedBlocks(g, n) == IF g = "swa" THEN Max(0, n - W + 1) \div B ELSE 0
+\* SingleTypeKVCacheManager.get_num_skipped_tokens(n): tokens no layer of
+\* group g reads again once n tokens are computed (the next token, n, reads
+\* n-W+1..n in the window).
+SkippedTokens(g, n) == IF g = "swa" THEN Max(0, n - W + 1) ELSE 0
+\* Blocks holding only skipped tokens (num_skipped_tokens // block_size).
+SkippedBlocks(g, n) ==
+    IF Mutation = "SkipCeil" THEN CeilDiv(SkippedTokens(g, n), B)  \* off by one
+    ELSE SkippedTokens(g, n) \div B
 \* The hash of block i (1-based) of request r in group g (token ids -> hashes).
 Hash(g, r, i) == IF i * B <= Shared THEN <<g, i>> ELSE <<g, i, r>>
 MaxBlocks == CeilDiv(MaxLen + MaxDraft, B)  \* longest block table
-ConnIds == {<<r, "connector">> : r \in Req} \* connector side of each request
-ClientIds == IF CanAbort THEN {<<r, "client">> : r \in Req} ELSE {}
+\* Table slot (1-based) of token position p (0-based).
+Slot(p) == p \div B + 1
 
-(* --algorithm HybridKVAlloc
-variables
-    \* BlockPool: ref_cnt of each physical block.
-    ref = [b \in Blocks |-> 0],
-    \* BlockPool: block_hash of each block (prefix-cache key), NoHash if not cached.
-    hash = [b \in Blocks |-> NoHash],
-    \* BlockPool.free_block_queue: blocks with ref_cnt 0, cached or not.
-    freeQ = Blocks,
-    \* Request.status: waiting, loading (WAITING_FOR_REMOTE_KVS), running,
-    \* finishing (finished, blocks kept for a transfer: delayed free), done.
-    status = [r \in Req |-> "waiting"],
-    \* Request.num_tokens: prompt plus accepted output tokens.
-    len = [r \in Req |-> PromptLen],
-    \* Request.num_computed_tokens (advanced when the step is scheduled).
-    computed = [r \in Req |-> 0],
-    \* SingleTypeKVCacheManager.req_to_blocks, one block table per group.
-    table = [r \in Req |-> [g \in Groups |-> <<>>]],
-    \* SingleTypeKVCacheManager.num_cached_block, per group.
-    ncached = [r \in Req |-> [g \in Groups |-> 0]],
-    \* The step scheduled for the request and not yet executed: its first
-    \* token, verified tokens n and draft tokens d.
-    step = [r \in Req |-> NoStep],
-    \* Blocks an asynchronous connector load is writing into, per request.
-    loads = [r \in Req |-> {}],
-    \* Blocks a connector save is reading from, per request.
-    saves = [r \in Req |-> {}],
-    \* Series: skipped or preempted blocks kept (ref held) until their save ends.
-    held = [r \in Req |-> {}],
-    \* Scheduler.running, in order; preemption takes the last.
-    running = <<>>,
-    \* Load failures injected so far.
-    failures = 0,
-    \* The step just taken: action, request, blocks per group, arguments.
-    event = [act |-> "Init", req |-> "none",
-             blocks |-> [g \in Groups |-> <<>>], args |-> [none |-> 0]];
+(***************************************************************************)
+(* Attention, written from its definition (not from the skip rule): token *)
+(* t of a full-attention layer reads every token 0..t; a sliding-window   *)
+(* layer of window W reads the W tokens t-W+1..t (vLLM's sliding_window   *)
+(* counts the token itself).                                              *)
+(***************************************************************************)
+Attends(g, t) == IF g = "full" THEN 0..t ELSE {p \in 0..t : t - p < W}
 
-define
-    \* ---- Prefix cache (BlockPool.get_cached_block) ----
-    Lookup(h) == {b \in Blocks : hash[b] = h}
-    HitBlock(g, r, i) == CHOOSE b \in Lookup(Hash(g, r, i)) : TRUE
-    FullHit(r, h) == \A i \in 1..h : Lookup(Hash("full", r, i)) # {}
-    SwaHit(r, h) ==
-        \A i \in (Max(h - Contig, 0) + 1)..h : Lookup(Hash("swa", r, i)) # {}
-    \* HybridKVCacheCoordinator.find_longest_cache_hit, in blocks: the longest
-    \* full-attention prefix hit whose last Contig blocks also hit in "swa";
-    \* at most num_tokens - 1 tokens (one token is always computed).
-    HitLen(r) ==
-        LET ok == {h \in 0..((len[r] - 1) \div B) : FullHit(r, h) /\ SwaHit(r, h)}
-        IN  CHOOSE h \in ok : \A h2 \in ok : h2 <= h
+VARIABLES
+    ref,        \* BlockPool: ref_cnt of each physical block
+    hash,       \* BlockPool: block_hash of each block (prefix-cache key), NoHash if not cached
+    freeQ,      \* BlockPool.free_block_queue: blocks with ref_cnt 0, cached or not
+    status,     \* Request.status: waiting, loading (WAITING_FOR_REMOTE_KVS), running, finishing (finished, blocks kept for a transfer), done
+    len,        \* Request.num_tokens: prompt plus accepted output tokens
+    computed,   \* Request.num_computed_tokens (advanced when the step is scheduled)
+    table,      \* SingleTypeKVCacheManager.req_to_blocks, one block table per group
+    ncached,    \* SingleTypeKVCacheManager.num_cached_block, per group
+    step,       \* the step scheduled for the request and not yet returned: first token, verified tokens n, draft tokens d, external tokens e it loads synchronously
+    loads,      \* table slots <<group, slot, block>> an asynchronous connector load writes, per request
+    saves,      \* table slots <<group, slot, block>> a connector save reads, per request
+    held,       \* blocks kept (ref held) for an in-flight save after the table let them go (SaveHold only)
+    running,    \* Scheduler.running, in order; preemption takes the last
+    failures,   \* connector load failures injected so far
+    bad,        \* block slots <<block, offset>> whose KV a failed load left invalid
+    cachedTok,  \* Request.num_cached_tokens: set once, when first scheduled (-1 before)
+    order,      \* Scheduler.waiting's order, front first (all requests; preemption moves one to the front)
+    stallHead,  \* StallFix: the request patch 7 could not allocate (first in Scheduler.waiting) and those it freed (behind it)
+    noLoad,     \* NoReload: requests whose async load failed and left no valid token (kv_load_failed_req_ids)
+    event       \* the step just taken: action, request, blocks per group, arguments
 
-    Entries(r) == UNION {Real(table[r][g]) : g \in Groups}
-    Transfers(r) == loads[r] \cup saves[r]
-    InFlight == UNION {Transfers(r) : r \in Req}
+vars == <<ref, hash, freeQ, status, len, computed, table, ncached, step, loads,
+          saves, held, running, failures, bad, cachedTok, order, stallHead, noLoad,
+          event>>
+\* Distinct states as TLC counts them: `event` is history only; cachedTok is
+\* read only when loads can fail; the waiting queue's order only by the
+\* stall fix (which has victims only with async loads), and only among the
+\* requests waiting or loading (a running request goes to the front when it
+\* is preempted, a finished one never waits again).
+WaitingOrder == SelectSeq(order, LAMBDA q : status[q] \in {"waiting", "loading"})
+View == <<ref, hash, freeQ, status, len, computed, table, ncached, step, loads,
+          saves, held, running, failures, bad,
+          IF MaxFailures = 0 THEN 0 ELSE cachedTok,
+          IF StallFix /\ AsyncLoad THEN WaitingOrder ELSE <<>>, stallHead, noLoad>>
 
-    \* ---- Scheduler choices ----
-    \* Connector.get_num_new_matched_tokens: external tokens past the local hit.
-    ExtChoices(r) ==
-        IF computed[r] = 0
-        THEN 0..Min(MaxExt, len[r] - 1 - HitLen(r) * B)
-        ELSE {0}
-    AsyncChoices(e) == IF e > 0 /\ AsyncLoad THEN {FALSE, TRUE} ELSE {FALSE}
-    \* Draft tokens proposed for a decode step (num_spec_tokens).
-    DraftChoices(r) ==
-        IF computed[r] > 0 /\ computed[r] + 1 = len[r]
-        THEN 0..Min(MaxDraft, MaxLen - len[r] - 1)
-        ELSE {0}
+Ev(act, r, blks, args) == [act |-> act, req |-> r, blocks |-> blks, args |-> args]
 
-    \* ---- KVCacheManager.allocate_slots, planned for all groups ----
-    \* Fresh request (num_computed_tokens = 0): GetComputedBlocks gives h hit
-    \* blocks, the connector e external tokens. Running or resumed request:
-    \* RemoveSkippedBlocks first. Returns the new tables' prefix (`base`),
-    \* the hits to claim, the new blocks needed per group, and the blocks
-    \* leaving the tables.
-    Plan(r, e, async, d) ==
-      LET fresh == computed[r] = 0
-          h == IF fresh THEN HitLen(r) ELSE 0
-          c == IF fresh THEN h * B + e ELSE computed[r]
-          n == IF async THEN 0 ELSE Min(Chunk, len[r] - c)
-          nb == CeilDiv(c + n + d, B)
-          s == SkippedBlocks("swa", c)
-          \* Null entries at the head of a fresh table.
-          pad == [g \in Groups |->
-                   IF g = "full" THEN (IF Mutation = "PadFull" THEN Min(s, h) ELSE 0)
-                   ELSE IF Policy = "Legacy" \/ Mutation = "AllocSkipped"
-                        THEN Max(h - Contig, 0)   \* 0.13.0: only the hit is padded
-                        ELSE s]                   \* Series: everything skipped
-          base == [g \in Groups |->
-                    IF fresh
-                    THEN [i \in 1..Max(pad[g], h) |->
-                            IF i <= pad[g] THEN Null ELSE HitBlock(g, r, i)]
-                    ELSE [i \in DOMAIN table[r][g] |->
-                            IF i <= SkippedBlocks(g, c) THEN Null
-                            ELSE table[r][g][i]]]
-          removed == IF fresh THEN {}
-                     ELSE {table[r]["swa"][i] :
-                             i \in 1..Min(s, Len(table[r]["swa"]))} \ {Null}
-          claimed == [g \in Groups |-> Real(base[g]) \ (IF fresh THEN {} ELSE Entries(r))]
-          newCount == [g \in Groups |-> Max(nb - Len(base[g]), 0)]
-          toHeld == IF Policy = "Series" /\ Mutation # "FreeInFlight"
-                    THEN (removed \cap Transfers(r)) \ held[r] ELSE {}
-          evictable == {b \in claimed["full"] \cup claimed["swa"] : ref[b] = 0}
-      IN [fresh |-> fresh, h |-> h, c |-> c, n |-> n, d |-> d, e |-> e,
-          async |-> async, nb |-> nb, base |-> base, claimed |-> claimed,
-          newCount |-> newCount, removed |-> removed, toHeld |-> toHeld,
-          toFree |-> removed \ toHeld,
-          \* KVCacheCoordinator.get_num_blocks_to_allocate: blocks that will
-          \* leave the free queue (new blocks + evictable hits it claims).
-          predicted |-> newCount["full"] + newCount["swa"]
-                        + IF Mutation = "UnderCount" THEN 0
-                          ELSE Cardinality(evictable)]
-
-    \* Free queue after RemoveSkippedBlocks returned the plan's blocks.
-    FreeAfterRemove(p) ==
-        IF Mutation = "LeakSkipped" THEN freeQ
-        ELSE freeQ \cup {b \in p.toFree : ref[b] = 1}
-    \* Hits claimed (touched) before any group allocates, and after.
-    ClaimFirst(p) == IF Mutation = "LateClaim" THEN p.claimed["full"]
-                     ELSE p.claimed["full"] \cup p.claimed["swa"]
-    ClaimLate(p) == IF Mutation = "LateClaim" THEN p.claimed["swa"] ELSE {}
-    \* BlockPool.get_new_blocks(k) from free set Q: the lowest uncached ids,
-    \* or any evictable cached blocks instead (eviction).
-    NewBlockChoices(Q, k) ==
-        LET cached == {b \in Q : hash[b] # NoHash}
-            plain == Q \ cached
-        IN  {E \cup Lowest(plain, k - Cardinality(E)) :
-               E \in {X \in SUBSET cached :
-                        Cardinality(X) <= k /\ k - Cardinality(X) <= Cardinality(plain)}}
-    Fits(r, e, async, d) ==
-        LET p == Plan(r, e, async, d) IN p.predicted <= Cardinality(FreeAfterRemove(p))
-
-    \* BlockPool.cache_full_blocks for request r: blocks from[g]+1 .. to of
-    \* each group, skipping null blocks, blocks already cached, and hashes
-    \* some other block already holds.
-    Publish(h0, r, tbl, from, to) ==
-      [b \in Blocks |->
-         LET cands == {gi \in Groups \X (1..MaxBlocks) :
-                          /\ gi[2] > from[gi[1]] /\ gi[2] <= to
-                          /\ gi[2] <= Len(tbl[gi[1]]) /\ tbl[gi[1]][gi[2]] = b}
-         IN  IF cands = {} \/ h0[b] # NoHash THEN h0[b]
-             ELSE LET gi == CHOOSE x \in cands : TRUE
-                      key == Hash(gi[1], r, gi[2])
-                  IN  IF \E b2 \in Blocks : h0[b2] = key THEN NoHash ELSE key]
-    NewCached(r, old, to) == [g \in Groups |-> Max(old[g], to)]
-
-    \* BlockPool.free_blocks of a sequence of blocks (repeats counted).
-    RefAfterFree(s) == [b \in Blocks |-> ref[b] - Count(s, b)]
-    FreeQAfterFree(s) ==
-        freeQ \cup {b \in Range(s) \ {Null} : ref[b] - Count(s, b) = 0}
-    \* The real blocks at positions lo..hi of tables tbls (all groups).
-    BlocksAt(tbls, lo, hi) ==
-        {tbls[x[1]][x[2]] : x \in {x \in Groups \X (lo..hi) : x[2] <= Len(tbls[x[1]])}}
-            \ {Null}
-    AllOf(r) == table[r]["full"] \o table[r]["swa"]
-    SeqOf(S) == Ascending(S)
-    Ev(act, r, blks, args) == [act |-> act, req |-> r, blocks |-> blks, args |-> args]
-    NoBlocks == [g \in Groups |-> <<>>]
-    EmptyTables == [g \in Groups |-> <<>>]
-    Without(q, r) == SelectSeq(q, LAMBDA x : x # r)
-end define;
-
-\* ---------------------------------------------------------------------------
-\* The scheduler and model runner acting for one request.
-fair+ process engine \in Req
-begin
-Engine:
-  while status[self] # "done" do
-    either
-      \* Scheduler.schedule -> KVCacheManager.get_computed_blocks (TouchHits
-      \* planning), connector.get_num_new_matched_tokens, allocate_slots
-      \* (RemoveSkippedBlocks, get_num_blocks_to_allocate, touch,
-      \* save_new_computed_blocks, allocate_new_blocks = GetNewBlocks with
-      \* eviction, CacheFullBlocks) and connector.update_state_after_alloc.
-      await status[self] \in {"waiting", "running"} /\ ~step[self].on;
-      with e \in ExtChoices(self), async \in AsyncChoices(e),
-           d \in DraftChoices(self), p \in {Plan(self, e, async, d)},
-           q1 \in {FreeAfterRemove(p)} do
-        await p.predicted <= Cardinality(q1);
-        with nf \in NewBlockChoices(q1 \ ClaimFirst(p), p.newCount["full"]),
-             ns \in NewBlockChoices(q1 \ (ClaimFirst(p) \cup nf \cup ClaimLate(p)),
-                                   p.newCount["swa"]),
-             q3 \in {q1 \ (ClaimFirst(p) \cup nf \cup ClaimLate(p) \cup ns)},
-             touched \in {IF Mutation = "SkipTouch" THEN {}
-                       ELSE ClaimFirst(p) \cup ClaimLate(p)},
-             tbl \in {[g \in Groups |->
-                      p.base[g] \o SeqOf(IF g = "full" THEN nf ELSE ns)]},
-             h1 \in {[b \in Blocks |-> IF b \in nf \cup ns THEN NoHash ELSE hash[b]]},
-             publishTo \in {IF p.async /\ Mutation # "EarlyPublish" THEN 0
-                         ELSE IF Mutation = "PublishDraft"
-                              THEN (p.c + p.n + p.d) \div B
-                              ELSE Min(p.c + p.n, len[self]) \div B},
-             from \in {IF p.fresh THEN [g \in Groups |-> Len(p.base[g])]
-                    ELSE ncached[self]} do
-          ref := [b \in Blocks |->
-                    ref[b] - (IF b \in p.toFree THEN 1 ELSE 0)
-                           + (IF b \in touched THEN 1 ELSE 0)
-                           + (IF b \in nf THEN 1 ELSE 0)
-                           + (IF b \in ns THEN 1 ELSE 0)];
-          freeQ := q3;
-          hash := Publish(h1, self, tbl, from, publishTo);
-          table[self] := tbl;
-          ncached[self] := NewCached(self, from, publishTo);
-          held[self] := held[self] \cup p.toHeld;
-          loads[self] := IF p.async THEN BlocksAt(tbl, p.h + 1, CeilDiv(p.c, B))
-                         ELSE {};
-          computed[self] := p.c + p.n + p.d;
-          step[self] := IF p.async THEN NoStep
-                        ELSE [on |-> TRUE, from |-> p.c, n |-> p.n, d |-> p.d];
-          running := IF status[self] = "waiting" /\ ~p.async
-                     THEN Append(running, self) ELSE running;
-          status[self] := IF p.async THEN "loading" ELSE "running";
-          event := Ev("AllocateSlots", self,
-                      [g \in Groups |-> SeqOf(IF g = "full" THEN nf ELSE ns)],
-                      [hit |-> p.h, ext |-> p.e, async |-> p.async, n |-> p.n,
-                       d |-> p.d, predicted |-> p.predicted,
-                       taken |-> Cardinality(q1) - Cardinality(q3)]);
-        end with;
-      end with;
-    or
-      \* Scheduler.update_from_output: the step ran; a decode step accepts
-      \* a of its d draft tokens and samples one more token; the connector
-      \* starts saving the blocks that became full; a request that reached
-      \* MaxLen finishes (request_finished: delayed free while transfers run).
-      await step[self].on;
-      with a \in 0..step[self].d,
-           st \in {step[self]},
-           sampled \in {st.from + st.n = len[self]},
-           c2 \in {st.from + st.n + a},
-           len2 \in {IF sampled THEN len[self] + 1 + a ELSE len[self]},
-           sv \in {IF Save THEN BlocksAt(table[self], (st.from \div B) + 1, c2 \div B)
-                ELSE {}},
-           fin \in {len2 >= MaxLen},
-           delay \in {Mutation # "EagerFree" /\ (saves[self] \cup sv \cup held[self]) # {}} do
-        computed[self] := c2;
-        len[self] := len2;
-        step[self] := NoStep;
-        saves[self] := saves[self] \cup sv;
-        if fin /\ ~delay then
-          \* KVCacheManager.free: all groups, tail first (order abstracted).
-          event := Ev("Finish", self, table[self], [accepted |-> a]);
-          ref := RefAfterFree(AllOf(self) \o SeqOf(held[self]));
-          freeQ := FreeQAfterFree(AllOf(self) \o SeqOf(held[self]));
-          table[self] := EmptyTables;
-          ncached[self] := [g \in Groups |-> 0];
-          held[self] := {};
-          status[self] := "done";
-          running := Without(running, self);
-        elsif fin then
-          status[self] := "finishing";
-          running := Without(running, self);
-          event := Ev("FinishDelayed", self, NoBlocks, [accepted |-> a]);
-        else
-          event := Ev("Execute", self, NoBlocks, [accepted |-> a]);
-        end if;
-      end with;
-    or
-      \* Scheduler.schedule: allocate_slots returned None for this running
-      \* request, so the last running request is preempted (maybe itself):
-      \* KVCacheManager.free; Series keeps blocks a save still reads.
-      await status[self] = "running" /\ ~step[self].on /\ running # <<>>
-            /\ ~Fits(self, 0, FALSE, 0);
-      with v \in {running[Len(running)]},
-           keep \in {IF Policy = "Series" /\ Mutation # "FreeInFlight"
-                  THEN (Entries(v) \cap Transfers(v)) \ held[v] ELSE {}},
-           fr \in {SelectSeq(AllOf(v), LAMBDA x : x \notin keep)} do
-        await ~step[v].on;
-        event := Ev("Preempt", v, table[v], [by |-> self]);
-        ref := RefAfterFree(fr);
-        freeQ := FreeQAfterFree(fr);
-        table[v] := EmptyTables;
-        ncached[v] := [g \in Groups |-> 0];
-        held[v] := held[v] \cup keep;
-        computed[v] := 0;
-        status[v] := "waiting";
-        running := Without(running, v);
-      end with;
-    end either;
-  end while;
-end process;
-
-\* ---------------------------------------------------------------------------
-\* The connector's worker side, reporting through get_finished.
-fair process connector \in ConnIds
-begin
-Connector:
-  while status[self[1]] # "done" do
-    either
-      \* _update_waiting_for_remote_kv, load succeeded (FinishLoad):
-      \* cache_blocks publishes the loaded blocks now, not before.
-      await loads[self[1]] # {};
-      with r \in {self[1]},
-           last \in {status[r] = "finishing" /\ saves[r] = {}} do
-        loads[r] := {};
-        if last then
-          event := Ev("FinishLoadFree", r, table[r], [none |-> 0]);
-          ref := RefAfterFree(AllOf(r) \o SeqOf(held[r]));
-          freeQ := FreeQAfterFree(AllOf(r) \o SeqOf(held[r]));
-          table[r] := EmptyTables;
-          ncached[r] := [g \in Groups |-> 0];
-          held[r] := {};
-          status[r] := "done";
-        elsif status[r] = "finishing" then
-          event := Ev("FinishLoad", r, NoBlocks, [none |-> 0]);
-        else
-          hash := Publish(hash, r, table[r], ncached[r], computed[r] \div B);
-          ncached[r] := NewCached(r, ncached[r], computed[r] \div B);
-          status[r] := "waiting";
-          event := Ev("FinishLoad", r, NoBlocks, [none |-> 0]);
-        end if;
-      end with;
-    or
-      \* _update_waiting_for_remote_kv after _handle_invalid_blocks (LoadFailed):
-      \* nothing valid was computed, so the request's blocks are freed and it
-      \* is scheduled again from scratch.
-      await loads[self[1]] # {} /\ failures < MaxFailures;
-      with r \in {self[1]} do
-        event := Ev("LoadFailed", r, table[r], [none |-> 0]);
-        loads[r] := {};
-        failures := failures + 1;
-        ref := RefAfterFree(AllOf(r));
-        freeQ := FreeQAfterFree(AllOf(r));
-        table[r] := EmptyTables;
-        ncached[r] := [g \in Groups |-> 0];
-        computed[r] := 0;
-        if status[r] = "finishing" /\ saves[r] = {} then
-          status[r] := "done";
-        elsif status[r] = "loading" then
-          status[r] := "waiting";
-        end if;
-      end with;
-    or
-      \* finished_sending (SaveDone): blocks held for the save are freed; a
-      \* finished request's delayed free happens now.
-      await saves[self[1]] # {};
-      with r \in {self[1]},
-           last \in {status[r] = "finishing" /\ loads[r] = {}},
-           fr \in {(IF last THEN AllOf(r) ELSE <<>>) \o SeqOf(held[r])} do
-        saves[r] := {};
-        ref := RefAfterFree(fr);
-        freeQ := FreeQAfterFree(fr);
-        held[r] := {};
-        if last then
-          table[r] := EmptyTables;
-          ncached[r] := [g \in Groups |-> 0];
-          status[r] := "done";
-        end if;
-        event := Ev("SaveDone", r, NoBlocks, [none |-> 0]);
-      end with;
-    end either;
-  end while;
-end process;
-
-\* ---------------------------------------------------------------------------
-\* A client that may abort its request (Scheduler.finish_requests).
-process client \in ClientIds
-begin
-Client:
-  either
-    await status[self[1]] \in {"waiting", "loading", "running"}
-          /\ ~step[self[1]].on;
-    with r \in {self[1]},
-         delay \in {Mutation # "EagerFree" /\ (Transfers(r) \cup held[r]) # {}} do
-      running := Without(running, r);
-      if delay then
-        status[r] := "finishing";
-        event := Ev("AbortDelayed", r, NoBlocks, [none |-> 0]);
-      else
-        event := Ev("Abort", r, table[r], [none |-> 0]);
-        ref := RefAfterFree(AllOf(r) \o SeqOf(held[r]));
-        freeQ := FreeQAfterFree(AllOf(r) \o SeqOf(held[r]));
-        table[r] := EmptyTables;
-        ncached[r] := [g \in Groups |-> 0];
-        held[r] := {};
-        status[r] := "done";
-      end if;
-    end with;
-  or
-    \* The client never aborts.
-    event := Ev("NoAbort", self[1], NoBlocks, [none |-> 0]);
-  end either;
-end process;
-end algorithm; *)
-\* BEGIN TRANSLATION - the hash of the PCal code: PCal-53088e2437dd0a5c45bddd76ff90ff47
-VARIABLES ref, hash, freeQ, status, len, computed, table, ncached, step, 
-          loads, saves, held, running, failures, event, pc
-
-(* define statement *)
+-----------------------------------------------------------------------------
+(* Prefix cache (BlockPool.get_cached_block, find_longest_cache_hit). *)
 Lookup(h) == {b \in Blocks : hash[b] = h}
-HitBlock(g, r, i) == CHOOSE b \in Lookup(Hash(g, r, i)) : TRUE
 FullHit(r, h) == \A i \in 1..h : Lookup(Hash("full", r, i)) # {}
 SwaHit(r, h) ==
     \A i \in (Max(h - Contig, 0) + 1)..h : Lookup(Hash("swa", r, i)) # {}
-
-
-
+\* HybridKVCacheCoordinator.find_longest_cache_hit, in blocks: the longest
+\* full-attention prefix hit whose last Contig blocks also hit in "swa";
+\* at most num_tokens - 1 tokens (one token is always computed).
 HitLen(r) ==
     LET ok == {h \in 0..((len[r] - 1) \div B) : FullHit(r, h) /\ SwaHit(r, h)}
     IN  CHOOSE h \in ok : \A h2 \in ok : h2 <= h
+\* The hit blocks per group (get_one_block: any block of the key); the
+\* sliding window's hit is null-padded before its last Contig blocks.
+HitChoices(r, h) ==
+    {[g \in Groups |-> IF g = "full" THEN f ELSE s] :
+        f \in ChoiceSeqs([i \in 1..h |-> Lookup(Hash("full", r, i))]),
+        s \in ChoiceSeqs([i \in 1..h |-> IF i <= h - Contig THEN {Null}
+                                          ELSE Lookup(Hash("swa", r, i))])}
 
 Entries(r) == UNION {Real(table[r][g]) : g \in Groups}
-Transfers(r) == loads[r] \cup saves[r]
+AllOf(r) == table[r]["full"] \o table[r]["swa"]
+\* The real blocks at slots lo..hi of tables tbls (all groups).
+BlocksAt(tbls, lo, hi) ==
+    {tbls[x[1]][x[2]] : x \in {x \in Groups \X (lo..hi) : x[2] <= Len(tbls[x[1]])}}
+        \ {Null}
+\* The table slots <<group, slot, block>> at slots lo..hi of tables tbls
+\* (a transfer reads or writes a block at its place in the table).
+SlotsAt(tbls, lo, hi) ==
+    {<<x[1], x[2], tbls[x[1]][x[2]]>> :
+        x \in {x \in Groups \X (lo..hi) : x[2] <= Len(tbls[x[1]]) /\ tbls[x[1]][x[2]] # Null}}
+TB(T) == {x[3] : x \in T}                 \* the blocks of table slots T
+\* Slots a synchronous load writes while the step is in flight.
+SyncLoads(r) ==
+    IF step[r].on /\ step[r].e > 0
+    THEN SlotsAt(table[r], Slot(step[r].from - step[r].e), Slot(step[r].from - 1))
+    ELSE {}
+TransferSlots(r) == loads[r] \cup saves[r] \cup SyncLoads(r)
+Transfers(r) == TB(TransferSlots(r))
 InFlight == UNION {Transfers(r) : r \in Req}
+\* A waiting request that holds blocks (back from an async load, or
+\* truncated by a load failure).
+Fresh(r) == status[r] = "waiting" /\ computed[r] = 0
+\* The tokens a request had computed before its step in flight.
+ReadFrom(r) == IF step[r].on THEN step[r].from ELSE computed[r]
 
-
-
+(* Scheduler choices. *)
+\* Connector.get_num_new_matched_tokens: external tokens past the local hit.
 ExtChoices(r) ==
-    IF computed[r] = 0
-    THEN 0..Min(MaxExt, len[r] - 1 - HitLen(r) * B)
+    IF Fresh(r) /\ r \notin noLoad THEN 0..Min(MaxExt, len[r] - 1 - HitLen(r) * B)
     ELSE {0}
 AsyncChoices(e) == IF e > 0 /\ AsyncLoad THEN {FALSE, TRUE} ELSE {FALSE}
-
+\* Draft tokens proposed for a decode step (num_spec_tokens).
 DraftChoices(r) ==
     IF computed[r] > 0 /\ computed[r] + 1 = len[r]
     THEN 0..Min(MaxDraft, MaxLen - len[r] - 1)
     ELSE {0}
 
-
-
-
-
-
-
-Plan(r, e, async, d) ==
-  LET fresh == computed[r] = 0
+(***************************************************************************)
+(* KVCacheManager.allocate_slots, planned for all groups. A fresh request *)
+(* (waiting, nothing computed) starts its tables from the hit `hit` (h    *)
+(* blocks) and e external tokens; a request holding blocks first runs     *)
+(* remove_skipped_blocks. Returns the tables' prefix (`base`), the hits to *)
+(* claim, the new blocks per group, the blocks leaving the tables, and     *)
+(* get_num_blocks_to_allocate's count (`predicted`), computed as the code  *)
+(* computes it, apart from the allocation itself.                         *)
+(***************************************************************************)
+\* The skipped prefix of a fresh table (save_new_computed_blocks).
+FreshSkip(g, c, h) ==
+    IF g = "full" THEN 0
+    ELSE IF Policy = "Legacy" \/ Mutation = "AllocSkipped"
+         THEN Max(h - Contig, 0)          \* 0.13.0: only the hit is padded
+         ELSE SkippedBlocks(g, c)          \* the series: everything skipped
+Plan(r, e, async, d, hit) ==
+  LET fresh == Fresh(r)
       h == IF fresh THEN HitLen(r) ELSE 0
       c == IF fresh THEN h * B + e ELSE computed[r]
       n == IF async THEN 0 ELSE Min(Chunk, len[r] - c)
       nb == CeilDiv(c + n + d, B)
       s == SkippedBlocks("swa", c)
-
+      \* Null entries at the head of a fresh table.
       pad == [g \in Groups |->
-               IF g = "full" THEN (IF Mutation = "PadFull" THEN Min(s, h) ELSE 0)
-               ELSE IF Policy = "Legacy" \/ Mutation = "AllocSkipped"
-                    THEN Max(h - Contig, 0)
-                    ELSE s]
-      base == [g \in Groups |->
+               IF g = "full" /\ Mutation = "PadFull" THEN Min(s, h)
+               ELSE FreshSkip(g, c, h)]
+      base == SeqFcn([g \in Groups |->
                 IF fresh
                 THEN [i \in 1..Max(pad[g], h) |->
-                        IF i <= pad[g] THEN Null ELSE HitBlock(g, r, i)]
+                        IF i <= pad[g] THEN Null ELSE hit[g][i]]
                 ELSE [i \in DOMAIN table[r][g] |->
                         IF i <= SkippedBlocks(g, c) THEN Null
-                        ELSE table[r][g][i]]]
+                        ELSE table[r][g][i]]])
       removed == IF fresh THEN {}
                  ELSE {table[r]["swa"][i] :
                          i \in 1..Min(s, Len(table[r]["swa"]))} \ {Null}
-      claimed == [g \in Groups |-> Real(base[g]) \ (IF fresh THEN {} ELSE Entries(r))]
+      claimed == [g \in Groups |-> IF fresh THEN Real(base[g]) ELSE {}]
       newCount == [g \in Groups |-> Max(nb - Len(base[g]), 0)]
-      toHeld == IF Policy = "Series" /\ Mutation # "FreeInFlight"
-                THEN (removed \cap Transfers(r)) \ held[r] ELSE {}
-      evictable == {b \in claimed["full"] \cup claimed["swa"] : ref[b] = 0}
+      toHeld == IF SaveHold THEN (removed \cap Transfers(r)) \ held[r] ELSE {}
+      \* get_num_blocks_to_allocate, per group: new blocks past the skipped
+      \* prefix and the hits, plus the evictable (ref_cnt 0) hits claimed;
+      \* a request holding blocks: the slots its table still lacks.
+      count(g) ==
+        IF fresh
+        THEN LET sk == FreshSkip(g, c, h)
+             IN  Max(0, nb - Max(sk, h))
+                 + (IF Mutation = "UnderCount" THEN 0
+                    ELSE Cardinality({i \in (sk + 1)..h :
+                                        hit[g][i] # Null /\ ref[hit[g][i]] = 0}))
+        ELSE Max(0, nb - Len(table[r][g]))
   IN [fresh |-> fresh, h |-> h, c |-> c, n |-> n, d |-> d, e |-> e,
       async |-> async, nb |-> nb, base |-> base, claimed |-> claimed,
       newCount |-> newCount, removed |-> removed, toHeld |-> toHeld,
       toFree |-> removed \ toHeld,
+      predicted |-> count("full") + count("swa")]
 
-
-      predicted |-> newCount["full"] + newCount["swa"]
-                    + IF Mutation = "UnderCount" THEN 0
-                      ELSE Cardinality(evictable)]
-
-
+\* Free queue after remove_skipped_blocks returned the plan's blocks.
 FreeAfterRemove(p) ==
     IF Mutation = "LeakSkipped" THEN freeQ
     ELSE freeQ \cup {b \in p.toFree : ref[b] = 1}
-
+\* Hits claimed (touched) before any group allocates, and after.
 ClaimFirst(p) == IF Mutation = "LateClaim" THEN p.claimed["full"]
                  ELSE p.claimed["full"] \cup p.claimed["swa"]
 ClaimLate(p) == IF Mutation = "LateClaim" THEN p.claimed["swa"] ELSE {}
-
-
+\* BlockPool.get_new_blocks(k) from free set Q: the lowest uncached ids,
+\* or any evictable cached blocks instead (eviction).
 NewBlockChoices(Q, k) ==
     LET cached == {b \in Q : hash[b] # NoHash}
         plain == Q \ cached
     IN  {E \cup Lowest(plain, k - Cardinality(E)) :
            E \in {X \in SUBSET cached :
                     Cardinality(X) <= k /\ k - Cardinality(X) <= Cardinality(plain)}}
-Fits(r, e, async, d) ==
-    LET p == Plan(r, e, async, d) IN p.predicted <= Cardinality(FreeAfterRemove(p))
+Fits(r, e, async, d, hit) ==
+    \E p \in {Plan(r, e, async, d, hit)} : p.predicted <= Cardinality(FreeAfterRemove(p))
+\* The next step of a request holding blocks does not fit (its hit is moot).
+NextStepFits(r) == Fits(r, 0, FALSE, 0, NoBlocks)
+\* Scheduler.schedule, waiting loop: allocate_slots returns None for waiting
+\* request h (for some answer of the connector).
+Refused(h) ==
+    \E e \in ExtChoices(h),
+       hit \in (IF Fresh(h) THEN HitChoices(h, HitLen(h)) ELSE {NoBlocks}) :
+       \E async \in AsyncChoices(e) : ~Fits(h, e, async, 0, hit)
+\* One answer of the connector for which h is refused, and its plan
+\* (recorded in FreeWaiting's event for the replays; CHOOSE: one successor).
+RefusalOf(h) ==
+    CHOOSE x \in {x \in [ext : ExtChoices(h), async : BOOLEAN,
+                         hit : IF Fresh(h) THEN HitChoices(h, HitLen(h)) ELSE {NoBlocks}] :
+                    x.async \in AsyncChoices(x.ext) /\ ~Fits(h, x.ext, x.async, 0, x.hit)} :
+        TRUE
+\* Scheduler._free_blocks_of_waiting_requests(h) (patch 7): the waiting
+\* requests other than h that hold blocks no load writes any more
+\* (num_computed_tokens > 0; the model moves a request back from its load to
+\* "waiting" when the load is reported).
+StallVictims(h) == {q \in Req \ {h} : status[q] = "waiting" /\ computed[q] > 0}
+\* Scheduler.waiting's order, as far as patch 7 needs it: the requests it
+\* freed stay behind the one it could not allocate until that one is
+\* scheduled (any other order of the waiting queue is left open).
+NoHead == [h |-> "none", vs |-> {}]
+Yields(r) == stallHead # NoHead /\ r \in stallHead.vs
+Pos(r) == CHOOSE i \in DOMAIN order : order[i] = r
+\* h is the first waiting request in Scheduler.waiting (the ones before it
+\* are loading: skipped).
+FirstWaiting(h) == \A q \in Req \ {h} : status[q] = "waiting" => Pos(h) < Pos(q)
 
-
-
-
+\* BlockPool.cache_full_blocks for request r: slots from[g]+1 .. to of each
+\* group, skipping null blocks and blocks already cached. A key may name
+\* several blocks (BlockHashToBlockMap keeps them all).
 Publish(h0, r, tbl, from, to) ==
   [b \in Blocks |->
      LET cands == {gi \in Groups \X (1..MaxBlocks) :
                       /\ gi[2] > from[gi[1]] /\ gi[2] <= to
                       /\ gi[2] <= Len(tbl[gi[1]]) /\ tbl[gi[1]][gi[2]] = b}
      IN  IF cands = {} \/ h0[b] # NoHash THEN h0[b]
-         ELSE LET gi == CHOOSE x \in cands : TRUE
-                  key == Hash(gi[1], r, gi[2])
-              IN  IF \E b2 \in Blocks : h0[b2] = key THEN NoHash ELSE key]
-NewCached(r, old, to) == [g \in Groups |-> Max(old[g], to)]
+         ELSE LET gi == CHOOSE x \in cands : TRUE IN Hash(gi[1], r, gi[2])]
+NewCached(old, to) == [g \in Groups |-> Max(old[g], to)]
 
-
+RECURSIVE FreeSeq(_)
+\* The blocks KVCacheManager.free returns for the requests Qs (all groups).
+FreeSeq(Qs) == IF Qs = {} THEN <<>>
+               ELSE LET q == CHOOSE x \in Qs : TRUE IN AllOf(q) \o FreeSeq(Qs \ {q})
+\* BlockPool.free_blocks of a sequence of blocks (repeats counted).
 RefAfterFree(s) == [b \in Blocks |-> ref[b] - Count(s, b)]
 FreeQAfterFree(s) ==
     freeQ \cup {b \in Range(s) \ {Null} : ref[b] - Count(s, b) = 0}
 
-BlocksAt(tbls, lo, hi) ==
-    {tbls[x[1]][x[2]] : x \in {x \in Groups \X (lo..hi) : x[2] <= Len(tbls[x[1]])}}
-        \ {Null}
-AllOf(r) == table[r]["full"] \o table[r]["swa"]
-SeqOf(S) == Ascending(S)
-Ev(act, r, blks, args) == [act |-> act, req |-> r, blocks |-> blks, args |-> args]
-NoBlocks == [g \in Groups |-> <<>>]
-EmptyTables == [g \in Groups |-> <<>>]
-Without(q, r) == SelectSeq(q, LAMBDA x : x # r)
+\* KVCacheManager.can_recompute_from(r, t): in every group, the first block
+\* read by computing from token t on is real (or not allocated yet).
+CanRecomputeFrom(r, t) ==
+    \A g \in Groups :
+        LET fb == SkippedBlocks(g, t) + 1
+        IN  fb > Len(table[r][g]) \/ table[r][g][fb] # Null
 
+\* The slots a step writes (its tokens, draft tokens included).
+Written(r) ==
+    {<<table[r][g][Slot(p)], p % B>> :
+       <<g, p>> \in {x \in Groups \X (step[r].from..(step[r].from + step[r].n + step[r].d - 1)) :
+                       Slot(x[2]) <= Len(table[r][x[1]]) /\ table[r][x[1]][Slot(x[2])] # Null}}
+\* Slots of request r's tables at token positions lo..hi, in blocks of S.
+SlotsIn(r, lo, hi, S) ==
+    {<<table[r][g][Slot(p)], p % B>> :
+       <<g, p>> \in {x \in Groups \X (lo..hi) :
+                       Slot(x[2]) <= Len(table[r][x[1]]) /\ table[r][x[1]][Slot(x[2])] \in S}}
 
-vars == << ref, hash, freeQ, status, len, computed, table, ncached, step, 
-           loads, saves, held, running, failures, event, pc >>
+\* The 1-based slots of r's tables (any group) naming a block of S, up to rng.
+SlotsOf(q, S, rng) ==
+    {i \in 1..rng : \E g \in Groups : i <= Len(table[q][g]) /\ table[q][g][i] \in S}
+LongestTable(q) == Max(Len(table[q]["full"]), Len(table[q]["swa"]))
+SetMin(S) == CHOOSE x \in S : \A y \in S : x <= y
 
-ProcSet == (Req) \cup (ConnIds) \cup (ClientIds)
+(***************************************************************************)
+(* Scheduler._update_requests_with_invalid_blocks, as stage 03 does it,   *)
+(* over the requests qs in order (async loads first, then Scheduler.running)*)
+(* with invalid blocks inv. A request's range is its table slots (async)  *)
+(* or num_cached_tokens (sync). The first request holding an unmarked     *)
+(* invalid block recomputes from it (or from 0 if can_recompute_from says *)
+(* no); a request whose invalid blocks were all marked by an earlier one  *)
+(* reverts to num_cached_tokens. Returns [nc: new num_computed_tokens of  *)
+(* the affected, marked, first: the recomputing ones, evict: their blocks *)
+(* from the first invalid slot on (sync only)].                           *)
+(***************************************************************************)
+RECURSIVE ScanInvalid(_, _, _)
+ScanInvalid(qs, inv, acc) ==
+  IF qs = <<>> THEN acc
+  ELSE
+    LET q == Head(qs)
+        sync == status[q] # "loading"
+        rng == IF sync THEN CeilDiv(Max(cachedTok[q], 0), B) ELSE LongestTable(q)
+        all == SlotsOf(q, inv, rng)
+        unmarked == SlotsOf(q, inv \ acc.marked, rng)
+        first == IF unmarked = {} THEN 0 ELSE SetMin(unmarked)
+        t == (first - 1) * B
+        nc == IF first = 0 THEN cachedTok[q]
+              ELSE IF CanRecomputeFrom(q, t) THEN t ELSE 0
+        marks == IF first = 0 THEN {}
+                 ELSE {table[q][g][i] : <<g, i>> \in
+                         {x \in Groups \X (first..rng) : x[2] <= Len(table[q][x[1]])}}
+                      \cap inv
+        evict == IF first = 0 \/ ~sync THEN {}
+                 ELSE BlocksAt(table[q], first, LongestTable(q))
+    IN ScanInvalid(Tail(qs), inv,
+         IF all = {} THEN acc
+         ELSE [nc |-> acc.nc @@ (q :> nc), marked |-> acc.marked \cup marks,
+               first |-> acc.first \cup (IF first = 0 THEN {} ELSE {q}),
+               evict |-> acc.evict \cup evict])
+NoScan == [nc |-> <<>>, marked |-> {}, first |-> {}, evict |-> {}]
 
-Init == (* Global variables *)
-        /\ ref = [b \in Blocks |-> 0]
-        /\ hash = [b \in Blocks |-> NoHash]
-        /\ freeQ = Blocks
-        /\ status = [r \in Req |-> "waiting"]
-        /\ len = [r \in Req |-> PromptLen]
-        /\ computed = [r \in Req |-> 0]
-        /\ table = [r \in Req |-> [g \in Groups |-> <<>>]]
-        /\ ncached = [r \in Req |-> [g \in Groups |-> 0]]
-        /\ step = [r \in Req |-> NoStep]
-        /\ loads = [r \in Req |-> {}]
-        /\ saves = [r \in Req |-> {}]
-        /\ held = [r \in Req |-> {}]
-        /\ running = <<>>
-        /\ failures = 0
-        /\ event = [act |-> "Init", req |-> "none",
-                    blocks |-> [g \in Groups |-> <<>>], args |-> [none |-> 0]]
-        /\ pc = [self \in ProcSet |-> CASE self \in Req -> "Engine"
-                                        [] self \in ConnIds -> "Connector"
-                                        [] self \in ClientIds -> "Client"]
+(***************************************************************************)
+(* Scheduler._update_requests_with_invalid_blocks with SharedInvalidFix    *)
+(* (patches 5 and 11): every request that counts an invalid block as      *)
+(* computed truncates at its own first invalid slot (over all groups), or *)
+(* starts over when can_recompute_from says no; no request counts on      *)
+(* another one. Counted as computed: num_computed_tokens_after_recving    *)
+(* (loading, = computed in the model), num_cached_tokens (running; with    *)
+(* RangeByComputed, the tokens computed before its step), computed        *)
+(* (waiting with blocks). Its blocks from the first invalid slot on leave *)
+(* the prefix cache (evict_blocks, for every affected request).            *)
+(***************************************************************************)
+FixedScan(inv) ==
+  LET rng(q) == IF status[q] = "running"
+                THEN IF RangeByComputed THEN CeilDiv(ReadFrom(q), B)
+                     ELSE CeilDiv(Max(cachedTok[q], 0), B)
+                ELSE CeilDiv(computed[q], B)
+      holders == {q \in Req :
+                    /\ \/ status[q] \in {"loading", "running"}
+                       \/ status[q] = "waiting" /\ computed[q] > 0
+                    /\ SlotsOf(q, inv, rng(q)) # {}}
+      first(q) == SetMin(SlotsOf(q, inv, rng(q)))
+      nc(q) == IF CanRecomputeFrom(q, (first(q) - 1) * B) THEN (first(q) - 1) * B ELSE 0
+  IN [nc |-> [q \in holders |-> nc(q)], marked |-> inv, first |-> holders,
+      evict |-> UNION {BlocksAt(table[q], first(q), LongestTable(q)) : q \in holders}]
 
-Engine(self) == /\ pc[self] = "Engine"
-                /\ IF status[self] # "done"
-                      THEN /\ \/ /\ status[self] \in {"waiting", "running"} /\ ~step[self].on
-                                 /\ \E e \in ExtChoices(self):
-                                      \E async \in AsyncChoices(e):
-                                        \E d \in DraftChoices(self):
-                                          \E p \in {Plan(self, e, async, d)}:
-                                            \E q1 \in {FreeAfterRemove(p)}:
-                                              /\ p.predicted <= Cardinality(q1)
-                                              /\ \E nf \in NewBlockChoices(q1 \ ClaimFirst(p), p.newCount["full"]):
-                                                   \E ns \in NewBlockChoices(q1 \ (ClaimFirst(p) \cup nf \cup ClaimLate(p)),
-                                                                            p.newCount["swa"]):
-                                                     \E q3 \in {q1 \ (ClaimFirst(p) \cup nf \cup ClaimLate(p) \cup ns)}:
-                                                       \E touched \in   {IF Mutation = "SkipTouch" THEN {}
-                                                                      ELSE ClaimFirst(p) \cup ClaimLate(p)}:
-                                                         \E tbl \in {[g \in Groups |->
-                                                                     p.base[g] \o SeqOf(IF g = "full" THEN nf ELSE ns)]}:
-                                                           \E h1 \in {[b \in Blocks |-> IF b \in nf \cup ns THEN NoHash ELSE hash[b]]}:
-                                                             \E publishTo \in   {IF p.async /\ Mutation # "EarlyPublish" THEN 0
-                                                                              ELSE IF Mutation = "PublishDraft"
-                                                                                   THEN (p.c + p.n + p.d) \div B
-                                                                                   ELSE Min(p.c + p.n, len[self]) \div B}:
-                                                               \E from \in   {IF p.fresh THEN [g \in Groups |-> Len(p.base[g])]
-                                                                           ELSE ncached[self]}:
-                                                                 /\ ref' = [b \in Blocks |->
-                                                                              ref[b] - (IF b \in p.toFree THEN 1 ELSE 0)
-                                                                                     + (IF b \in touched THEN 1 ELSE 0)
-                                                                                     + (IF b \in nf THEN 1 ELSE 0)
-                                                                                     + (IF b \in ns THEN 1 ELSE 0)]
-                                                                 /\ freeQ' = q3
-                                                                 /\ hash' = Publish(h1, self, tbl, from, publishTo)
-                                                                 /\ table' = [table EXCEPT ![self] = tbl]
-                                                                 /\ ncached' = [ncached EXCEPT ![self] = NewCached(self, from, publishTo)]
-                                                                 /\ held' = [held EXCEPT ![self] = held[self] \cup p.toHeld]
-                                                                 /\ loads' = [loads EXCEPT ![self] = IF p.async THEN BlocksAt(tbl, p.h + 1, CeilDiv(p.c, B))
-                                                                                                     ELSE {}]
-                                                                 /\ computed' = [computed EXCEPT ![self] = p.c + p.n + p.d]
-                                                                 /\ step' = [step EXCEPT ![self] = IF p.async THEN NoStep
-                                                                                                   ELSE [on |-> TRUE, from |-> p.c, n |-> p.n, d |-> p.d]]
-                                                                 /\ running' = (IF status[self] = "waiting" /\ ~p.async
-                                                                                THEN Append(running, self) ELSE running)
-                                                                 /\ status' = [status EXCEPT ![self] = IF p.async THEN "loading" ELSE "running"]
-                                                                 /\ event' = Ev("AllocateSlots", self,
-                                                                                [g \in Groups |-> SeqOf(IF g = "full" THEN nf ELSE ns)],
-                                                                                [hit |-> p.h, ext |-> p.e, async |-> p.async, n |-> p.n,
-                                                                                 d |-> p.d, predicted |-> p.predicted,
-                                                                                 taken |-> Cardinality(q1) - Cardinality(q3)])
-                                 /\ UNCHANGED <<len, saves>>
-                              \/ /\ step[self].on
-                                 /\ \E a \in 0..step[self].d:
-                                      \E st \in {step[self]}:
-                                        \E sampled \in {st.from + st.n = len[self]}:
-                                          \E c2 \in {st.from + st.n + a}:
-                                            \E len2 \in {IF sampled THEN len[self] + 1 + a ELSE len[self]}:
-                                              \E sv \in   {IF Save THEN BlocksAt(table[self], (st.from \div B) + 1, c2 \div B)
-                                                        ELSE {}}:
-                                                \E fin \in {len2 >= MaxLen}:
-                                                  \E delay \in {Mutation # "EagerFree" /\ (saves[self] \cup sv \cup held[self]) # {}}:
-                                                    /\ computed' = [computed EXCEPT ![self] = c2]
-                                                    /\ len' = [len EXCEPT ![self] = len2]
-                                                    /\ step' = [step EXCEPT ![self] = NoStep]
-                                                    /\ saves' = [saves EXCEPT ![self] = saves[self] \cup sv]
-                                                    /\ IF fin /\ ~delay
-                                                          THEN /\ event' = Ev("Finish", self, table[self], [accepted |-> a])
-                                                               /\ ref' = RefAfterFree(AllOf(self) \o SeqOf(held[self]))
-                                                               /\ freeQ' = FreeQAfterFree(AllOf(self) \o SeqOf(held[self]))
-                                                               /\ table' = [table EXCEPT ![self] = EmptyTables]
-                                                               /\ ncached' = [ncached EXCEPT ![self] = [g \in Groups |-> 0]]
-                                                               /\ held' = [held EXCEPT ![self] = {}]
-                                                               /\ status' = [status EXCEPT ![self] = "done"]
-                                                               /\ running' = Without(running, self)
-                                                          ELSE /\ IF fin
-                                                                     THEN /\ status' = [status EXCEPT ![self] = "finishing"]
-                                                                          /\ running' = Without(running, self)
-                                                                          /\ event' = Ev("FinishDelayed", self, NoBlocks, [accepted |-> a])
-                                                                     ELSE /\ event' = Ev("Execute", self, NoBlocks, [accepted |-> a])
-                                                                          /\ UNCHANGED << status, 
-                                                                                          running >>
-                                                               /\ UNCHANGED << ref, 
-                                                                               freeQ, 
-                                                                               table, 
-                                                                               ncached, 
-                                                                               held >>
-                                 /\ UNCHANGED <<hash, loads>>
-                              \/ /\ status[self] = "running" /\ ~step[self].on /\ running # <<>>
-                                    /\ ~Fits(self, 0, FALSE, 0)
-                                 /\ \E v \in {running[Len(running)]}:
-                                      \E keep \in   {IF Policy = "Series" /\ Mutation # "FreeInFlight"
-                                                  THEN (Entries(v) \cap Transfers(v)) \ held[v] ELSE {}}:
-                                        \E fr \in {SelectSeq(AllOf(v), LAMBDA x : x \notin keep)}:
-                                          /\ ~step[v].on
-                                          /\ event' = Ev("Preempt", v, table[v], [by |-> self])
-                                          /\ ref' = RefAfterFree(fr)
-                                          /\ freeQ' = FreeQAfterFree(fr)
-                                          /\ table' = [table EXCEPT ![v] = EmptyTables]
-                                          /\ ncached' = [ncached EXCEPT ![v] = [g \in Groups |-> 0]]
-                                          /\ held' = [held EXCEPT ![v] = held[v] \cup keep]
-                                          /\ computed' = [computed EXCEPT ![v] = 0]
-                                          /\ status' = [status EXCEPT ![v] = "waiting"]
-                                          /\ running' = Without(running, v)
-                                 /\ UNCHANGED <<hash, len, step, loads, saves>>
-                           /\ pc' = [pc EXCEPT ![self] = "Engine"]
-                      ELSE /\ pc' = [pc EXCEPT ![self] = "Done"]
-                           /\ UNCHANGED << ref, hash, freeQ, status, len, 
-                                           computed, table, ncached, step, 
-                                           loads, saves, held, running, event >>
-                /\ UNCHANGED failures
+-----------------------------------------------------------------------------
+(***************************************************************************)
+(* Actions. Each names the vLLM code it stands for.                        *)
+(***************************************************************************)
 
-engine(self) == Engine(self)
+Init ==
+    /\ ref = [b \in Blocks |-> 0]
+    /\ hash = [b \in Blocks |-> NoHash]
+    /\ freeQ = Blocks
+    /\ status = [r \in Req |-> "waiting"]
+    /\ len = [r \in Req |-> PromptLen]
+    /\ computed = [r \in Req |-> 0]
+    /\ table = [r \in Req |-> EmptyTables]
+    /\ ncached = [r \in Req |-> [g \in Groups |-> 0]]
+    /\ step = [r \in Req |-> NoStep]
+    /\ loads = [r \in Req |-> {}]
+    /\ saves = [r \in Req |-> {}]
+    /\ held = [r \in Req |-> {}]
+    /\ running = <<>>
+    /\ failures = 0
+    /\ bad = {}
+    /\ cachedTok = [r \in Req |-> -1]
+    /\ order \in {o \in [1..Cardinality(Req) -> Req] : Range(o) = Req}
+    /\ stallHead = NoHead
+    /\ noLoad = {}
+    /\ event = Ev("Init", "none", NoBlocks, [none |-> 0])
 
-Connector(self) == /\ pc[self] = "Connector"
-                   /\ IF status[self[1]] # "done"
-                         THEN /\ \/ /\ loads[self[1]] # {}
-                                    /\ \E r \in {self[1]}:
-                                         \E last \in {status[r] = "finishing" /\ saves[r] = {}}:
-                                           /\ loads' = [loads EXCEPT ![r] = {}]
-                                           /\ IF last
-                                                 THEN /\ event' = Ev("FinishLoadFree", r, table[r], [none |-> 0])
-                                                      /\ ref' = RefAfterFree(AllOf(r) \o SeqOf(held[r]))
-                                                      /\ freeQ' = FreeQAfterFree(AllOf(r) \o SeqOf(held[r]))
-                                                      /\ table' = [table EXCEPT ![r] = EmptyTables]
-                                                      /\ ncached' = [ncached EXCEPT ![r] = [g \in Groups |-> 0]]
-                                                      /\ held' = [held EXCEPT ![r] = {}]
-                                                      /\ status' = [status EXCEPT ![r] = "done"]
-                                                      /\ hash' = hash
-                                                 ELSE /\ IF status[r] = "finishing"
-                                                            THEN /\ event' = Ev("FinishLoad", r, NoBlocks, [none |-> 0])
-                                                                 /\ UNCHANGED << hash, 
-                                                                                 status, 
-                                                                                 ncached >>
-                                                            ELSE /\ hash' = Publish(hash, r, table[r], ncached[r], computed[r] \div B)
-                                                                 /\ ncached' = [ncached EXCEPT ![r] = NewCached(r, ncached[r], computed[r] \div B)]
-                                                                 /\ status' = [status EXCEPT ![r] = "waiting"]
-                                                                 /\ event' = Ev("FinishLoad", r, NoBlocks, [none |-> 0])
-                                                      /\ UNCHANGED << ref, 
-                                                                      freeQ, 
-                                                                      table, 
-                                                                      held >>
-                                    /\ UNCHANGED <<computed, saves, failures>>
-                                 \/ /\ loads[self[1]] # {} /\ failures < MaxFailures
-                                    /\ \E r \in {self[1]}:
-                                         /\ event' = Ev("LoadFailed", r, table[r], [none |-> 0])
-                                         /\ loads' = [loads EXCEPT ![r] = {}]
-                                         /\ failures' = failures + 1
-                                         /\ ref' = RefAfterFree(AllOf(r))
-                                         /\ freeQ' = FreeQAfterFree(AllOf(r))
-                                         /\ table' = [table EXCEPT ![r] = EmptyTables]
-                                         /\ ncached' = [ncached EXCEPT ![r] = [g \in Groups |-> 0]]
-                                         /\ computed' = [computed EXCEPT ![r] = 0]
-                                         /\ IF status[r] = "finishing" /\ saves[r] = {}
-                                               THEN /\ status' = [status EXCEPT ![r] = "done"]
-                                               ELSE /\ IF status[r] = "loading"
-                                                          THEN /\ status' = [status EXCEPT ![r] = "waiting"]
-                                                          ELSE /\ TRUE
-                                                               /\ UNCHANGED status
-                                    /\ UNCHANGED <<hash, saves, held>>
-                                 \/ /\ saves[self[1]] # {}
-                                    /\ \E r \in {self[1]}:
-                                         \E last \in {status[r] = "finishing" /\ loads[r] = {}}:
-                                           \E fr \in {(IF last THEN AllOf(r) ELSE <<>>) \o SeqOf(held[r])}:
-                                             /\ saves' = [saves EXCEPT ![r] = {}]
-                                             /\ ref' = RefAfterFree(fr)
-                                             /\ freeQ' = FreeQAfterFree(fr)
-                                             /\ held' = [held EXCEPT ![r] = {}]
-                                             /\ IF last
-                                                   THEN /\ table' = [table EXCEPT ![r] = EmptyTables]
-                                                        /\ ncached' = [ncached EXCEPT ![r] = [g \in Groups |-> 0]]
-                                                        /\ status' = [status EXCEPT ![r] = "done"]
-                                                   ELSE /\ TRUE
-                                                        /\ UNCHANGED << status, 
-                                                                        table, 
-                                                                        ncached >>
-                                             /\ event' = Ev("SaveDone", r, NoBlocks, [none |-> 0])
-                                    /\ UNCHANGED <<hash, computed, loads, failures>>
-                              /\ pc' = [pc EXCEPT ![self] = "Connector"]
-                         ELSE /\ pc' = [pc EXCEPT ![self] = "Done"]
-                              /\ UNCHANGED << ref, hash, freeQ, status, 
-                                              computed, table, ncached, loads, 
-                                              saves, held, failures, event >>
-                   /\ UNCHANGED << len, step, running >>
+\* Scheduler.schedule for request r: get_computed_blocks (the hit),
+\* connector.get_num_new_matched_tokens (external tokens, sync or async),
+\* allocate_slots (remove_skipped_blocks, get_num_blocks_to_allocate, touch
+\* and save_new_computed_blocks, allocate_new_blocks = get_new_blocks with
+\* eviction, cache_full_blocks) and connector.update_state_after_alloc.
+AllocateSlots(r) ==
+  /\ status[r] \in {"waiting", "running"} /\ ~step[r].on
+  /\ ~Yields(r)
+  /\ stallHead' = IF stallHead # NoHead /\ stallHead.h = r THEN NoHead ELSE stallHead
+  /\ \E e \in ExtChoices(r), d \in DraftChoices(r),
+        hit \in (IF Fresh(r) THEN HitChoices(r, HitLen(r)) ELSE {NoBlocks}) :
+     \E async \in AsyncChoices(e) :
+     \* (\E x \in {v} binds a value once: TLC evaluates a LET-bound function
+     \* again at every application.)
+     \E p \in {Plan(r, e, async, d, hit)} :
+     \E q1 \in {FreeAfterRemove(p)} :
+     /\ p.predicted <= Cardinality(q1)
+     /\ \E nf \in NewBlockChoices(q1 \ ClaimFirst(p), p.newCount["full"]) :
+        \E ns \in NewBlockChoices(q1 \ (ClaimFirst(p) \cup nf \cup ClaimLate(p)),
+                                  p.newCount["swa"]) :
+        \E tbl \in {[g \in Groups |-> p.base[g] \o SeqOf(IF g = "full" THEN nf ELSE ns)]} :
+        LET q3 == q1 \ (ClaimFirst(p) \cup nf \cup ClaimLate(p) \cup ns)
+            touched == IF Mutation = "SkipTouch" THEN {}
+                       ELSE ClaimFirst(p) \cup ClaimLate(p)
+            h1 == [b \in Blocks |-> IF b \in nf \cup ns THEN NoHash ELSE hash[b]]
+            publishTo == IF p.async /\ Mutation # "EarlyPublish" THEN 0
+                         ELSE IF Mutation = "PublishDraft"
+                              THEN (p.c + p.n + p.d) \div B
+                              ELSE Min(p.c + p.n, len[r]) \div B
+            from == IF p.fresh THEN [g \in Groups |-> Len(p.base[g])] ELSE ncached[r]
+        IN
+        /\ ref' = [b \in Blocks |->
+                     ref[b] - (IF b \in p.toFree THEN 1 ELSE 0)
+                            + (IF b \in touched THEN 1 ELSE 0)
+                            + (IF b \in nf \cup ns THEN 1 ELSE 0)]
+        /\ freeQ' = q3
+        /\ hash' = Publish(h1, r, tbl, from, publishTo)
+        /\ table' = [table EXCEPT ![r] = tbl]
+        /\ ncached' = [ncached EXCEPT ![r] = NewCached(from, publishTo)]
+        /\ held' = [held EXCEPT ![r] = held[r] \cup p.toHeld]
+        /\ loads' = [loads EXCEPT ![r] =
+                       IF p.async THEN SlotsAt(tbl, p.h + 1, CeilDiv(p.c, B)) ELSE {}]
+        \* SaveMode "step": the connector saves the blocks this step fills
+        \* while the step runs (wait_for_save at its end).
+        /\ saves' = IF SaveMode = "step" /\ ~p.async
+                    THEN [saves EXCEPT ![r] =
+                            SlotsAt(tbl, p.c \div B + 1, Min(p.c + p.n, len[r]) \div B)]
+                    ELSE saves
+        /\ computed' = [computed EXCEPT ![r] = p.c + p.n + p.d]
+        /\ step' = [step EXCEPT ![r] =
+                      IF p.async THEN NoStep
+                      ELSE [on |-> TRUE, from |-> p.c, n |-> p.n, d |-> p.d, e |-> p.e]]
+        /\ running' = IF status[r] = "waiting" /\ ~p.async
+                      THEN Append(running, r) ELSE running
+        /\ status' = [status EXCEPT ![r] = IF p.async THEN "loading" ELSE "running"]
+        /\ cachedTok' = IF ~p.async /\ cachedTok[r] < 0
+                        THEN [cachedTok EXCEPT ![r] = p.c] ELSE cachedTok
+        /\ bad' = {x \in bad : x[1] \notin nf \cup ns}
+        /\ event' = Ev("AllocateSlots", r,
+                       [g \in Groups |-> SeqOf(IF g = "full" THEN nf ELSE ns)],
+                       [hitBlocks |-> p.h, extTokens |-> p.e, async |-> p.async,
+                        newTokens |-> p.n, draftTokens |-> p.d,
+                        predictedBlocks |-> p.predicted,
+                        takenBlocks |-> Cardinality(q1) - Cardinality(q3)])
+        /\ UNCHANGED <<len, failures, order, noLoad>>
 
-connector(self) == Connector(self)
+\* Scheduler.schedule, waiting loop: allocate_slots returned None for a
+\* waiting request (replays only: Refusals; no state changes).
+Refuse(r) ==
+  /\ Refusals /\ status[r] = "waiting"
+  /\ \E e \in ExtChoices(r),
+        hit \in (IF Fresh(r) THEN HitChoices(r, HitLen(r)) ELSE {NoBlocks}) :
+     \E async \in AsyncChoices(e) :
+       \E p \in {Plan(r, e, async, 0, hit)} :
+       /\ p.predicted > Cardinality(FreeAfterRemove(p))
+       /\ event' = Ev("Refused", r, NoBlocks,
+                      [hitBlocks |-> p.h, extTokens |-> e, async |-> async,
+                       newTokens |-> p.n, draftTokens |-> 0,
+                       predictedBlocks |-> p.predicted,
+                       freeBlocks |-> Cardinality(FreeAfterRemove(p))])
+  /\ UNCHANGED <<ref, hash, freeQ, status, len, computed, table, ncached, step,
+                 loads, saves, held, running, failures, bad, cachedTok, order,
+                 stallHead, noLoad>>
 
-Client(self) == /\ pc[self] = "Client"
-                /\ \/ /\ status[self[1]] \in {"waiting", "loading", "running"}
-                         /\ ~step[self[1]].on
-                      /\ \E r \in {self[1]}:
-                           \E delay \in {Mutation # "EagerFree" /\ (Transfers(r) \cup held[r]) # {}}:
-                             /\ running' = Without(running, r)
-                             /\ IF delay
-                                   THEN /\ status' = [status EXCEPT ![r] = "finishing"]
-                                        /\ event' = Ev("AbortDelayed", r, NoBlocks, [none |-> 0])
-                                        /\ UNCHANGED << ref, freeQ, table, 
-                                                        ncached, held >>
-                                   ELSE /\ event' = Ev("Abort", r, table[r], [none |-> 0])
-                                        /\ ref' = RefAfterFree(AllOf(r) \o SeqOf(held[r]))
-                                        /\ freeQ' = FreeQAfterFree(AllOf(r) \o SeqOf(held[r]))
-                                        /\ table' = [table EXCEPT ![r] = EmptyTables]
-                                        /\ ncached' = [ncached EXCEPT ![r] = [g \in Groups |-> 0]]
-                                        /\ held' = [held EXCEPT ![r] = {}]
-                                        /\ status' = [status EXCEPT ![r] = "done"]
-                   \/ /\ event' = Ev("NoAbort", self[1], NoBlocks, [none |-> 0])
-                      /\ UNCHANGED <<ref, freeQ, status, table, ncached, held, running>>
-                /\ pc' = [pc EXCEPT ![self] = "Done"]
-                /\ UNCHANGED << hash, len, computed, step, loads, saves, 
-                                failures >>
+\* The blocks of request v that SaveHold keeps when v's tables are freed
+\* while it runs: those a store that outlives the step still reads (a step's
+\* own loads and in-step saves are over when it returned).
+Keep(v) == IF SaveHold /\ SaveMode = "async"
+           THEN (Entries(v) \cap TB(saves[v])) \ held[v] ELSE {}
 
-client(self) == Client(self)
+\* Scheduler.update_from_output: the step ran; a decode step accepts a of its
+\* d draft tokens and samples one more token; with async saves the connector
+\* starts storing the blocks that became full; a request that reached MaxLen
+\* finishes (request_finished: the free is delayed while a transfer runs).
+Execute(r) ==
+  /\ step[r].on
+  /\ \E a \in 0..step[r].d :
+     LET st == step[r]
+         sampled == st.from + st.n = len[r]
+         c2 == st.from + st.n + a
+         len2 == IF sampled THEN len[r] + 1 + a ELSE len[r]
+         sv == IF SaveMode = "async"
+               THEN saves[r] \cup SlotsAt(table[r], (st.from \div B) + 1, c2 \div B)
+               ELSE {}
+         fin == len2 >= MaxLen
+         delay == Mutation # "EagerFree" /\ (sv # {} \/ held[r] # {})
+         fr == AllOf(r) \o SeqOf(held[r])
+     IN
+     /\ computed' = [computed EXCEPT ![r] = c2]
+     /\ len' = [len EXCEPT ![r] = len2]
+     /\ step' = [step EXCEPT ![r] = NoStep]
+     /\ saves' = [saves EXCEPT ![r] = sv]
+     /\ bad' = bad \ Written(r)
+     /\ IF fin /\ ~delay
+        THEN /\ ref' = RefAfterFree(fr)
+             /\ freeQ' = FreeQAfterFree(fr)
+             /\ table' = [table EXCEPT ![r] = EmptyTables]
+             /\ ncached' = [ncached EXCEPT ![r] = [g \in Groups |-> 0]]
+             /\ held' = [held EXCEPT ![r] = {}]
+             /\ status' = [status EXCEPT ![r] = "done"]
+             /\ running' = Without(running, r)
+             /\ event' = Ev("Finish", r, table[r], [acceptedTokens |-> a])
+        ELSE IF fin
+        THEN /\ status' = [status EXCEPT ![r] = "finishing"]
+             /\ running' = Without(running, r)
+             /\ event' = Ev("FinishDelayed", r, NoBlocks, [acceptedTokens |-> a])
+             /\ UNCHANGED <<ref, freeQ, table, ncached, held>>
+        ELSE /\ event' = Ev("Execute", r, NoBlocks, [acceptedTokens |-> a])
+             /\ UNCHANGED <<ref, freeQ, table, ncached, held, status, running>>
+  /\ UNCHANGED <<hash, loads, failures, cachedTok, order, stallHead, noLoad>>
 
-(* Allow infinite stuttering to prevent deadlock on termination. *)
-Terminating == /\ \A self \in ProcSet: pc[self] = "Done"
-               /\ UNCHANGED vars
+\* Scheduler.update_from_output with invalid_block_ids: request r's
+\* synchronous load (inside its step) failed from table slot i on, reported
+\* with the step's output (Scheduler._handle_invalid_blocks, policy
+\* "recompute"). Affected requests lose their step's output and resume from
+\* their new num_computed_tokens; one that must start over and lacks blocks
+\* for it (can_recompute_from(0) false) is preempted after its invalid blocks
+\* leave the prefix cache. If r is not affected (its range, num_cached_tokens,
+\* does not reach the invalid blocks) its step returns normally later.
+SyncLoadFailed(r) ==
+  /\ step[r].on /\ step[r].e > 0 /\ failures < MaxFailures
+  /\ \E i \in Slot(step[r].from - step[r].e)..Slot(step[r].from - 1) :
+     LET inv == BlocksAt(table[r], i, Slot(step[r].from - 1))
+         \* The requests holding an invalid block are in this batch: their
+         \* step is in flight, or their async load started with it.
+         holders == {q \in Req \ {r} : Entries(q) \cap inv # {}}
+         loading == {q \in Req : status[q] = "loading"}
+         scan(lq) == IF SharedInvalidFix THEN FixedScan(inv)
+                     ELSE ScanInvalid(lq \o running, inv, NoScan)
+     IN
+     /\ \A q \in holders : step[q].on \/ status[q] = "loading"
+     /\ \E lq \in {o \in [1..Cardinality(loading) -> loading] :
+                     Range(o) = loading} :
+        LET sc == scan(lq)
+            aff == DOMAIN sc.nc
+            \* Running requests that must start over and lack blocks for it;
+            \* (Proposed) waiting ones back from a load start over anyway.
+            restart == {q \in aff : status[q] # "loading" /\ sc.nc[q] = 0
+                                    /\ (~CanRecomputeFrom(q, 0) \/ status[q] = "waiting")}
+            keep == UNION {Keep(q) : q \in restart}
+            fr == SelectSeq(FreeSeq(restart), LAMBDA x : x \notin keep)
+            unhash == IF SharedInvalidFix THEN sc.evict
+                      ELSE UNION {Entries(q) \cap sc.evict : q \in restart}
+        IN
+        /\ failures' = failures + 1
+        /\ bad' = bad \cup SlotsIn(r, (i - 1) * B, step[r].from - 1, inv)
+        /\ hash' = [b \in Blocks |-> IF b \in unhash THEN NoHash ELSE hash[b]]
+        /\ ref' = RefAfterFree(fr)
+        /\ freeQ' = FreeQAfterFree(fr)
+        /\ table' = [q \in Req |-> IF q \in restart THEN EmptyTables ELSE table[q]]
+        /\ ncached' = [q \in Req |-> IF q \in restart THEN [g \in Groups |-> 0]
+                                     ELSE ncached[q]]
+        /\ held' = [q \in Req |-> IF q \in restart THEN held[q] \cup Keep(q) ELSE held[q]]
+        /\ computed' = [q \in Req |-> IF q \in aff THEN sc.nc[q] ELSE computed[q]]
+        \* The affected lose their step's output; r's own step, if r is not
+        \* affected, returns later (its load is over).
+        /\ step' = [q \in Req |-> IF q \in aff /\ status[q] # "loading" THEN NoStep
+                                  ELSE IF q = r THEN [step[r] EXCEPT !.e = 0]
+                                  ELSE step[q]]
+        /\ saves' = [q \in Req |-> IF q \in aff /\ SaveMode = "step" THEN {}
+                                   ELSE saves[q]]
+        /\ status' = [q \in Req |-> IF q \in restart THEN "waiting" ELSE status[q]]
+        /\ running' = SelectSeq(running, LAMBDA x : x \notin restart)
+        /\ event' = Ev("SyncLoadFailed", r, NoBlocks,
+                       [atSlot |-> i, affected |-> aff, restart |-> restart,
+                        computedTokens |-> IF r \in aff THEN sc.nc[r] ELSE computed[r]])
+        /\ UNCHANGED <<len, loads, cachedTok, order, stallHead, noLoad>>
 
-Next == (\E self \in Req: engine(self))
-           \/ (\E self \in ConnIds: connector(self))
-           \/ (\E self \in ClientIds: client(self))
-           \/ Terminating
+\* Scheduler.schedule, running loop: allocate_slots returned None for
+\* running request r, so the last running request is preempted (maybe r):
+\* KVCacheManager.free; SaveHold keeps blocks a save still reads.
+Preempt(r) ==
+  /\ status[r] = "running" /\ ~step[r].on /\ running # <<>>
+  /\ ~NextStepFits(r)
+  /\ LET v == running[Len(running)]
+         fr == SelectSeq(AllOf(v), LAMBDA x : x \notin Keep(v))
+     IN
+     /\ ~step[v].on
+     /\ ref' = RefAfterFree(fr)
+     /\ freeQ' = FreeQAfterFree(fr)
+     /\ table' = [table EXCEPT ![v] = EmptyTables]
+     /\ ncached' = [ncached EXCEPT ![v] = [g \in Groups |-> 0]]
+     /\ held' = [held EXCEPT ![v] = held[v] \cup Keep(v)]
+     /\ computed' = [computed EXCEPT ![v] = 0]
+     /\ status' = [status EXCEPT ![v] = "waiting"]
+     /\ running' = Without(running, v)
+     /\ order' = <<v>> \o Without(order, v)
+     /\ event' = Ev("Preempt", v, table[v], [by |-> r])
+  /\ UNCHANGED <<hash, len, step, loads, saves, failures, bad, cachedTok, stallHead,
+                 noLoad>>
 
-Spec == /\ Init /\ [][Next]_vars
-        /\ \A self \in Req : SF_vars(engine(self))
-        /\ \A self \in ConnIds : WF_vars(connector(self))
+\* Scheduler.schedule with StallFix (patch 7): allocate_slots returned None
+\* for h, the first waiting request that could be scheduled, and nothing
+\* runs; Scheduler._free_blocks_of_waiting_requests frees the blocks of the
+\* other waiting requests back from async loads (KVCacheManager.free, so
+\* SaveHold keeps those a store reads); they start over.
+FreeWaiting(h) ==
+  /\ StallFix /\ status[h] = "waiting" /\ running = <<>> /\ ~Yields(h)
+  /\ FirstWaiting(h)
+  /\ StallVictims(h) # {}
+  /\ Refused(h)
+  /\ LET vs == StallVictims(h)
+         fr == SelectSeq(FreeSeq(vs), LAMBDA x : x \notin UNION {Keep(v) : v \in vs})
+         ans == RefusalOf(h)
+         p == Plan(h, ans.ext, ans.async, 0, ans.hit)
+     IN
+     /\ ref' = RefAfterFree(fr)
+     /\ freeQ' = FreeQAfterFree(fr)
+     /\ table' = [q \in Req |-> IF q \in vs THEN EmptyTables ELSE table[q]]
+     /\ ncached' = [q \in Req |-> IF q \in vs THEN [g \in Groups |-> 0] ELSE ncached[q]]
+     /\ held' = [q \in Req |-> IF q \in vs THEN held[q] \cup Keep(q) ELSE held[q]]
+     /\ computed' = [q \in Req |-> IF q \in vs THEN 0 ELSE computed[q]]
+     /\ stallHead' = [h |-> h, vs |-> vs]
+     /\ event' = Ev("FreeWaiting", h, NoBlocks,
+                    [freed |-> vs, hitBlocks |-> p.h, extTokens |-> ans.ext,
+                     async |-> ans.async, newTokens |-> p.n,
+                     predictedBlocks |-> p.predicted])
+  /\ UNCHANGED <<hash, status, len, step, loads, saves, running, failures, bad,
+                 cachedTok, order, noLoad>>
 
-Termination == <>(\A self \in ProcSet: pc[self] = "Done")
+\* The delayed free of a finished request, when its last transfer ended.
+FreeFinished(r) ==
+    /\ ref' = RefAfterFree(AllOf(r) \o SeqOf(held[r]))
+    /\ freeQ' = FreeQAfterFree(AllOf(r) \o SeqOf(held[r]))
+    /\ table' = [table EXCEPT ![r] = EmptyTables]
+    /\ ncached' = [ncached EXCEPT ![r] = [g \in Groups |-> 0]]
+    /\ held' = [held EXCEPT ![r] = {}]
+    /\ status' = [status EXCEPT ![r] = "done"]
 
-\* END TRANSLATION - the hash of the generated TLA code (remove to silence divergence warnings): TLA-48cb46fd42d2459dab51a6aa383c56f2
+\* Scheduler._update_from_kv_xfer_finished (finished_recving) and
+\* _update_waiting_for_remote_kv: the async load succeeded; cache_blocks
+\* publishes the loaded blocks now, not before. A request finished during
+\* its load is freed now; one whose computed tokens a load failure of
+\* another request set to 0 is freed and starts over.
+FinishLoad(r) ==
+  /\ loads[r] # {} /\ ~LoadsFail
+  /\ loads' = [loads EXCEPT ![r] = {}]
+  /\ IF status[r] = "finishing" /\ saves[r] = {}
+     THEN /\ FreeFinished(r)
+          /\ event' = Ev("FinishLoadFree", r, table[r], [none |-> 0])
+          /\ UNCHANGED <<hash, computed>>
+     ELSE IF status[r] = "finishing"
+     THEN /\ event' = Ev("FinishLoad", r, NoBlocks, [none |-> 0])
+          /\ UNCHANGED <<ref, freeQ, table, ncached, held, status, hash, computed>>
+     ELSE IF computed[r] = 0
+     THEN /\ ref' = RefAfterFree(AllOf(r))
+          /\ freeQ' = FreeQAfterFree(AllOf(r))
+          /\ table' = [table EXCEPT ![r] = EmptyTables]
+          /\ ncached' = [ncached EXCEPT ![r] = [g \in Groups |-> 0]]
+          /\ status' = [status EXCEPT ![r] = "waiting"]
+          /\ event' = Ev("FinishLoad", r, table[r], [computedTokens |-> 0])
+          /\ UNCHANGED <<hash, held, computed>>
+     ELSE /\ hash' = Publish(hash, r, table[r], ncached[r], computed[r] \div B)
+          /\ ncached' = [ncached EXCEPT ![r] = NewCached(ncached[r], computed[r] \div B)]
+          /\ status' = [status EXCEPT ![r] = "waiting"]
+          /\ event' = Ev("FinishLoad", r, NoBlocks, [computedTokens |-> computed[r]])
+          /\ UNCHANGED <<ref, freeQ, table, held, computed>>
+  /\ UNCHANGED <<len, step, saves, running, failures, bad, cachedTok, order,
+                 stallHead, noLoad>>
+
+\* Scheduler._handle_invalid_blocks + _update_waiting_for_remote_kv: the
+\* async load failed from table slot i on. The request keeps its blocks and
+\* resumes from slot i (publishing the valid ones), or, when that is token 0
+\* or can_recompute_from says the tokens from there read a null block, its
+\* blocks are freed and it starts over. A request finished during its load
+\* is freed.
+LoadFailed(r) ==
+  /\ loads[r] # {} /\ (failures < MaxFailures \/ LoadsFail)
+  /\ \E i \in {j \in SlotsOf(r, TB(loads[r]), LongestTable(r)) : (j - 1) * B < computed[r]} :
+     LET t == (i - 1) * B
+         nc == IF CanRecomputeFrom(r, t) THEN t ELSE 0
+         inv == BlocksAt(table[r], i, LongestTable(r)) \cap TB(loads[r])
+     IN
+     \* LoadsFail: failures are not counted (not bounded).
+     /\ failures' = IF LoadsFail THEN failures ELSE failures + 1
+     /\ loads' = [loads EXCEPT ![r] = {}]
+     /\ noLoad' = IF NoReload /\ status[r] # "finishing" /\ nc = 0
+                  THEN noLoad \cup {r} ELSE noLoad
+     /\ IF status[r] = "finishing"
+        THEN /\ IF saves[r] = {}
+                THEN FreeFinished(r)
+                ELSE UNCHANGED <<ref, freeQ, table, ncached, held, status>>
+             /\ event' = Ev("LoadFailed", r, table[r], [atSlot |-> i, computedTokens |-> -1])
+             /\ UNCHANGED <<hash, computed, bad>>
+        ELSE /\ bad' = bad \cup SlotsIn(r, t, computed[r] - 1, inv)
+             /\ computed' = [computed EXCEPT ![r] = nc]
+             /\ status' = [status EXCEPT ![r] = "waiting"]
+             /\ IF nc > 0
+                THEN /\ hash' = Publish(hash, r, table[r], ncached[r], nc \div B)
+                     /\ ncached' = [ncached EXCEPT ![r] = NewCached(ncached[r], nc \div B)]
+                     /\ event' = Ev("LoadFailed", r, NoBlocks,
+                                     [atSlot |-> i, computedTokens |-> nc])
+                     /\ UNCHANGED <<ref, freeQ, table, held>>
+                ELSE /\ ref' = RefAfterFree(AllOf(r))
+                     /\ freeQ' = FreeQAfterFree(AllOf(r))
+                     /\ table' = [table EXCEPT ![r] = EmptyTables]
+                     /\ ncached' = [ncached EXCEPT ![r] = [g \in Groups |-> 0]]
+                     /\ event' = Ev("LoadFailed", r, table[r], [atSlot |-> i, computedTokens |-> 0])
+                     /\ UNCHANGED <<hash, held>>
+  /\ UNCHANGED <<len, step, saves, running, cachedTok, order, stallHead>>
+
+\* finished_sending: the connector's asynchronous store ended; blocks held
+\* for it are freed; a finished request's delayed free happens now.
+SaveDone(r) ==
+  /\ saves[r] # {} /\ SaveMode = "async"
+  /\ saves' = [saves EXCEPT ![r] = {}]
+  /\ IF status[r] = "finishing" /\ loads[r] = {}
+     THEN FreeFinished(r)
+     ELSE /\ ref' = RefAfterFree(SeqOf(held[r]))
+          /\ freeQ' = FreeQAfterFree(SeqOf(held[r]))
+          /\ held' = [held EXCEPT ![r] = {}]
+          /\ UNCHANGED <<table, ncached, status>>
+  /\ event' = Ev("SaveDone", r, NoBlocks, [none |-> 0])
+  /\ UNCHANGED <<hash, len, computed, step, loads, running, failures, bad, cachedTok,
+                 order, stallHead, noLoad>>
+
+\* Scheduler.finish_requests(FINISHED_ABORTED): the client aborts request r
+\* (not while its step is in flight); the free is delayed while a transfer
+\* runs (recving_kv_req_ids, request_finished -> delay_free_blocks).
+Abort(r) ==
+  /\ CanAbort /\ status[r] \in {"waiting", "loading", "running"} /\ ~step[r].on
+  /\ running' = Without(running, r)
+  /\ IF Mutation # "EagerFree" /\ (Transfers(r) \cup held[r]) # {}
+     THEN /\ status' = [status EXCEPT ![r] = "finishing"]
+          /\ event' = Ev("AbortDelayed", r, NoBlocks, [none |-> 0])
+          /\ UNCHANGED <<ref, freeQ, table, ncached, held>>
+     ELSE /\ FreeFinished(r)
+          /\ event' = Ev("Abort", r, table[r], [none |-> 0])
+  /\ stallHead' = IF stallHead # NoHead /\ stallHead.h = r THEN NoHead ELSE stallHead
+  /\ UNCHANGED <<hash, len, computed, step, loads, saves, failures, bad, cachedTok,
+                 order, noLoad>>
+
+\* Every request is done: the system stutters (no deadlock).
+Terminated == (\A r \in Req : status[r] = "done") /\ UNCHANGED vars
+
+Next ==
+    \/ \E r \in Req :
+          \/ AllocateSlots(r) \/ Execute(r) \/ Preempt(r) \/ FreeWaiting(r)
+          \/ SyncLoadFailed(r) \/ FinishLoad(r) \/ LoadFailed(r) \/ SaveDone(r)
+          \/ Abort(r) \/ Refuse(r)
+    \/ Terminated
+
+Spec == Init /\ [][Next]_vars
+
+(***************************************************************************)
+(* Fairness, one condition per action (the assumptions of Liveness): the  *)
+(* scheduler serves a request that can be scheduled infinitely often      *)
+(* (strong fairness, as FCFS with enough budget does), the model runner   *)
+(* returns every step, a request that cannot grow is eventually preempted *)
+(* and the connector finishes every transfer (weak fairness). Load        *)
+(* failures, aborts and refusals are not forced, except that a connector  *)
+(* whose loads all fail (LoadsFail) eventually reports each failure.      *)
+(***************************************************************************)
+Fairness ==
+    /\ \A r \in Req : SF_vars(AllocateSlots(r))
+    /\ \A r \in Req : WF_vars(Execute(r))
+    /\ \A r \in Req : WF_vars(Preempt(r))
+    /\ \A r \in Req : WF_vars(FreeWaiting(r))
+    /\ \A r \in Req : WF_vars(FinishLoad(r))
+    /\ \A r \in Req : WF_vars(SaveDone(r))
+    /\ \A r \in Req : WF_vars(LoadsFail /\ LoadFailed(r))
+FairSpec == Spec /\ Fairness
 
 -----------------------------------------------------------------------------
 (***************************************************************************)
@@ -866,6 +917,10 @@ Termination == <>(\A self \in ProcSet: pc[self] = "Done")
 Statuses == {"waiting", "loading", "running", "finishing", "done"}
 Hashes == {<<g, i>> : g \in Groups, i \in 1..MaxBlocks}
           \cup {<<g, i, r>> : g \in Groups, i \in 1..MaxBlocks, r \in Req}
+Acts == {"Init", "AllocateSlots", "Refused", "Execute", "Finish", "FinishDelayed",
+         "SyncLoadFailed", "Preempt", "FreeWaiting", "FinishLoad",
+         "FinishLoadFree", "LoadFailed", "SaveDone", "Abort", "AbortDelayed"}
+Tables == [Groups -> Seq(Blocks \cup {Null})]
 
 \* Every variable has the shape its vLLM counterpart has.
 TypeOK ==
@@ -875,21 +930,30 @@ TypeOK ==
     /\ status \in [Req -> Statuses]
     /\ len \in [Req -> PromptLen..MaxLen]
     /\ computed \in [Req -> 0..(MaxLen + MaxDraft)]
-    /\ \A r \in Req, g \in Groups :
-          /\ table[r][g] \in Seq(Blocks \cup {Null})
-          /\ Len(table[r][g]) <= MaxBlocks
-          /\ ncached[r][g] \in 0..MaxBlocks
-    /\ \A r \in Req : /\ loads[r] \subseteq Blocks /\ saves[r] \subseteq Blocks
-                      /\ held[r] \subseteq Blocks
-    /\ \A r \in Req : step[r].on \in BOOLEAN
+    /\ table \in [Req -> Tables]
+    /\ \A r \in Req, g \in Groups : Len(table[r][g]) <= MaxBlocks
+    /\ ncached \in [Req -> [Groups -> 0..MaxBlocks]]
+    /\ step \in [Req -> [on : BOOLEAN, from : 0..MaxLen, n : 0..Chunk,
+                         d : 0..MaxDraft, e : 0..MaxExt]]
+    /\ \A r \in Req : ~step[r].on => step[r] = NoStep
+    /\ loads \in [Req -> SUBSET (Groups \X (1..MaxBlocks) \X Blocks)]
+    /\ saves \in [Req -> SUBSET (Groups \X (1..MaxBlocks) \X Blocks)]
+    /\ held \in [Req -> SUBSET Blocks]
     /\ running \in Seq(Req)
+    /\ Cardinality(Range(running)) = Len(running)
+    /\ Range(running) = {r \in Req : status[r] = "running"}
     /\ failures \in 0..MaxFailures
+    /\ bad \subseteq Blocks \X (0..(B - 1))
+    /\ cachedTok \in [Req -> -1..MaxLen]
+    /\ order \in [1..Cardinality(Req) -> Req] /\ Range(order) = Req
+    /\ stallHead = NoHead \/ stallHead \in [h : Req, vs : SUBSET Req]
+    /\ noLoad \subseteq Req /\ (~NoReload => noLoad = {})
+    /\ event.act \in Acts /\ event.req \in Req \cup {"none"}
+    /\ event.blocks \in [Groups -> Seq(Blocks \cup {Null})]
 
 \* BlockPool: free_block_queue holds exactly the blocks with ref_cnt 0, so
 \* free (uncached or cached-unreferenced) + referenced = N; the null block
-\* (BlockPool.null_block) is outside Blocks and never enters the queue, a
-\* transfer or a hold (free_blocks / get_new_blocks / cache_full_blocks
-\* skip it).
+\* is outside Blocks and never enters the queue, a transfer or a hold.
 Conservation ==
     /\ \A b \in freeQ : ref[b] = 0
     /\ Cardinality(freeQ) + Cardinality({b \in Blocks : ref[b] > 0}) = N
@@ -898,85 +962,207 @@ Conservation ==
 \* Positions of block b in a block table.
 At(t, b) == {i \in DOMAIN t : t[i] = b}
 Holders(b) == {r \in Req : b \in held[r]}
+WasHit(b) == hash[b] # NoHash \/ failures > 0
 
 \* BlockPool.get_new_blocks / touch: a block has one owner (one request, one
 \* group, one position), unless it is a prefix-cache hit shared by several
-\* requests at the same position of the same group, carrying its hash.
+\* requests at the same position of the same group, carrying its hash (or,
+\* once a load failed, a hit that evict_blocks took out of the cache since).
 ExclusiveOwnership ==
     /\ \A r \in Req, g \in Groups :          \* once per table
           \A b \in Real(table[r][g]) : Cardinality(At(table[r][g], b)) = 1
     /\ \A r \in Req :                        \* never in two groups of a request
           /\ Real(table[r]["full"]) \cap Real(table[r]["swa"]) = {}
-          /\ \A b \in held[r] \cap Entries(r) : hash[b] # NoHash  \* its own hit
+          /\ \A b \in held[r] \cap Entries(r) : WasHit(b)
     /\ \A r1, r2 \in Req : r1 # r2 =>        \* shared only as the same hit
           /\ \A g1, g2 \in Groups :
                \A b \in Real(table[r1][g1]) \cap Real(table[r2][g2]) :
-                  /\ g1 = g2 /\ hash[b] # NoHash
+                  /\ g1 = g2
+                  /\ WasHit(b)
                   /\ At(table[r1][g1], b) = At(table[r2][g2], b)
-          /\ \A b \in held[r1] \cap (Entries(r2) \cup held[r2]) : hash[b] # NoHash
+          /\ \A b \in held[r1] \cap (Entries(r2) \cup held[r2]) : WasHit(b)
 
-\* Scheduler + KVConnector: a block a load writes or a save reads stays
-\* owned by its request and out of the free queue (so it is never evicted
-\* or re-allocated) until the connector reports the transfer finished.
+\* Scheduler + KVConnector: a block a load writes or a save reads stays at
+\* its place in the request's table (or held for the transfer) and out of
+\* the free queue, so it is never evicted or re-allocated, until the
+\* connector reports the transfer finished.
 NoTransferRace ==
-    \A r \in Req : \A b \in Transfers(r) :
-        /\ b \in Entries(r) \cup held[r]
-        /\ b \notin freeQ
+    \A r \in Req : \A x \in TransferSlots(r) :
+        /\ \/ x[2] <= Len(table[r][x[1]]) /\ table[r][x[1]][x[2]] = x[3]
+           \/ x[3] \in held[r]
+        /\ x[3] \notin freeQ
 
 \* BlockPool.touch / free_blocks: ref_cnt counts the table entries (and
-\* Series holds) that name the block.
+\* holds) that name the block.
 RefCount ==
     \A b \in Blocks :
         ref[b] = Cardinality({rg \in Req \X Groups : b \in Range(table[rg[1]][rg[2]])})
                  + Cardinality(Holders(b))
 
 \* SingleTypeKVCacheManager: null blocks only form a prefix of a
-\* sliding-window table (remove_skipped_blocks, find_longest_cache_hit);
-\* a full-attention table never holds one.
+\* sliding-window table; a full-attention table never holds one.
 NullPrefix ==
     \A r \in Req :
       /\ Null \notin Range(table[r]["full"])
       /\ \A i, j \in DOMAIN table[r]["swa"] :
             i < j /\ table[r]["swa"][j] = Null => table[r]["swa"][i] = Null
 
-\* SlidingWindowManager: right after allocate_slots (tables only grow
-\* there) the request's sliding-window table holds at most
-\* ceil((W-1)/B) + 1 real blocks plus those of the tokens scheduled now.
-WindowBound ==
-    event.act = "AllocateSlots" =>
-        Cardinality(Real(table[event.req]["swa"]))
-            <= Contig + 1 + CeilDiv(event.args.n + event.args.d, B)
+\* The tokens a request reads: those of its step in flight, or its next
+\* token (which reads the tokens before it).
+Needed(r, g) ==
+    IF step[r].on
+    THEN UNION {Attends(g, t) : t \in step[r].from..(step[r].from + step[r].n + step[r].d - 1)}
+    ELSE Attends(g, computed[r]) \ {computed[r]}
+Reads(r) == status[r] \in {"waiting", "loading", "running"}
 
-\* KVCacheManager.allocate_slots: get_num_blocks_to_allocate predicts
-\* exactly the blocks then taken from the free queue (touched evictable
-\* hits + get_new_blocks), for all groups together.
-ExactAdmission ==
-    event.act = "AllocateSlots" => event.args.predicted = event.args.taken
+\* Attention (the definition above, not the skip rule): for every request
+\* that holds blocks, each table covers its computed tokens, and every slot
+\* that a token in flight or its next token attends to is a real block.
+WindowCovered ==
+    \A r \in Req : Reads(r) =>
+      \A g \in Groups :
+        /\ CeilDiv(computed[r], B) <= Len(table[r][g])
+        /\ \A p \in Needed(r, g) :
+             Slot(p) <= Len(table[r][g]) /\ table[r][g][Slot(p)] # Null
 
-\* BlockPool.cache_full_blocks: a block being loaded by the connector is
-\* not in the prefix cache (delay_cache_blocks until the load finished),
-\* and a block holding a token past num_tokens (an unverified draft or an
-\* empty slot) never is.
+\* Connector load failures (_handle_invalid_blocks): no request reads a
+\* slot that a failed load left invalid, unless another holder of the block
+\* will recompute it first (it counts fewer computed tokens and runs: the
+\* scheduler puts running requests before waiting ones in a batch).
+Recomputes(q, g, p, b) ==
+    /\ status[q] \in {"waiting", "running"}
+    /\ Slot(p) <= Len(table[q][g]) /\ table[q][g][Slot(p)] = b
+    /\ ReadFrom(q) <= p
+NoStaleRead ==
+    \A r \in Req : status[r] \in {"waiting", "running"} =>
+      \A g \in Groups : \A p \in Needed(r, g) :
+        (p < ReadFrom(r) /\ Slot(p) <= Len(table[r][g]) /\ table[r][g][Slot(p)] # Null)
+          => LET b == table[r][g][Slot(p)] IN
+             <<b, p % B>> \notin bad \/ \E q \in Req \ {r} : Recomputes(q, g, p, b)
+
+\* BlockPool.cache_full_blocks: a block an asynchronous load writes is not
+\* in the prefix cache (delay_cache_blocks until the load finished), and a
+\* block holding a token past num_tokens (an unverified draft or an empty
+\* slot) never is.
 NoPrematurePublish ==
-    /\ \A r \in Req : \A b \in loads[r] : hash[b] = NoHash
+    /\ \A r \in Req : \A b \in TB(loads[r]) : hash[b] = NoHash
     /\ \A r \in Req, g \in Groups : \A i \in DOMAIN table[r][g] :
           (table[r][g][i] # Null /\ i * B > len[r]) => hash[table[r][g][i]] = NoHash
 
-\* Scheduler under fairness: every request eventually finishes (or is
-\* aborted) when its in-window needs fit the pool.
+\* SlidingWindowManager, an action property: right after allocate_slots
+\* the request's sliding-window table holds at most ceil((W-1)/B) + 1 real
+\* blocks plus those of the tokens scheduled now.
+WindowBound ==
+    [][event'.act = "AllocateSlots" =>
+         Cardinality(Real(table'[event'.req]["swa"]))
+             <= Contig + 1 + CeilDiv(event'.args.newTokens + event'.args.draftTokens, B)]_vars
+
+\* KVCacheManager.allocate_slots, an action property:
+\* get_num_blocks_to_allocate (computed as the code does) equals the blocks
+\* then taken from the free queue (touched evictable hits + get_new_blocks).
+ExactAdmission ==
+    [][event'.act = "AllocateSlots" => event'.args.predictedBlocks = event'.args.takenBlocks]_vars
+
+\* The scheduler under Fairness: every request eventually finishes.
 Liveness == \A r \in Req : <>(status[r] = "done")
 
 \* Symmetry of the request ids (all prompts look alike).
 Symmetry == Permutations(Req)
 
+-----------------------------------------------------------------------------
+(***************************************************************************)
+(* Witnesses: situations a model must reach for its properties to mean     *)
+(* something. Each Witness<X> says "X never happens"; a model that claims  *)
+(* its properties is expected to violate the witnesses listed for it in    *)
+(* spec/manifest.toml (TLC's trace is the shortest way there).             *)
+(***************************************************************************)
+AllocNow == event'.act = "AllocateSlots"
+NewNow == Range(event'.blocks["full"]) \cup Range(event'.blocks["swa"])
+ReachHeld == \E r \in Req : held'[r] # {}
+ReachPreemptOther == event'.act = "Preempt" /\ event'.args.by # event'.req
+ReachEviction == AllocNow /\ \E b \in NewNow : hash[b] # NoHash
+ReachWindowAtBound ==
+    AllocNow /\ Cardinality(Real(table'[event'.req]["swa"]))
+                  = Contig + 1 + CeilDiv(event'.args.newTokens + event'.args.draftTokens, B)
+ReachSwaBeyondTwo == \E r \in Req : Cardinality(Real(table'[r]["swa"])) > 2
+ReachNullPadExternal ==
+    AllocNow /\ event'.args.extTokens > 0
+    /\ \E i \in (event'.args.hitBlocks + 1)..Len(table'[event'.req]["swa"]) :
+          table'[event'.req]["swa"][i] = Null
+ReachDraft == AllocNow /\ event'.args.draftTokens > 0
+ReachAsyncSave == \E r \in Req : saves'[r] # {} /\ status'[r] = "running" /\ ~step'[r].on
+ReachLoadFailure == event'.act \in {"LoadFailed", "SyncLoadFailed"}
+ReachAsyncFailKeep == event'.act = "LoadFailed" /\ event'.args.computedTokens > 0
+ReachAsyncFailRestart ==
+    event'.act = "LoadFailed" /\ event'.args.computedTokens = 0 /\ event'.args.atSlot > 1
+ReachSyncFailKeep == event'.act = "SyncLoadFailed" /\ event'.args.computedTokens > 0
+ReachSyncFailRestart == event'.act = "SyncLoadFailed" /\ event'.args.restart # {}
+ReachSharedInvalid ==
+    event'.act = "SyncLoadFailed" /\ event'.args.affected \ {event'.req} # {}
+ReachFailAfterAbort == event'.act = "LoadFailed" /\ event'.args.computedTokens = -1
+ReachRefused == event'.act = "Refused"
+ReachFreeWaiting == event'.act = "FreeWaiting"
+WitnessHeld == [][~ReachHeld]_vars
+WitnessPreemptOther == [][~ReachPreemptOther]_vars
+WitnessEviction == [][~ReachEviction]_vars
+WitnessWindowAtBound == [][~ReachWindowAtBound]_vars
+WitnessSwaBeyondTwo == [][~ReachSwaBeyondTwo]_vars
+WitnessNullPadExternal == [][~ReachNullPadExternal]_vars
+WitnessDraft == [][~ReachDraft]_vars
+WitnessAsyncSave == [][~ReachAsyncSave]_vars
+WitnessLoadFailure == [][~ReachLoadFailure]_vars
+WitnessAsyncFailKeep == [][~ReachAsyncFailKeep]_vars
+WitnessAsyncFailRestart == [][~ReachAsyncFailRestart]_vars
+WitnessSyncFailKeep == [][~ReachSyncFailKeep]_vars
+WitnessSyncFailRestart == [][~ReachSyncFailRestart]_vars
+WitnessSharedInvalid == [][~ReachSharedInvalid]_vars
+WitnessFailAfterAbort == [][~ReachFailAfterAbort]_vars
+WitnessRefused == [][~ReachRefused]_vars
+WitnessFreeWaiting == [][~ReachFreeWaiting]_vars
+
+-----------------------------------------------------------------------------
+(***************************************************************************)
+(* Theorems, each under the assumptions it needs (TLC checks them on the  *)
+(* models of spec/manifest.toml; the expected failures are recorded there).*)
+(***************************************************************************)
+\* The code's protections are all on.
+Unmutated == Mutation = "none"
+\* Stores that outlive the step are held (patch 13), or there are none.
+SavesSafe == SaveMode # "async" \/ SaveHold
+\* Load failures cannot leave a shared block unrecomputed: every holder
+\* recomputes (patch 5) and counts what it computed before its step as
+\* computed (the proposal; the code counts num_cached_tokens).
+FailuresSafe == MaxFailures = 0 \/ (SharedInvalidFix /\ RangeByComputed)
+\* Blocks vLLM's start-up check demands for one request of MaxLen tokens
+\* (check_enough_kv_cache_memory, KVCacheSpec.max_memory_usage_bytes per
+\* group: full attention ceil(max_model_len/B), a sliding window
+\* ceil(min(W-1+max_num_batched_tokens, max_model_len)/B)+1).
+OneRequestBlocks == CeilDiv(MaxLen, B) + CeilDiv(Min(W - 1 + Chunk, MaxLen), B) + 1
+PoolChecked == N >= OneRequestBlocks
+\* No request waits for an async load while others hold the blocks it
+\* needs: no async loads, or the stall fix (patch 7) on a pool that passes
+\* vLLM's start-up check (on a smaller pool a request back from its load
+\* may need more blocks than the pool has, and patch 7 never frees the
+\* blocks of the request it cannot allocate).
+NoStall == ~AsyncLoad \/ (StallFix /\ PoolChecked)
+
 THEOREM Spec => []TypeOK
-THEOREM Spec => []Conservation
-THEOREM Spec => []ExclusiveOwnership
-THEOREM Spec => []NoTransferRace
-THEOREM Spec => []RefCount
-THEOREM Spec => []NullPrefix
-THEOREM Spec => []WindowBound
-THEOREM Spec => []ExactAdmission
-THEOREM Spec => []NoPrematurePublish
-THEOREM Spec => Liveness
+THEOREM (IsSeries /\ Unmutated) => (Spec => []Conservation)
+THEOREM (IsSeries /\ Unmutated) => (Spec => []ExclusiveOwnership)
+THEOREM (IsSeries /\ Unmutated /\ SavesSafe) => (Spec => []NoTransferRace)
+THEOREM (IsSeries /\ Unmutated) => (Spec => []RefCount)
+THEOREM (IsSeries /\ Unmutated) => (Spec => []NullPrefix)
+THEOREM (IsSeries /\ Unmutated) => (Spec => []WindowCovered)
+THEOREM (IsSeries /\ Unmutated /\ FailuresSafe) => (Spec => []NoStaleRead)
+THEOREM (IsSeries /\ Unmutated) => (Spec => []NoPrematurePublish)
+THEOREM (IsSeries /\ Unmutated) => (Spec => WindowBound)
+THEOREM (IsSeries /\ Unmutated) => (Spec => ExactAdmission)
+\* Deadlock freedom (TLC's deadlock check): some action is always enabled
+\* until every request is done.
+THEOREM (IsSeries /\ Unmutated /\ NoStall /\ ~CanAbort) => (Spec => [](ENABLED Next))
+\* A connector whose loads all fail: only the proposal (NoReload) ends the
+\* loop of failed loads (series-loads-fail, series-loads-fail-proposed).
+LoadsEnd == ~LoadsFail \/ NoReload
+THEOREM (IsSeries /\ Unmutated /\ NoStall /\ ~CanAbort /\ LoadsEnd)
+            => (FairSpec => Liveness)
 =============================================================================

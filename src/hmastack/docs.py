@@ -701,141 +701,7 @@ def regions_block() -> str:
 
 
 def model_page(cfg: Config) -> str:
-    spec_dir = cfg.root / "spec"
-    out = ["# The model: properties and results\n"]
-    specs = sorted(spec_dir.glob("*.tla")) if spec_dir.is_dir() else []
-    specs = [p for p in specs if "_TTrace_" not in p.name]
-    if not specs:
-        out.append('!!! note "No model yet"\n    `spec/` holds no TLA+ module yet.\n')
-    for path in specs:
-        info = site_model.read_spec(path)
-        out.append(
-            f"Generated from `spec/{path.name}` (module `{info.module}`), "
-            "`spec/models/*.cfg`, the manifest and the last model-check reports.\n"
-        )
-        if info.header:
-            out.append("## What is modelled\n")
-            out.append(fence(info.header, "text"))
-        if info.constants:
-            out.append("## Constants\n")
-            out.append(
-                md_table(
-                    ["constant", "meaning"], [[code(n), c] for n, c in info.constants]
-                )
-            )
-        if info.variables:
-            out.append("## State\n")
-            out.append(
-                md_table(
-                    ["variable", "stands for"],
-                    [[code(n), c] for n, c in info.variables],
-                )
-            )
-        if info.actions:
-            out.append("## Actions\n")
-            out.append(
-                "Every step records its action in `event`; the comment is the "
-                "spec's own.\n\n"
-            )
-            grouped: dict[str, list[str]] = {}
-            for n, c in info.actions:
-                grouped.setdefault(c, []).append(code(n))
-            out.append(
-                md_table(
-                    ["action", "what it models"],
-                    [[", ".join(v), c] for c, v in grouped.items()],
-                )
-            )
-        if info.properties:
-            out.append("## Properties\n")
-            out.append(
-                md_table(
-                    ["property", "checked as", "states that"],
-                    [
-                        [
-                            code(n),
-                            code(f"Spec => []{n}")
-                            if k == "invariant"
-                            else code(f"Spec => {n}"),
-                            c,
-                        ]
-                        for n, k, c in info.properties
-                    ],
-                )
-            )
-    out.append("## Model results\n")
-    cfgs = site_model.read_cfgs(spec_dir)
-    models = site_reports.load_models(cfg)
-    if not models:
-        out.append("No model configuration yet.\n")
-    rows = []
-    for m in models:
-        mc = cfgs.get(m.name)
-        agree = m.matches_manifest
-        rows.append(
-            [
-                code(m.name),
-                (mc.policy if mc else "") or "",
-                (mc.mutation if mc else "") or "",
-                m.result,
-                m.violated or "",
-                f"{m.distinct:,}" if m.distinct is not None else "",
-                str(m.depth) if m.depth is not None else "",
-                f"{m.seconds:.0f}" if m.seconds is not None else "",
-                "" if agree is None else ("yes" if agree else "**no**"),
-            ]
-        )
-    if rows:
-        out.append(
-            md_table(
-                [
-                    "model",
-                    "policy",
-                    "mutation",
-                    "result",
-                    "violated",
-                    "distinct states",
-                    "depth",
-                    "seconds",
-                    "as the manifest says",
-                ],
-                rows,
-            )
-        )
-        if not any(m.result != "not run yet" for m in models):
-            out.append(
-                "\nNot run yet: `hmastack spec check` writes "
-                "`build/reports/spec/<model>.json`.\n"
-            )
-    out.append("\n## The Legacy counterexample\n")
-    legacy = [
-        m
-        for m in models
-        if m.trace
-        and (
-            (cfgs.get(m.name) and cfgs[m.name].policy == "Legacy")
-            or "legacy" in m.name.lower()
-        )
-    ]
-    if not legacy:
-        out.append(
-            "Not run yet: once the model check has run, the shortest behaviour in "
-            "which "
-            'vLLM 0.13.0\'s allocation (`Policy = "Legacy"`) breaks a property is '
-            "shown here step by step.\n"
-        )
-    for m in legacy:
-        out.append(f"### `{m.name}`: {m.violated or 'a property'} is violated\n")
-        out.append(
-            f"{len(m.trace)} states. Each row is one step: the action (the vLLM "
-            "method it "
-            "stands for) and every request's block table per KV cache group after it. "
-            "`∅` is the null block, `↓` marks a block a connector load is writing "
-            "into, "
-            "`↑` one a connector save is reading.\n\n"
-        )
-        out.append(site_model.trace_table(m.trace, m.violated))
-    return "\n".join(out)
+    return site_model.model_page(cfg.root, cfg.reports, md_table, fence)
 
 
 def bench_page(cfg: Config, site: Site) -> str:
@@ -869,6 +735,7 @@ def generate(cfg: Config, docs_dir: Path | None = None) -> Site:
         "apply-commands": apply_page_block(cfg, stages),
         "checklist-status": checklist_block(cfg, stages, report),
         "conformance-results": conformance_block(cfg),
+        "model-manifest": site_model.manifest_table(cfg.root, md_table),
         "generated-from": (
             f"Generated from `patches/` ({len(stages)} stages, "
             f"{sum(len(s.patches) for s in stages)} patches), `spec/` and "
@@ -899,6 +766,7 @@ def generate(cfg: Config, docs_dir: Path | None = None) -> Site:
     for title, page in (
         ("Apply the stack", "apply.md"),
         ("Reviewer checklist", "checklist.md"),
+        ("Glossary", "glossary.md"),
     ):
         if (docs_dir / page).is_file():
             nav.append({title: page})

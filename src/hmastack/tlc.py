@@ -239,7 +239,9 @@ MSG_PROGRESS = 2200
 MSG_STATE = 2217
 MSG_BEHAVIOUR = 2121
 MSG_INVARIANT_VIOLATED = (2110, 2107)
-MSG_PROPERTY_VIOLATED = (2111, 2112, 2116)
+MSG_ACTION_PROPERTY_VIOLATED = (2111, 2112)
+MSG_TEMPORAL_VIOLATED = 2116  # "Temporal properties were violated." (no name)
+MSG_PROPERTY_VIOLATED = (*MSG_ACTION_PROPERTY_VIOLATED, MSG_TEMPORAL_VIOLATED)
 MSG_DEADLOCK = 2114
 MSG_BACK_TO_STATE = 2122
 MSG_STUTTERING = 2218
@@ -259,6 +261,9 @@ class TlcRun:
 
     result: str  # "pass" | "violation" | "error"
     violated: str | None = None  # property name, "Deadlock", or None
+    # What kind of violation: "safety" (an invariant or an action property),
+    # "liveness" (a temporal property: TLC does not name it) or "deadlock".
+    kind: str | None = None
     distinct_states: int | None = None
     states_generated: int | None = None
     depth: int | None = None
@@ -301,8 +306,9 @@ def parse_tool_output(text: str) -> TlcRun:
             run.result = "violation"
             m = _VIOLATED.search(body)
             run.violated = m.group(1) if m else body.splitlines()[0]
+            run.kind = "liveness" if msg.code == MSG_TEMPORAL_VIOLATED else "safety"
         elif msg.code == MSG_DEADLOCK:
-            run.result, run.violated = "violation", "Deadlock"
+            run.result, run.violated, run.kind = "violation", "Deadlock", "deadlock"
         elif msg.code == MSG_STATE:
             state = parse_state(body)
             run.trace.append(

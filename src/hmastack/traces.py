@@ -30,6 +30,7 @@ from hmastack import tlc
 from hmastack.errors import HmastackError
 
 __all__ = [
+    "counterexample",
     "parse_trace_file",
     "parse_cfg_constants",
     "generate",
@@ -183,12 +184,62 @@ def generate(
     return summary
 
 
+def counterexample(name: str, out: Path, *, root: Path | None = None) -> dict[str, Any]:
+    """Run TLC on manifest model ``name`` (a failure) and write its
+    counterexample as a trace document (the format of :func:`generate`), so
+    that the replays can drive vLLM through it. Returns the document."""
+    from hmastack import spec
+
+    root = root or spec._root()
+    settings = spec.load_settings(root)
+    model = spec.load_manifest(settings).get(name)
+    if model is None or model.result == "success":
+        raise HmastackError(
+            f"{name} is not a model whose manifest entry expects a failure",
+            'pick one with result = "... failure" in spec/manifest.toml',
+        )
+    java = spec.find_java()
+    jar = spec.resolve_jar(root, settings)
+    with tempfile.TemporaryDirectory(prefix="hmastack-cex-") as tmp:
+        report = spec.run_model(java, jar, settings, model, Path(tmp))
+    if not report["ok"]:
+        raise HmastackError(
+            f"TLC on {name} misses the manifest: {'; '.join(report['problems'])}",
+            f"hmastack spec check {name}",
+        )
+    states = [
+        {k: v for k, v in s.items() if not k.startswith("_")}
+        for s in report["trace"]
+        if s.get("_step") is not None
+    ]
+    doc = {
+        "model": name,
+        "cfg": str(model.cfg.relative_to(root)),
+        "violated": report["violated"],
+        "constants": parse_cfg_constants(model.cfg.read_text()),
+        "states": states,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    return doc
+
+
 def cmd_traces(args: argparse.Namespace) -> int:
     from hmastack import spec
     from hmastack.progress import console
 
     root, _, reports = spec._paths()
     settings = spec.load_settings(root)
+    if args.counterexample:
+        out = (
+            Path(args.out) if args.out else reports / "spec" / f"{args.model}.cex.json"
+        )
+        doc = counterexample(args.model, out, root=root)
+        console.print(
+            f"{args.model}: {doc['violated']} after {len(doc['states'])} states "
+            f"-> {out}"
+        )
+        return 0
     name, cfg = _resolve_cfg(root, settings, args.model)
     out = Path(args.out) if args.out else reports / "spec" / "traces" / name
     summary = generate(cfg, name, args.n, args.depth, out, seed=args.seed, root=root)
@@ -211,6 +262,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--depth", type=int, default=60, help="steps per behaviour (default 60)"
     )
     p.add_argument("--seed", type=int, default=None, help="default: spec/tlc.toml")
+    p.add_argument(
+        "--counterexample",
+        action="store_true",
+        help="write the counterexample of MODEL (a manifest failure) to --out",
+    )
     p.add_argument(
         "--out", default=None, help="default: build/reports/spec/traces/<model>/"
     )

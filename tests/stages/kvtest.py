@@ -30,6 +30,12 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.request import Request
 
+# The model policies (spec/HybridKVAlloc.tla) that describe this tree's stage
+# 03: "SeriesAllocOnly" (stage 03's allocation alone, patches 11-12 of the series) and
+# "SeriesAsCoded" (the fourteen commits). A replay fixture names the one it was
+# generated for (fixtures/replay-small.cfg).
+REPLAY_POLICIES = ("SeriesAllocOnly", "SeriesAsCoded")
+
 init_none_hash(sha256)
 
 
@@ -125,6 +131,41 @@ def compare_pool(block_pool, m2r: dict, state: dict, num_blocks: int) -> list[st
             f"vLLM {block_pool.get_num_free_blocks()}"
         )
     return problems
+
+
+def steer_hits(block_pool, real_blocks) -> None:
+    """Make ``get_one_block`` return the given blocks for their keys.
+
+    A prefix-cache key may name several blocks (``BlockHashToBlockMap`` keeps
+    every block published under it); the model's hit may take any of them,
+    vLLM takes the first of the key's dict. As with the free queue (see
+    ``steer_free_queue``) that choice is not a property under test, so a
+    replay moves the model's choice to the front before the lookup.
+    """
+    cache = block_pool.cached_block_hash_to_block._cache
+    for x in real_blocks:
+        block = block_pool.blocks[x]
+        entry = cache.get(block.block_hash) if block.block_hash is not None else None
+        if isinstance(entry, dict) and next(iter(entry)) != x and x in entry:
+            cache[block.block_hash] = {x: block} | {
+                k: v for k, v in entry.items() if k != x
+            }
+
+
+class AdmissionSpy:
+    """Records what ``get_num_blocks_to_allocate`` of a KV cache coordinator
+    returns (vLLM's own admission count), so a replay can compare it with the
+    model's prediction, and refusals with refusals."""
+
+    def __init__(self, coordinator):
+        self.counts: list[int] = []
+        self._count = coordinator.get_num_blocks_to_allocate
+        coordinator.get_num_blocks_to_allocate = self._record
+
+    def _record(self, *args, **kwargs) -> int:
+        count = self._count(*args, **kwargs)
+        self.counts.append(count)
+        return count
 
 
 class SkippedBlocksSpy:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hmastack import base, docs, site_hook, site_patches, workspace
+from hmastack import base, docs, site_hook, site_patches, spec, workspace
 from hmastack import config as config_mod
 from hmastack.errors import HmastackError
 from hmastack.gitutil import git
@@ -273,47 +273,52 @@ def test_stage_row_of_the_last_stage_table_is_on_the_page(series):
     assert "| red |" in site.blocks["series-table"]
 
 
-def test_model_page_renders_spec_results_and_legacy_counterexample(project):
-    spec = project.root / "spec"
-    (spec / "models").mkdir(parents=True)
-    (spec / "Toy.tla").write_text(
-        "---- MODULE Toy ----\n(***************)\n(* A toy pool. "
-        "*)\n(***************)\n"
-        "CONSTANTS\n    N,      \\* blocks\n    Policy  \\* Legacy or Series\n\n"
-        "\\* No block has two owners.\nExclusive == TRUE\n"
-        "THEOREM Spec => []Exclusive\n====\n"
-    )
-    (spec / "models" / "legacy.cfg").write_text(
-        "SPECIFICATION Spec\nCONSTANTS\n    N = 2\n    Policy = "
-        '"Legacy"\nINVARIANT Exclusive\n'
-    )
-    (spec / "manifest.toml").write_text(
-        '[models.legacy]\nresult = "violated"\nviolated = '
-        '"Exclusive"\ndistinct_states = 7\n'
-    )
-    reports = project.reports / "spec"
-    reports.mkdir(parents=True)
-    state = lambda act, r1, free, loads: {  # noqa: E731
-        "event": {"act": act, "req": "r1", "args": {"ext": 1}},
-        "table": {"r1": {"full": r1, "swa": [0, 2]}},
-        "loads": {"r1": loads}, "saves": {"r1": []}, "freeQ": free,
-    }  # fmt: skip
-    (reports / "legacy.json").write_text(json.dumps({
-        "result": "violated", "violated_property": "Exclusive", "distinct_states": 7,
-        "depth": 2, "seconds": 0.5,
-        "trace": [state("Init", [], [1, 2], []), state("AllocateSlots", [1], [], [2])],
-    }))  # fmt: skip
+def _copy_spec(project) -> None:
+    shutil.copytree(REPO / "spec", project.root / "spec")
+
+
+def test_model_page_lists_every_manifest_model_before_any_run(project):
+    _copy_spec(project)
     page = docs.generate(project).pages["model-results.md"]
-    assert "| `N` | blocks |" in page
-    assert "| `Exclusive` | `Spec => []Exclusive` | No block has two owners. |" in page
+    assert "## Stage 03: allocation alone, as coded, proposed" in page
+    assert "| `SaveHold` |" in page and "| `RangeByComputed` |" in page
     assert (
-        "| `legacy` | Legacy | none | violated | Exclusive | 7 | 2 | 0 | yes |" in page
+        "| `WindowCovered` | `Spec => []WindowCovered` | `IsSeries /\\ Unmutated` |"
+        in page
     )
-    assert "### `legacy`: Exclusive is violated" in page
-    assert (
-        "| 1 | **AllocateSlots** r1 <small>ext=1</small> — **violates Exclusive** "
-        "| `1` | `∅ 2↓` |" in page
+    models = spec.load_manifest(spec.load_settings(project.root))
+    for name in models:
+        assert f"| `{name}` |" in page, name
+    assert "| `mutations/skip-ceil` | SeriesAsCoded | SkipCeil |" in page
+    assert "Not run yet: `hmastack spec check`" in page
+
+
+@pytest.mark.skipif(shutil.which("java") is None, reason="TLC needs Java")
+def test_model_page_shows_the_checks_own_verdict_and_counterexamples(project):
+    """Reports written by the real `spec check` (issue 19: the page once showed
+    mutations as never run and misread simulation results)."""
+    _copy_spec(project)
+    settings = spec.load_settings(project.root)
+    models = spec.load_manifest(settings)
+    chosen = ["series-stall", "mutations/skip-ceil", "series-deep"]
+    failed = spec.check_models(
+        project.root, project.build, project.reports, settings, models, chosen
     )
+    assert failed == []
+    page = docs.generate(project).pages["model-results.md"]
+    rows = {
+        line.split("|")[1].strip(): line
+        for line in page.splitlines()
+        if line.startswith("| `")
+    }
+    assert rows["`series-stall`"].rstrip().endswith("| yes |")
+    assert "deadlock failure (Deadlock)" in rows["`series-stall`"]
+    assert rows["`mutations/skip-ceil`"].rstrip().endswith("| yes |")
+    assert "safety failure (WindowCovered)" in rows["`mutations/skip-ceil`"]
+    assert rows["`series-deep`"].rstrip().endswith("| yes |")
+    assert "not run yet" in rows["`series-wide`"]
+    section = page.split("### The stall (deadlock) of stage 03 as coded")[1]
+    assert "| 1 | **AllocateSlots** r" in section.split("###")[0]
 
 
 def test_unknown_marker_is_an_error():

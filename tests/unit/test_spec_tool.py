@@ -75,3 +75,23 @@ def test_deadlock_is_a_violation():
 def test_output_without_messages_is_rejected():
     with pytest.raises(ParseError):
         parse_tool_output("Error: could not find java\n")
+
+
+def test_violation_kinds():
+    invariant = (
+        "@!@!@STARTMSG 2110:1 @!@!@\nInvariant X is violated.\n@!@!@ENDMSG 2110 @!@!@\n"
+    )
+    action = (
+        "@!@!@STARTMSG 2112:1 @!@!@\nAction property W is violated.\n"
+        "@!@!@ENDMSG 2112 @!@!@\n"
+    )
+    temporal = (
+        "@!@!@STARTMSG 2116:1 @!@!@\nTemporal properties were violated.\n"
+        "@!@!@ENDMSG 2116 @!@!@\n"
+    )
+    assert parse_tool_output(invariant).kind == "safety"
+    run = parse_tool_output(action)
+    assert (run.result, run.violated, run.kind) == ("violation", "W", "safety")
+    assert parse_tool_output(temporal).kind == "liveness"
+    deadlock = "@!@!@STARTMSG 2114:1 @!@!@\nDeadlock reached.\n@!@!@ENDMSG 2114 @!@!@\n"
+    assert parse_tool_output(deadlock).kind == "deadlock"

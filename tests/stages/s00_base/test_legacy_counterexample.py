@@ -20,7 +20,10 @@ the tree's API, not on a stage number: a tree whose ``allocate_slots`` takes
 window-bound violation, and a tree whose ``KVCacheManager`` takes
 ``hold_freed_blocks`` (stage 03: the hold a KV connector asks for blocks its
 store still reads, ``KVConnectorBase_V1.request_blocks_freed``) must not show
-the save race when the connector's hook names the blocks being saved.
+the save race when the connector's hook names the blocks being saved. The
+model of stage 03's allocation alone (``spec/models/series-save-race.cfg``,
+``Policy = "SeriesAllocOnly"``) shows the race; with the hold
+(``SeriesAsCoded``, ``series-saves``) it is gone.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 The fixtures under ``fixtures/replay/`` (or the directory named by
 ``HMASTACK_REPLAY_TRACES``, as ``hmastack conform`` does) are behaviours of
-``fixtures/replay-small.cfg`` written by
+``fixtures/replay-small.cfg`` (``Policy = "SeriesAllocOnly"``: stage 03 as it is)
+written by
 ``hmastack spec traces tests/stages/s03_connector_allocate/fixtures/replay-small.cfg
 -n 40 --depth 60 --out tests/stages/s03_connector_allocate/fixtures/replay``
 (TLC -simulate, seed of spec/tlc.toml), committed so that this test needs no
@@ -19,12 +20,19 @@ is compared with the model state:
 * every request's per-group table (null entries and mapped real blocks),
 * ``ref_cnt`` of every model block through the bijection (0 if unmapped),
 * the free queue size, the number of prefix-cached blocks,
-* the prefix cache hit found by ``get_computed_blocks`` (``hit`` of the event).
+* the prefix cache hit found by ``get_computed_blocks`` (``hit`` of the event),
+* vLLM's own admission count (``get_num_blocks_to_allocate``) with the model's
+  prediction, and a refusal (``Refused``: ``allocate_slots`` returns None)
+  with a refusal,
+* after a load failure, ``can_recompute_from`` with the model's choice to
+  resume in place or start over.
 
 A mismatch fails with the trace, the step and both states. The model may evict
-any cached free block where vLLM evicts the LRU head: when the evicted blocks
-differ (through the bijection), the rest of the behaviour is not comparable and
-the replay of that trace stops there (counted, not a failure).
+any cached free block where vLLM evicts the LRU head, and hit any block of a
+prefix-cache key where vLLM takes the first: both choices are steered
+(``kvtest.steer_free_queue``, ``kvtest.steer_hits``); when the evicted blocks
+still differ (a block freed in the same step), the rest of the behaviour is not
+comparable and the replay of that trace stops there (counted, not a failure).
 """
 
 from __future__ import annotations
@@ -37,12 +45,15 @@ from pathlib import Path
 import pytest
 import torch
 from kvtest import (
+    REPLAY_POLICIES,
+    AdmissionSpy,
     SkippedBlocksSpy,
     bind_new_blocks,
     compare_pool,
     compare_table,
     make_request,
     steer_free_queue,
+    steer_hits,
 )
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.kv_cache_interface import (
@@ -62,7 +73,7 @@ GROUPS = ("full", "swa")
 
 # Events that touch no block state of the KVCacheManager (the scheduler keeps
 # the blocks): replayed as no-ops, the comparison still runs after them.
-NO_OP = {"NoAbort", "AbortDelayed", "FinishDelayed"}
+NO_OP = {"AbortDelayed", "FinishDelayed"}
 # Event kinds not mapped: a trace stops being replayed at the first one.
 SKIPPED_EVENTS: set[str] = set()
 
@@ -87,7 +98,7 @@ class Replay:
     # (kvtest.steer_free_queue).
     steer: bool = True
     # The model's saves (real block ids): a connector's hook tells the
-    # KVCacheManager which freed blocks a save still reads (`held`).
+    # KVCacheManager which freed blocks a store still reads (`held`).
     saves: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -111,6 +122,7 @@ class Replay:
         )
         self.pool = self.manager.block_pool
         self.skipped_spy = SkippedBlocksSpy(self.manager.coordinator)
+        self.admission = AdmissionSpy(self.manager.coordinator)
         for k, r in enumerate(c["Req"]):
             base = 1000 * (k + 1)
             shared = list(range(c["Shared"]))
@@ -122,14 +134,6 @@ class Replay:
         tables = self.manager.coordinator.get_blocks(r)
         return {
             g: [b.block_id for b in t] for g, t in zip(GROUPS, tables, strict=False)
-        }
-
-    def cached_hashes(self) -> set:
-        """The distinct prefix-cache keys (the model keeps one block per key)."""
-        return {
-            b.block_hash
-            for b in self.pool.blocks
-            if not b.is_null and b.block_hash is not None
         }
 
     def cached_real(self) -> set[int]:
@@ -145,10 +149,67 @@ class Replay:
         order = [m for g in GROUPS for m in ev["blocks"][g]]
         steer_free_queue(self.pool, self.m2r, self.r2m, order)
 
-    def allocate(self, before: dict, after: dict, ev: dict) -> None:
+    def call_allocate(self, before: dict, after: dict, ev: dict):
+        """``allocate_slots`` as the scheduler calls it for the model's step
+        (the hit checked against the model's); returns what it returns."""
         r, a = ev["req"], ev["args"]
         request = self.requests[r]
-        fresh = before["computed"][r] == 0
+        fresh = before["status"][r] == "waiting" and before["computed"][r] == 0
+        self.admission.counts.clear()
+        if fresh:
+            request.num_computed_tokens = 0
+            if after is not None:
+                # The model's hit blocks (any block of their key) first.
+                steer_hits(
+                    self.pool,
+                    [
+                        self.m2r[m]
+                        for g in GROUPS
+                        for m in after["table"][r][g][: a["hitBlocks"]]
+                        if m and m in self.m2r
+                    ],
+                )
+            hits, num_hit = self.manager.get_computed_blocks(request)
+            if num_hit != a["hitBlocks"] * self.B:
+                raise Mismatch(
+                    f"prefix cache hit: vLLM {num_hit} tokens, model "
+                    f"{a['hitBlocks']} blocks"
+                )
+            new = self.manager.allocate_slots(
+                request,
+                a["newTokens"],
+                num_new_computed_tokens=num_hit,
+                new_computed_blocks=hits,
+                num_lookahead_tokens=a["draftTokens"],
+                num_external_computed_tokens=a["extTokens"],
+                delay_cache_blocks=a["async"],
+            )
+        else:
+            request.num_computed_tokens = before["computed"][r]
+            new = self.manager.allocate_slots(
+                request, a["newTokens"], num_lookahead_tokens=a["draftTokens"]
+            )
+        if self.admission.counts[-1:] != [a["predictedBlocks"]]:
+            raise Mismatch(
+                f"get_num_blocks_to_allocate: vLLM {self.admission.counts}, "
+                f"model {a['predictedBlocks']}"
+            )
+        return new
+
+    def refused(self, before: dict, after: dict, ev: dict) -> None:
+        """The model refuses a waiting request: so must allocate_slots."""
+        r = ev["req"]
+        if self.call_allocate(before, None, ev) is not None:
+            raise Mismatch(
+                f"allocate_slots scheduled {r} although the model refuses it "
+                f"({ev['args']['predictedBlocks']} blocks, "
+                f"{ev['args']['freeBlocks']} free)"
+            )
+        self.requests[r].num_computed_tokens = before["computed"][r]
+
+    def allocate(self, before: dict, after: dict, ev: dict) -> None:
+        r = ev["req"]
+        fresh = before["status"][r] == "waiting" and before["computed"][r] == 0
         self.skipped_spy.calls.clear()
         if self.steer:
             if not fresh:
@@ -156,7 +217,7 @@ class Replay:
                 # do it first so the freed blocks can be steered too (a second
                 # call finds them null and frees nothing). The spy checks
                 # below that allocate_slots still makes that call.
-                # As allocate_slots: the blocks a save still reads are held.
+                # As allocate_slots: the blocks a store still reads are held.
                 self.manager._hold_blocks(
                     r,
                     self.manager.coordinator.get_skipped_blocks(
@@ -166,37 +227,13 @@ class Replay:
                 self.skipped_spy.free_now(r, before["computed"][r])
             self.steer_eviction(ev)
         cached_before = self.cached_real()
-        # The keys of the cached blocks the model evicts in this step.
         model_new = set(ev["blocks"]["full"]) | set(ev["blocks"]["swa"])
         model_evicted = {m for m in model_new if before["hash"][m - 1]}
-        evicted_keys = {
-            self.pool.blocks[self.m2r[m]].block_hash
-            for m in model_evicted
-            if m in self.m2r
-        }
-        if fresh:
-            request.num_computed_tokens = 0
-            hits, num_hit = self.manager.get_computed_blocks(request)
-            if num_hit != a["hit"] * self.B:
-                raise Mismatch(
-                    f"prefix cache hit: vLLM {num_hit} tokens, model {a['hit']} blocks"
-                )
-            new = self.manager.allocate_slots(
-                request,
-                a["n"],
-                num_new_computed_tokens=num_hit,
-                new_computed_blocks=hits,
-                num_lookahead_tokens=a["d"],
-                num_external_computed_tokens=a["ext"],
-                delay_cache_blocks=a["async"],
-            )
-        else:
-            request.num_computed_tokens = before["computed"][r]
-            new = self.manager.allocate_slots(
-                request, a["n"], num_lookahead_tokens=a["d"]
-            )
+        new = self.call_allocate(before, after, ev)
         if new is None:
-            raise Mismatch(f"allocate_slots refused ({a['predicted']} predicted)")
+            raise Mismatch(
+                f"allocate_slots refused ({ev['args']['predictedBlocks']} predicted)"
+            )
         if not fresh and (r, before["computed"][r]) not in self.skipped_spy.calls:
             raise Mismatch(
                 f"allocate_slots did not free the skipped blocks of {r} for "
@@ -215,21 +252,7 @@ class Replay:
         bind_new_blocks(
             self.m2r, self.r2m, after["table"][r], self.real_tables(r), ev["blocks"]
         )
-        # The model publishes one block per key; vLLM also publishes a block
-        # whose key a cached block already has (BlockHashToBlockMap keeps both).
-        # When the model evicts the key's block, vLLM still hits the other.
-        model_keys = {
-            self.pool.blocks[self.m2r[m]].block_hash
-            for m, key in enumerate(after["hash"], start=1)
-            if key and m in self.m2r
-        }
-        kept = (evicted_keys & self.cached_hashes()) - model_keys
-        if kept:
-            raise Diverged(
-                f"model evicts the only block of {len(kept)} prefix-cache key(s) "
-                "that vLLM also holds on a duplicate block"
-            )
-        request.num_computed_tokens = after["computed"][r]
+        self.requests[r].num_computed_tokens = after["computed"][r]
 
     def execute(self, before: dict, after: dict, ev: dict) -> None:
         r = ev["req"]
@@ -244,21 +267,83 @@ class Replay:
     def finish_load(self, before: dict, after: dict, ev: dict) -> None:
         r = ev["req"]
         request = self.requests[r]
-        if ev["act"] == "FinishLoadFree":
+        if ev["act"] == "FinishLoadFree" or after["status"][r] == "done":
             self.manager.free(request)
             return
         if before["status"][r] == "finishing":
             return
         # As Scheduler._update_waiting_for_remote_kv: the request resumes after
-        # its hit + external tokens (the scheduler replay checks that count).
-        c = before["computed"][r]
-        self.manager.cache_blocks(request, c)
+        # its hit + external tokens (the scheduler replay checks that count),
+        # or after what a load failure left valid; with none it starts over.
+        c = after["computed"][r]
+        if c == 0:
+            self.manager.free(request)
+        else:
+            self.manager.cache_blocks(request, c)
         request.num_computed_tokens = c
+
+    def check_recompute(self, r: str, at: int, computed: int) -> None:
+        """The model resumes in place from slot ``at`` (1-based) or starts over:
+        KVCacheManager.can_recompute_from must agree."""
+        t = (at - 1) * self.B
+        if t == 0:
+            return
+        can = self.manager.can_recompute_from(r, t)
+        if can != (computed == t):
+            raise Mismatch(
+                f"can_recompute_from({r}, {t}) = {can}, model resumes {r} at "
+                f"{computed} tokens"
+            )
+
+    def load_failed(self, before: dict, after: dict, ev: dict) -> None:
+        """_handle_invalid_blocks + _update_waiting_for_remote_kv of an async
+        load that failed from slot ``at`` on."""
+        r, a = ev["req"], ev["args"]
+        if before["status"][r] == "finishing":
+            if after["status"][r] == "done":
+                self.manager.free(self.requests[r])
+            return
+        self.check_recompute(r, a["atSlot"], a["computedTokens"])
+        self.finish_load(before, after, ev)
+
+    def sync_load_failed(self, before: dict, after: dict, ev: dict) -> None:
+        """_handle_invalid_blocks for a synchronous load: the affected requests
+        resume from the model's num_computed_tokens; the restarted ones have
+        their invalid blocks evicted from the prefix cache and are freed."""
+        r, a = ev["req"], ev["args"]
+        if (
+            r in a["affected"]
+            and r not in a["restart"]
+            and a["computedTokens"] != before["computed"][r]
+        ):
+            self.check_recompute(r, a["atSlot"], a["computedTokens"])
+        # Patch 5: the blocks from each affected request's first invalid
+        # block on leave the prefix cache (evict_blocks), whether it resumes
+        # in place or starts over.
+        unhashed = {
+            self.m2r[m]
+            for m in range(1, self.N + 1)
+            if before["hash"][m - 1] and not after["hash"][m - 1] and m in self.m2r
+        }
+        self.manager.evict_blocks(unhashed)
+        for q in a["restart"]:
+            if self.manager.can_recompute_from(q, 0):
+                raise Mismatch(f"{q} starts over, but can_recompute_from({q}, 0)")
+            self.manager.free(self.requests[q])
+        for q in a["affected"]:
+            self.requests[q].num_computed_tokens = after["computed"][q]
 
     def free_and_restart(self, before: dict, after: dict, ev: dict) -> None:
         r = ev["req"]
         self.manager.free(self.requests[r])
         self.requests[r].num_computed_tokens = after["computed"][r]
+
+    def free_waiting(self, before: dict, after: dict, ev: dict) -> None:
+        """Scheduler._free_blocks_of_waiting_requests: the waiting requests
+        back from async loads give their blocks up and start over."""
+        for q in ev["args"]["freed"]:
+            self.manager.free(self.requests[q])
+            self.requests[q].num_computed_tokens = after["computed"][q]
 
     def save_done(self, before: dict, after: dict, ev: dict) -> None:
         """finished_sending: held blocks are freed; a finished request's
@@ -270,16 +355,20 @@ class Replay:
             self.manager.free(self.requests[r])
 
     def mirror_saves(self, state: dict) -> None:
+        """The stores that outlive the step (SaveMode "async"); a save inside
+        the step is over when the step returns and holds nothing."""
+        if self.constants["SaveMode"] != "async":
+            return
         self.saves = {
-            r: {self.m2r[m] for m in blocks if m in self.m2r}
-            for r, blocks in state.get("saves", {}).items()
+            r: {self.m2r[m] for _g, _i, m in blocks if m in self.m2r}
+            for r, blocks in state["saves"].items()
             if blocks
         }
 
     def step(self, before: dict, after: dict) -> None:
         ev = after["event"]
         act = ev["act"]
-        # A save starts when the step runs (Execute): the hook knows it then.
+        # A store starts when the step runs (Execute): the hook knows it then.
         self.mirror_saves(
             after if act in ("Execute", "Finish", "FinishDelayed") else before
         )
@@ -289,8 +378,16 @@ class Replay:
             self.execute(before, after, ev)
         elif act in ("FinishLoad", "FinishLoadFree"):
             self.finish_load(before, after, ev)
-        elif act in ("LoadFailed", "Preempt", "Abort"):
+        elif act == "LoadFailed":
+            self.load_failed(before, after, ev)
+        elif act == "SyncLoadFailed":
+            self.sync_load_failed(before, after, ev)
+        elif act == "Refused":
+            self.refused(before, after, ev)
+        elif act in ("Preempt", "Abort"):
             self.free_and_restart(before, after, ev)
+        elif act == "FreeWaiting":
+            self.free_waiting(before, after, ev)
         elif act == "SaveDone":
             self.save_done(before, after, ev)
         elif act in NO_OP:
@@ -311,14 +408,16 @@ class Replay:
                 self.r2m.get(b.block_id, f"?{b.block_id}")
                 for b in self.manager.held_blocks.get(r, [])
             )
-            if held != sorted(state.get("held", {}).get(r, [])):
+            if held != sorted(state["held"][r]):
                 problems.append(
                     f"held {r}: model {sorted(state['held'][r])}, vLLM {held}"
                 )
-        model_cached = sum(1 for h in state["hash"] if h)
-        if len(self.cached_hashes()) != model_cached:
+        model_cached = {m for m, h in enumerate(state["hash"], start=1) if h}
+        real_cached = {self.r2m.get(x, f"?{x}") for x in self.cached_real()}
+        if real_cached != model_cached:
             problems.append(
-                f"cached keys: model {model_cached}, vLLM {len(self.cached_hashes())}"
+                f"cached blocks: model {sorted(model_cached)}, vLLM "
+                f"{sorted(real_cached, key=str)} (as model ids)"
             )
         return problems
 
@@ -351,6 +450,7 @@ def model_state(state: dict) -> dict:
 
 
 STATS = {
+    "acts": {},
     "pc_only": 0,
     "traces": 0,
     "steps": 0,
@@ -361,7 +461,7 @@ STATS = {
 
 def replay(path: Path) -> None:
     doc = json.loads(path.read_text())
-    assert doc["constants"]["Policy"] == "Series"
+    assert doc["constants"]["Policy"] in REPLAY_POLICIES, "replay the code as it is"
     rp = Replay(doc["constants"])
     states = doc["states"]
     STATS["traces"] += 1
@@ -385,6 +485,7 @@ def replay(path: Path) -> None:
         else:
             problems = rp.compare(after)
         STATS["steps"] += 1
+        STATS["acts"][act] = STATS["acts"].get(act, 0) + 1
         if problems:
             raise Mismatch(
                 f"{path.name} step {k} ({after['event']}):\n  "
@@ -407,20 +508,17 @@ def test_fixtures_present_and_replayed():
     assert len(index["traces"]) == len(TRACES)
     print(f"\nreplay: {STATS['traces']} traces, {STATS['steps']} steps compared")
     print(f"pc-only steps (no event): {STATS['pc_only']}")
-    print(f"diverged (eviction choice, duplicate key): {len(STATS['diverged'])}")
+    print(f"diverged (eviction choice): {len(STATS['diverged'])}")
     for where in STATS["diverged"]:
         print(f"  {where}")
     print(f"skipped events: {STATS['skipped']}")
+    print(f"compared steps by action: {dict(sorted(STATS['acts'].items()))}")
     if os.environ.get("HMASTACK_CONFORM_SUMMARY"):
         summary = {
             "traces": STATS["traces"],
             "steps_compared": STATS["steps"],
-            "diverged_eviction_choice": sum(
-                "duplicate" not in d[2] for d in STATS["diverged"]
-            ),
-            "diverged_duplicate_key": sum(
-                "duplicate" in d[2] for d in STATS["diverged"]
-            ),
+            "diverged_eviction_choice": len(STATS["diverged"]),
+            "acts": dict(STATS["acts"]),
             "stopped_unmapped_event": len(STATS["skipped"]),
         }
         Path(os.environ["HMASTACK_CONFORM_SUMMARY"]).write_text(json.dumps(summary))
