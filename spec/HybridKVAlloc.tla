@@ -2,9 +2,8 @@
 (***************************************************************************)
 (* Block allocation of vLLM's hybrid KV cache manager (HMA) with a KV      *)
 (* connector: as on vLLM 0.13.0 ("Legacy"), as stage 03's per-group      *)
-(* allocation alone ("SeriesAllocOnly"), as stage 03's fourteen commits   *)
-(* do it ("SeriesAsCoded"), and with what the model proposes on top       *)
-(* ("SeriesProposed", kept apart; see the policies below).                *)
+(* allocation alone ("SeriesAllocOnly"), and as stage 03's fifteen        *)
+(* commits do it ("SeriesAsCoded"; see the policies below).               *)
 (*                                                                         *)
 (* Modelled:                                                               *)
 (*  - one BlockPool of N physical blocks (ids 1..N) plus the null block   *)
@@ -67,7 +66,7 @@ CONSTANTS
     SaveMode,    \* connector saves: "none", "step" (inside the step), "async" (outlive it)
     CanAbort,    \* TRUE: a client may abort its request
     Refusals,    \* TRUE: a refused allocation of a waiting request is a step (replays)
-    Policy,      \* "Legacy" (0.13.0), "SeriesAllocOnly", "SeriesAsCoded", "SeriesProposed" (below)
+    Policy,      \* "Legacy" (0.13.0), "SeriesAllocOnly", "SeriesAsCoded" (below)
     Mutation     \* "none", or the one protection of the code that is switched off
 
 ASSUME /\ N \in Nat \ {0} /\ B \in Nat \ {0} /\ W \in Nat \ {0, 1}
@@ -77,7 +76,7 @@ ASSUME /\ N \in Nat \ {0} /\ B \in Nat \ {0} /\ W \in Nat \ {0, 1}
        /\ LoadsFail \in BOOLEAN
        /\ SaveMode \in {"none", "step", "async"}
        /\ CanAbort \in BOOLEAN /\ Refusals \in BOOLEAN
-       /\ Policy \in {"Legacy", "SeriesAllocOnly", "SeriesAsCoded", "SeriesProposed"}
+       /\ Policy \in {"Legacy", "SeriesAllocOnly", "SeriesAsCoded"}
        /\ Mutation \in {"none", "EarlyPublish", "PublishDraft", "LateClaim",
                         "FreeInFlight", "EagerFree", "AllocSkipped", "PadFull",
                         "UnderCount", "SkipTouch", "LeakSkipped", "SkipCeil",
@@ -85,60 +84,57 @@ ASSUME /\ N \in Nat \ {0} /\ B \in Nat \ {0} /\ W \in Nat \ {0, 1}
 
 -----------------------------------------------------------------------------
 (***************************************************************************)
-(* The three versions of stage 03 the model knows, by the mechanisms of   *)
+(* The two versions of stage 03 the model knows, by the mechanisms of    *)
 (* its failure paths (patches/03-connector-allocate/vllm/00NN):           *)
-(*  - "SeriesAllocOnly": the per-group allocation (patches 11-12) without *)
+(*  - "SeriesAllocOnly": the per-group allocation (patches 12-13) without *)
 (*    the failure-path fixes: no hold for in-flight stores, no stall fix, *)
 (*    the first holder of a shared invalid block recomputes it for all,   *)
-(*    a running request's load-failure range is num_cached_tokens. Its    *)
-(*    models are the witnesses that each fix bites;                       *)
-(*  - "SeriesAsCoded": the fourteen commits of stage 03: patch 13 holds   *)
+(*    a running request's load-failure range is num_cached_tokens, a     *)
+(*    request whose load left it no valid token loads again. Its models   *)
+(*    are the witnesses that each fix bites;                              *)
+(*  - "SeriesAsCoded": the fifteen commits of stage 03: patch 14 holds    *)
 (*    the blocks a connector's store still reads (request_blocks_freed),  *)
 (*    patch 7 frees the blocks of waiting requests back from async loads  *)
 (*    when the first waiting request cannot be allocated and nothing runs,*)
 (*    patch 5 makes every holder of an invalid block compute it again,    *)
 (*    patch 8 takes a running request's load-failure range from the       *)
-(*    tokens it computed before its step;                                 *)
-(*  - "SeriesProposed": SeriesAsCoded plus what the model proposes and    *)
-(*    the code lacks: a request whose async load failed and left it no   *)
-(*    valid token loads nothing more (proposals/03-no-new-kv-load-...).   *)
+(*    tokens it computed before its step, patch 9 takes no external       *)
+(*    tokens for a request whose load left it no valid token.             *)
 (* Patches 4 (in-flight fence) and 6 (failure reported after the next     *)
 (* step) only matter with asynchronous scheduling, which is not modelled *)
 (* (one step in flight per request); patches 1-3 are the async-load      *)
 (* paths below (FinishLoad, Abort while loading, resume point); patches  *)
-(* 9-10 (configuration) and 14 (documentation) have no state.             *)
+(* 10-11 (configuration) and 15 (documentation) have no state. What the   *)
+(* model once proposed and the code lacked is now in the code (patches 8, *)
+(* 9, 14); a new proposal gets its own policy again.                      *)
 (***************************************************************************)
-IsSeries == Policy \in {"SeriesAllocOnly", "SeriesAsCoded", "SeriesProposed"}
-Fixed == Policy \in {"SeriesAsCoded", "SeriesProposed"}
-\* Patch 13 (SeriesAsCoded, SeriesProposed): before the scheduler frees blocks
-\* of a request (window slide, preemption, stall fix, load-failure restart,
-\* abort), the connector names those its stores still read
-\* (request_blocks_freed); they keep one reference (KVCacheManager.held_blocks,
-\* a block at most once per request) until finished_sending. Mutation
-\* "FreeInFlight" switches it off.
+IsSeries == Policy \in {"SeriesAllocOnly", "SeriesAsCoded"}
+Fixed == Policy = "SeriesAsCoded"
+\* Patch 14: before the scheduler frees blocks of a request (window slide,
+\* preemption, stall fix, load-failure restart, abort), the connector names
+\* those its stores still read (request_blocks_freed); they keep one
+\* reference (KVCacheManager.held_blocks, a block at most once per request)
+\* until finished_sending. Mutation "FreeInFlight" switches it off.
 SaveHold == Fixed /\ Mutation # "FreeInFlight"
-\* Patch 7 (SeriesAsCoded, SeriesProposed): when the first waiting request
-\* cannot be allocated and nothing runs, the other waiting requests back from
-\* async loads free their blocks and start over (FreeWaiting).
+\* Patch 7: when the first waiting request cannot be allocated and nothing
+\* runs, the other waiting requests back from async loads free their blocks
+\* and start over (FreeWaiting).
 StallFix == Fixed
-\* Patch 5 (SeriesAsCoded, SeriesProposed): every request that counts an
-\* invalid block as computed truncates at its own first invalid block, and
-\* blocks from there on leave the prefix cache (FixedScan); before it, the
-\* first holder recomputes for all and policy "recompute" evicts nothing.
+\* Patch 5: every request that counts an invalid block as computed truncates
+\* at its own first invalid block, and blocks from there on leave the prefix
+\* cache (FixedScan); before it, the first holder recomputes for all and
+\* policy "recompute" evicts nothing.
 SharedInvalidFix == Fixed
-\* Patch 8 (SeriesAsCoded, SeriesProposed): a running request's load-failure
-\* range is the tokens it computed before its step (num_computed_tokens less
-\* the tokens in flight that are not external), not num_cached_tokens (which
-\* preemption never resets: series-stale-read-preempt). Mutation
-\* "RangeByCached" switches it off.
+\* Patch 8: a running request's load-failure range is the tokens it computed
+\* before its step (num_computed_tokens less the tokens in flight that are
+\* not external), not num_cached_tokens (which preemption never resets:
+\* series-stale-read-preempt). Mutation "RangeByCached" switches it off.
 RangeByComputed == Fixed /\ Mutation # "RangeByCached"
-\* Proposal (SeriesProposed only; proposals/03-no-new-kv-load-after-one-
-\* failed-at-the-first-block.patch): a request whose async load failed and
-\* left it no valid computed token takes no external tokens any more
-\* (Scheduler.kv_load_failed_req_ids); the code asks the connector again,
-\* and a connector that fails at every attempt keeps it loading for ever
-\* (series-loads-fail).
-NoReload == Policy = "SeriesProposed"
+\* Patch 9: a request whose load failed and left it no valid computed token
+\* (Scheduler.kv_load_failed_req_ids) takes no external tokens any more;
+\* before it, a connector that offers the same tokens and fails at every
+\* attempt keeps the request loading for ever (series-loads-fail-alloc-only).
+NoReload == Fixed
 
 -----------------------------------------------------------------------------
 Null == 0                                 \* the null block (BlockPool.null_block)
@@ -211,7 +207,7 @@ VARIABLES
     cachedTok,  \* Request.num_cached_tokens: set once, when first scheduled (-1 before)
     order,      \* Scheduler.waiting's order, front first (all requests; preemption moves one to the front)
     stallHead,  \* StallFix: the request patch 7 could not allocate (first in Scheduler.waiting) and those it freed (behind it)
-    noLoad,     \* NoReload: requests whose async load failed and left no valid token (kv_load_failed_req_ids)
+    noLoad,     \* NoReload: requests whose load failed and left no valid token (kv_load_failed_req_ids)
     event       \* the step just taken: action, request, blocks per group, arguments
 
 vars == <<ref, hash, freeQ, status, len, computed, table, ncached, step, loads,
@@ -709,10 +705,11 @@ SyncLoadFailed(r) ==
                                    ELSE saves[q]]
         /\ status' = [q \in Req |-> IF q \in restart THEN "waiting" ELSE status[q]]
         /\ running' = SelectSeq(running, LAMBDA x : x \notin restart)
+        /\ noLoad' = IF NoReload THEN noLoad \cup {q \in aff : sc.nc[q] = 0} ELSE noLoad
         /\ event' = Ev("SyncLoadFailed", r, NoBlocks,
                        [atSlot |-> i, affected |-> aff, restart |-> restart,
                         computedTokens |-> IF r \in aff THEN sc.nc[r] ELSE computed[r]])
-        /\ UNCHANGED <<len, loads, cachedTok, order, stallHead, noLoad>>
+        /\ UNCHANGED <<len, loads, cachedTok, order, stallHead>>
 
 \* Scheduler.schedule, running loop: allocate_slots returned None for
 \* running request r, so the last running request is preempted (maybe r):
@@ -1127,7 +1124,7 @@ WitnessFreeWaiting == [][~ReachFreeWaiting]_vars
 (***************************************************************************)
 \* The code's protections are all on.
 Unmutated == Mutation = "none"
-\* Stores that outlive the step are held (patch 13), or there are none.
+\* Stores that outlive the step are held (patch 14), or there are none.
 SavesSafe == SaveMode # "async" \/ SaveHold
 \* Load failures cannot leave a shared block unrecomputed: every holder
 \* recomputes (patch 5) and counts what it computed before its step as
@@ -1160,8 +1157,8 @@ THEOREM (IsSeries /\ Unmutated) => (Spec => ExactAdmission)
 \* Deadlock freedom (TLC's deadlock check): some action is always enabled
 \* until every request is done.
 THEOREM (IsSeries /\ Unmutated /\ NoStall /\ ~CanAbort) => (Spec => [](ENABLED Next))
-\* A connector whose loads all fail: only the proposal (NoReload) ends the
-\* loop of failed loads (series-loads-fail, series-loads-fail-proposed).
+\* A connector whose loads all fail: only patch 9 (NoReload) ends the loop of
+\* failed loads (series-loads-fail-alloc-only, series-loads-fail).
 LoadsEnd == ~LoadsFail \/ NoReload
 THEOREM (IsSeries /\ Unmutated /\ NoStall /\ ~CanAbort /\ LoadsEnd)
             => (FairSpec => Liveness)

@@ -280,7 +280,7 @@ def trace_table(trace: list[dict], violated: str | None = None) -> str:
 COUNTEREXAMPLES = [
     (
         "series-save-race",
-        "The save race of stage 03's allocation alone (before patch 13)",
+        "The save race of stage 03's allocation alone (before patch 14)",
         "A connector whose store of a running request's blocks outlives the step "
         '(`SaveMode = "async"`): the next `allocate_slots` calls '
         "`remove_skipped_blocks`, which puts a sliding-window block the store still "
@@ -288,7 +288,7 @@ COUNTEREXAMPLES = [
         "hold for it; "
         "`tests/stages/s00_base/test_legacy_counterexample.py::"
         "test_series_race_absent` "
-        "replays this scenario through vLLM with the hold: patch 13 of stage 03 "
+        "replays this scenario through vLLM with the hold: patch 14 of stage 03 "
         "(`request_blocks_freed`, `series-saves`) keeps such blocks until the "
         "store is done.",
     ),
@@ -303,7 +303,7 @@ COUNTEREXAMPLES = [
     ),
     (
         "series-stall-small-pool",
-        "The fourteen commits on a pool below vLLM's start-up check",
+        "The fifteen commits on a pool below vLLM's start-up check",
         "A request preempted after its prefill loads one token asynchronously; its "
         "next chunk needs more blocks than the pool has left, and patch 7 frees the "
         "blocks of the other waiting requests, never those of the request it cannot "
@@ -331,20 +331,19 @@ COUNTEREXAMPLES = [
         "step (`series-stale-read-preempt` passes).",
     ),
     (
-        "series-loads-fail",
-        "A connector whose loads all fail: the request loads again for ever",
+        "series-loads-fail-alloc-only",
+        "A connector whose loads all fail: the request loads again (before patch 9)",
         "An asynchronous load fails at its first block; no token is valid, the "
         "request starts over, the connector offers the same tokens again and the "
-        "load fails again (`Liveness`; the real engine shows it as the "
-        "`load-failure-persistent` stall). The proposal "
-        "(`proposals/03-no-new-kv-load-after-one-failed-at-the-first-block.patch`, "
-        "`SeriesProposed`, `series-loads-fail-proposed`) passes.",
+        "load fails again, for ever (`Liveness`; the real engine showed it as the "
+        "`load-failure-persistent` stall). Patch 9 takes no external tokens for "
+        "such a request (`series-loads-fail` passes).",
     ),
     (
         "series-liveness-2-alloc-only",
         "Liveness fails for two requests (stage 03's allocation alone)",
         "Under the fairness assumptions, the behaviour ends in the stall above and "
-        "stutters there: neither request finishes. `series-liveness-2` (the fourteen "
+        "stutters there: neither request finishes. `series-liveness-2` (the fifteen "
         "commits, patch 7) passes.",
     ),
     (
@@ -435,12 +434,11 @@ def model_page(root: Path, reports_dir: Path, md_table, fence) -> str:
         ]
     if info.switches:
         out += [
-            "## Stage 03: allocation alone, as coded, proposed\n",
-            '`Policy = "SeriesAsCoded"` is the fourteen commits of stage 03, '
+            "## Stage 03: allocation alone and as coded\n",
+            '`Policy = "SeriesAsCoded"` is the fifteen commits of stage 03, '
             '`"SeriesAllocOnly"` its per-group allocation alone (none of the '
-            'mechanisms below), `"SeriesProposed"` the code plus the model\'s '
-            "proposal. "
-            "Each mechanism, with the policies that have it:\n\n",
+            "mechanisms below). "
+            "Each mechanism, with the patch that brings it:\n\n",
             md_table(
                 ["switch", "mechanism"], [[f"`{n}`", c] for n, c in info.switches]
             ),

@@ -31,8 +31,8 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.request import Request
 
 # The model policies (spec/HybridKVAlloc.tla) that describe this tree's stage
-# 03: "SeriesAllocOnly" (stage 03's allocation alone, patches 11-12 of the series) and
-# "SeriesAsCoded" (the fourteen commits). A replay fixture names the one it was
+# 03: "SeriesAllocOnly" (stage 03's allocation alone, patches 12-13 of the series) and
+# "SeriesAsCoded" (the fifteen commits). A replay fixture names the one it was
 # generated for (fixtures/replay-small.cfg).
 REPLAY_POLICIES = ("SeriesAllocOnly", "SeriesAsCoded")
 

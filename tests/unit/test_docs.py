@@ -280,7 +280,7 @@ def _copy_spec(project) -> None:
 def test_model_page_lists_every_manifest_model_before_any_run(project):
     _copy_spec(project)
     page = docs.generate(project).pages["model-results.md"]
-    assert "## Stage 03: allocation alone, as coded, proposed" in page
+    assert "## Stage 03: allocation alone and as coded" in page
     assert "| `SaveHold` |" in page and "| `RangeByComputed` |" in page
     assert (
         "| `WindowCovered` | `Spec => []WindowCovered` | `IsSeries /\\ Unmutated` |"
@@ -317,7 +317,7 @@ def test_model_page_shows_the_checks_own_verdict_and_counterexamples(project):
     assert "safety failure (WindowCovered)" in rows["`mutations/skip-ceil`"]
     assert rows["`series-deep`"].rstrip().endswith("| yes |")
     assert "not run yet" in rows["`series-wide`"]
-    section = page.split("### The stall (deadlock) of stage 03 as coded")[1]
+    section = page.split("### The stall (deadlock) of stage 03's allocation alone")[1]
     assert "| 1 | **AllocateSlots** r" in section.split("###")[0]
 
 

@@ -150,17 +150,15 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         "load-failure-persistent",
         "async load failing at every attempt while the hit is offered again",
+        ci=True,
         checks=("load failed",),
         isolated=True,
-        series_stall_from=3,
         note=(
-            "known series limitation (stage 03 README): from stage 3 a request whose "
-            "asynchronous load failed in a model with sliding-window groups starts "
-            "over at token 0 (can_recompute_from) and asks the connector again; a "
-            "connector that offers the same hit and fails again keeps it in "
-            "WAITING_FOR_REMOTE_KVS for ever (the base recomputes from the failed "
-            "block and finishes). Fix held back: proposals/03-no-new-kv-load-after-"
-            "one-failed-at-the-first-block.patch (equal on the real engine with it)"
+            "a request whose asynchronous load failed and left no valid token "
+            "(from stage 3 in a model with sliding-window groups: "
+            "can_recompute_from says start over) takes no external tokens any "
+            "more (stage-03 patch 9); before that patch the connector that offers "
+            "the same hit and fails again kept it in WAITING_FOR_REMOTE_KVS for ever"
         ),
     ),
     Scenario(
