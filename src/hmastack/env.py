@@ -25,6 +25,27 @@ BOOTSTRAP = ("setuptools-scm", "wheel", "setuptools>=77,<81")
 HF_MODELS = "env/hf-models.json"
 
 
+def sha256_file(path: Path) -> str:
+    """The SHA-256 of a file's bytes, in hex (read in chunks)."""
+    with path.open("rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def update_with_tree(digest, root: Path) -> None:
+    """Feed every file below ``root`` into ``digest`` (a hashlib object), in
+    sorted order: its path relative to ``root``, then its bytes. What installing
+    a package writes into its own folder (``__pycache__``, ``build``,
+    ``*.egg-info``) is not an input and is left out."""
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root)
+        written = any(
+            p in ("__pycache__", "build") or p.endswith(".egg-info") for p in rel.parts
+        )
+        if path.is_file() and not written:
+            digest.update(str(rel).encode())
+            digest.update(path.read_bytes())
+
+
 @dataclass(frozen=True)
 class Env:
     root: Path
@@ -91,15 +112,7 @@ def _key(cfg: Config) -> str:
     digest.update(sys.version.encode())
     digest.update(cfg.lock.read_bytes())
     digest.update((cfg.root / HF_MODELS).read_bytes())
-    for path in sorted(cfg.plugin.rglob("*")):
-        rel = path.relative_to(cfg.plugin)
-        # What installing the plugin writes into its own folder is not an input.
-        written = any(
-            p in ("__pycache__", "build") or p.endswith(".egg-info") for p in rel.parts
-        )
-        if path.is_file() and not written:
-            digest.update(str(rel).encode())
-            digest.update(path.read_bytes())
+    update_with_tree(digest, cfg.plugin)
     return digest.hexdigest()
 
 
