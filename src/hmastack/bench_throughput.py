@@ -110,7 +110,7 @@ def predicted_concurrency(num_blocks: int, per_request: int, batch: int) -> int:
 def run_one(
     e2e,
     trees: dict[str, Path],
-    support: Path,
+    support: list[Path],
     models: Path,
     work: Path,
     name: str,
@@ -342,7 +342,7 @@ def run(cfg: Config, quick: bool) -> dict:
     """Every run, alternating trees per round and case; the report."""
     from hmastack import matrix, workspace
     from hmastack.e2e import environment
-    from hmastack.e2e.runner import ensure_models
+    from hmastack.e2e.runner import engine_support, ensure_models
 
     settings = QUICK if quick else FULL
     started = time.monotonic()
@@ -361,7 +361,7 @@ def run(cfg: Config, quick: bool) -> dict:
             environment.place_kernels(e2e, t["vllm"])
             trees[k] = t
     labels = list(specs)
-    support = cfg.root / "tests" / "e2e"
+    support = engine_support(cfg)
     work = cfg.build / "bench" / "throughput"
     runs: dict[tuple[str, str], list[dict]] = {}
     errors: dict[str, str] = {}

@@ -23,6 +23,9 @@ from hmastack.progress import CommandError, console, run, step
 
 BOOTSTRAP = ("setuptools-scm", "wheel", "setuptools>=77,<81")
 HF_MODELS = "env/hf-models.json"
+# Code shared by the stage tests, the bench scenarios and the e2e engine
+# (``hmastack_testkit``): on PYTHONPATH of every process they run in.
+TESTKIT = Path("support") / "testkit"
 
 
 def sha256_file(path: Path) -> str:
@@ -50,6 +53,8 @@ def update_with_tree(digest, root: Path) -> None:
 class Env:
     root: Path
     hf_home: Path
+    # support/testkit, put after ``pythonpath`` in test_environ (None: not)
+    testkit: Path | None = None
 
     @property
     def python(self) -> Path:
@@ -63,9 +68,11 @@ class Env:
         return self.root / "bin" / name
 
     def test_environ(self, pythonpath: list[Path]) -> dict[str, str]:
-        """Variables under which vLLM's tests run offline on the CPU."""
+        """Variables under which vLLM's tests run offline on the CPU;
+        ``PYTHONPATH`` is ``pythonpath`` and then the testkit."""
+        paths = [*pythonpath, *([self.testkit] if self.testkit else [])]
         return {
-            "PYTHONPATH": os.pathsep.join(str(p) for p in pythonpath),
+            "PYTHONPATH": os.pathsep.join(str(p) for p in paths),
             "HF_HOME": str(self.hf_home),
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
@@ -80,7 +87,11 @@ class Env:
 
 
 def location(cfg: Config) -> Env:
-    return Env(root=cfg.build / "env", hf_home=cfg.build / "hf-home")
+    return Env(
+        root=cfg.build / "env",
+        hf_home=cfg.build / "hf-home",
+        testkit=cfg.root / TESTKIT,
+    )
 
 
 def _pip_environ(cfg: Config) -> dict[str, str]:

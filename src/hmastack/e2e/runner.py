@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hmastack import env as env_mod
 from hmastack.config import Config
 from hmastack.e2e import catalogue as cat
 from hmastack.e2e.compare import Verdict, admission_check, judge
@@ -142,13 +143,21 @@ def plan_stage(stage: int, scenarios: list[cat.Scenario]) -> list[Process]:
     return list(procs.values())
 
 
+def engine_support(cfg: Config) -> list[Path]:
+    """Our code an engine process imports, after the trees on ``PYTHONPATH``:
+    ``tests/e2e`` (``hmastack_e2e``) and ``support/testkit``
+    (``hmastack_testkit``)."""
+    return [cfg.root / "tests" / "e2e", cfg.root / env_mod.TESTKIT]
+
+
 def engine_environ(
-    e2e: E2EConfig, trees: dict[str, Path], support: Path, seed: str
+    e2e: E2EConfig, trees: dict[str, Path], support: list[Path], seed: str
 ) -> dict[str, str]:
-    """The variables every engine process runs with (facts: e2e-facts.md)."""
+    """The variables every engine process runs with (facts: e2e-facts.md);
+    ``support``: :func:`engine_support`."""
     return {
         "PYTHONPATH": os.pathsep.join(
-            str(p) for p in (trees["vllm"], trees["lmcache"], support)
+            str(p) for p in (trees["vllm"], trees["lmcache"], *support)
         ),
         "PYTHONHASHSEED": seed,
         "TORCH_COMPILE_DISABLE": "1",
@@ -186,7 +195,7 @@ def run_engine_process(
     name: str,
     plan: dict,
     trees: dict[str, Path],
-    support: Path,
+    support: list[Path],
     workdir: Path,
     seed: str,
     timeout: float,
@@ -232,7 +241,7 @@ def run_process(
     e2e: E2EConfig,
     proc: Process,
     trees: dict[str, Path],
-    support: Path,
+    support: list[Path],
     models: Path,
     workdir: Path,
 ) -> None:
@@ -328,7 +337,7 @@ def run_stage(
     """Every process of ``stage``, then the verdicts."""
     start = time.monotonic()
     place_kernels(e2e, trees["vllm"])
-    support = cfg.root / "tests" / "e2e"
+    support = engine_support(cfg)
     workdir = cfg.build / "e2e" / "runs" / str(stage)
     if workdir.exists():
         _rmtree(workdir)
