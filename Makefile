@@ -20,7 +20,8 @@ test: $(BIN)/hmastack
 	$(BIN)/pytest
 
 lint: $(BIN)/hmastack
-	$(BIN)/ruff check src tests bench && $(BIN)/ruff format --check src tests bench
+	$(BIN)/ruff check src tests bench support/testkit \
+		&& $(BIN)/ruff format --check src tests bench support/testkit
 
 clean:
 	rm -rf build

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import inspect
 import json
-import math
 import sys
+
+from hmastack_testkit.window import window_min_blocks
 
 MARKER = "HMASTACK_BENCH_JSON "
 
@@ -27,8 +28,9 @@ def args() -> dict:
 
 
 def swa_min_blocks(window: int, block_size: int) -> int:
-    """The physical minimum of one SWA group: ceil((W-1)/B)+1 blocks."""
-    return math.ceil((window - 1) / block_size) + 1
+    """The physical minimum of one SWA group: ceil((W-1)/B)+1 blocks
+    (``hmastack_testkit.window``)."""
+    return window_min_blocks(window, block_size)
 
 
 def pattern_groups(pattern: str) -> list[str]:
@@ -42,32 +44,12 @@ def pattern_groups(pattern: str) -> list[str]:
 
 
 def kv_cache_config(kinds: list[str], window: int, block_size: int, num_blocks: int):
-    import torch
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        SlidingWindowSpec,
-    )
+    """The scheduler's KVCacheConfig of one single-layer group per kind ("full"
+    or "swa", as :func:`pattern_groups` names them), the testkit's builder."""
+    from hmastack_testkit.kv_layouts import make_kv_cache_config
 
-    groups = []
-    for i, kind in enumerate(kinds):
-        if kind == "full":
-            spec = FullAttentionSpec(
-                block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
-            )
-        else:
-            spec = SlidingWindowSpec(
-                block_size=block_size,
-                num_kv_heads=1,
-                head_size=1,
-                dtype=torch.float32,
-                sliding_window=window,
-            )
-        groups.append(KVCacheGroupSpec([f"layer{i}"], spec))
-    return KVCacheConfig(
-        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups
-    )
+    spec_kinds = [{"swa": "sliding_window"}.get(k, k) for k in kinds]
+    return make_kv_cache_config(spec_kinds, block_size, window, num_blocks)
 
 
 def manager(config, block_size: int, max_model_len: int):
@@ -81,29 +63,22 @@ def manager(config, block_size: int, max_model_len: int):
     )
 
 
-_hasher = None
+_none_hash_ready = False
 
 
 def request(request_id: str, num_tokens: int, block_size: int, salt: int = 0):
     """A fresh request of ``num_tokens`` distinct prompt tokens."""
-    global _hasher
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
+    global _none_hash_ready
+    from hmastack_testkit.kv_layouts import make_request
 
-    if _hasher is None:
+    if not _none_hash_ready:
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import init_none_hash
+
         init_none_hash(sha256)
-        _hasher = get_request_block_hasher(block_size, sha256)
+        _none_hash_ready = True
     tokens = [(salt * 7919 + i) % 50000 + 1 for i in range(num_tokens)]
-    return Request(
-        request_id=request_id,
-        prompt_token_ids=tokens,
-        sampling_params=SamplingParams(max_tokens=16),
-        pooling_params=None,
-        eos_token_id=None,
-        block_hasher=_hasher,
-    )
+    return make_request(request_id, tokens, block_size, max_tokens=16)
 
 
 def has_external_arg(mgr) -> bool:

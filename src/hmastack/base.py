@@ -10,7 +10,6 @@ machine. The commit is tagged with the release tag (``v0.13.0``, ``v0.3.11``).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import shutil
 import tarfile
 import tempfile
@@ -20,17 +19,10 @@ from pathlib import Path
 from hmastack import config as config_mod
 from hmastack import env as env_mod
 from hmastack.config import Config, Tree
+from hmastack.env import sha256_file  # hmastack.spec imports it from here
 from hmastack.errors import HmastackError
 from hmastack.gitutil import git, identity_env, is_repo
 from hmastack.progress import CommandError, run, step
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def sdist_path(cfg: Config, tree: Tree) -> Path:

@@ -135,10 +135,6 @@ class Scenario:
 # --- the expected figures ---------------------------------------------------------
 
 
-def swa_min_blocks(window: int, block_size: int) -> int:
-    return math.ceil((window - 1) / block_size) + 1
-
-
 def expected_swa_blocks(
     external: int, new: int, window: int, block_size: int, separate: bool
 ) -> int:

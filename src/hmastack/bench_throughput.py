@@ -39,11 +39,7 @@ connector's loads and the prefill of each request).
 
 from __future__ import annotations
 
-import json
-import os
-import signal
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -114,40 +110,31 @@ def predicted_concurrency(num_blocks: int, per_request: int, batch: int) -> int:
 def run_one(
     e2e,
     trees: dict[str, Path],
-    support: Path,
+    support: list[Path],
     models: Path,
     work: Path,
     name: str,
     the_plan: dict,
 ) -> dict:
     """One engine process under a watchdog; its JSON (or an ``error``)."""
-    from hmastack.e2e.runner import engine_environ
+    from hmastack.e2e.runner import run_engine_process
 
-    work.mkdir(parents=True, exist_ok=True)
-    plan_file, out_file = work / f"{name}.plan.json", work / f"{name}.out.json"
-    log_file = work / f"{name}.log"
-    out_file.unlink(missing_ok=True)
-    plan_file.write_text(json.dumps(the_plan, indent=1))
-    env = {**os.environ, **engine_environ(e2e, trees, support, "0")}
-    with log_file.open("w") as log:
-        child = subprocess.Popen(
-            [str(e2e.python), "-m", "hmastack_e2e.throughput", plan_file, out_file],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-        )
-        try:
-            child.wait(timeout=PROCESS_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
-            return {"error": f"killed after {PROCESS_TIMEOUT:.0f} s (log: {log_file})"}
-    try:
-        result = json.loads(out_file.read_text())
-    except (OSError, ValueError):
-        return {"error": f"exit {child.returncode}, no result (log: {log_file})"}
+    ran = run_engine_process(
+        e2e,
+        "hmastack_e2e.throughput",
+        name,
+        the_plan,
+        trees,
+        support,
+        work,
+        "0",
+        PROCESS_TIMEOUT,
+    )
+    if ran.hung:
+        return {"error": f"killed after {PROCESS_TIMEOUT:.0f} s (log: {ran.log})"}
+    result = ran.result
+    if result is None:
+        return {"error": f"exit {ran.returncode}, no result (log: {ran.log})"}
     if "error" in result:
         result["error"] = result["error"].strip().splitlines()[-1][:300]
     return result
@@ -355,7 +342,7 @@ def run(cfg: Config, quick: bool) -> dict:
     """Every run, alternating trees per round and case; the report."""
     from hmastack import matrix, workspace
     from hmastack.e2e import environment
-    from hmastack.e2e.runner import ensure_models
+    from hmastack.e2e.runner import engine_support, ensure_models
 
     settings = QUICK if quick else FULL
     started = time.monotonic()
@@ -374,7 +361,7 @@ def run(cfg: Config, quick: bool) -> dict:
             environment.place_kernels(e2e, t["vllm"])
             trees[k] = t
     labels = list(specs)
-    support = cfg.root / "tests" / "e2e"
+    support = engine_support(cfg)
     work = cfg.build / "bench" / "throughput"
     runs: dict[tuple[str, str], list[dict]] = {}
     errors: dict[str, str] = {}

@@ -23,12 +23,38 @@ from hmastack.progress import CommandError, console, run, step
 
 BOOTSTRAP = ("setuptools-scm", "wheel", "setuptools>=77,<81")
 HF_MODELS = "env/hf-models.json"
+# Code shared by the stage tests, the bench scenarios and the e2e engine
+# (``hmastack_testkit``): on PYTHONPATH of every process they run in.
+TESTKIT = Path("support") / "testkit"
+
+
+def sha256_file(path: Path) -> str:
+    """The SHA-256 of a file's bytes, in hex (read in chunks)."""
+    with path.open("rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def update_with_tree(digest, root: Path) -> None:
+    """Feed every file below ``root`` into ``digest`` (a hashlib object), in
+    sorted order: its path relative to ``root``, then its bytes. What installing
+    a package writes into its own folder (``__pycache__``, ``build``,
+    ``*.egg-info``) is not an input and is left out."""
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root)
+        written = any(
+            p in ("__pycache__", "build") or p.endswith(".egg-info") for p in rel.parts
+        )
+        if path.is_file() and not written:
+            digest.update(str(rel).encode())
+            digest.update(path.read_bytes())
 
 
 @dataclass(frozen=True)
 class Env:
     root: Path
     hf_home: Path
+    # support/testkit, put after ``pythonpath`` in test_environ (None: not)
+    testkit: Path | None = None
 
     @property
     def python(self) -> Path:
@@ -42,9 +68,11 @@ class Env:
         return self.root / "bin" / name
 
     def test_environ(self, pythonpath: list[Path]) -> dict[str, str]:
-        """Variables under which vLLM's tests run offline on the CPU."""
+        """Variables under which vLLM's tests run offline on the CPU;
+        ``PYTHONPATH`` is ``pythonpath`` and then the testkit."""
+        paths = [*pythonpath, *([self.testkit] if self.testkit else [])]
         return {
-            "PYTHONPATH": os.pathsep.join(str(p) for p in pythonpath),
+            "PYTHONPATH": os.pathsep.join(str(p) for p in paths),
             "HF_HOME": str(self.hf_home),
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
@@ -59,7 +87,11 @@ class Env:
 
 
 def location(cfg: Config) -> Env:
-    return Env(root=cfg.build / "env", hf_home=cfg.build / "hf-home")
+    return Env(
+        root=cfg.build / "env",
+        hf_home=cfg.build / "hf-home",
+        testkit=cfg.root / TESTKIT,
+    )
 
 
 def _pip_environ(cfg: Config) -> dict[str, str]:
@@ -91,15 +123,7 @@ def _key(cfg: Config) -> str:
     digest.update(sys.version.encode())
     digest.update(cfg.lock.read_bytes())
     digest.update((cfg.root / HF_MODELS).read_bytes())
-    for path in sorted(cfg.plugin.rglob("*")):
-        rel = path.relative_to(cfg.plugin)
-        # What installing the plugin writes into its own folder is not an input.
-        written = any(
-            p in ("__pycache__", "build") or p.endswith(".egg-info") for p in rel.parts
-        )
-        if path.is_file() and not written:
-            digest.update(str(rel).encode())
-            digest.update(path.read_bytes())
+    update_with_tree(digest, cfg.plugin)
     return digest.hexdigest()
 
 

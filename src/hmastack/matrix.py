@@ -100,12 +100,7 @@ class PytestResult:
         return self.returncode in (0, 5) and bad == 0
 
     def summary(self) -> str:
-        c = self.counts
-        text = f"{c.get('passed', 0)} passed / {c.get('failed', 0)} failed"
-        for key in ("errors", "skipped", "deselected"):
-            if c.get(key):
-                text += f" / {c[key]} {key}"
-        return text
+        return reports.pytest_counts_summary(self.counts)
 
 
 def parse_pytest_output(output: str) -> dict[str, int]:
@@ -288,6 +283,19 @@ def run_ruff(cfg: Config, tree_name: str, repo: Path, label: str = "") -> str:
     return f"FAIL ({log})"
 
 
+def vllm_suite_args(cfg: Config, deselected: list[Deselected]) -> list[str]:
+    """pytest arguments of the selected vLLM suite (``[suite] vllm``) minus
+    ``env/deselected.toml``: ``--ignore`` for a whole file, ``--deselect`` for
+    a test."""
+    args = list(cfg.vllm_suite)
+    for entry in deselected:
+        if entry.is_file:
+            args.append(f"--ignore={entry.node}")
+        else:
+            args += ["--deselect", entry.node]
+    return args
+
+
 def our_test_args(cfg: Config, targets: list[str]) -> list[str]:
     """pytest arguments that run our stage tests ``targets`` with their own
     pytest.ini (not vLLM's) and ``tests/stages`` as the rootdir."""
@@ -323,16 +331,10 @@ def run_stage(
     vllm_tree = trees["vllm"]
     with step(f"stage {stage} ({name}): tests", live=False):
         if vllm_suite:
-            args = list(cfg.vllm_suite)
-            for entry in deselected:
-                if entry.is_file:
-                    args.append(f"--ignore={entry.node}")
-                else:
-                    args += ["--deselect", entry.node]
             result.vllm = run_pytest(
                 cfg,
                 pyenv,
-                args,
+                vllm_suite_args(cfg, deselected),
                 vllm_tree,
                 [vllm_tree],
                 logs / f"stage-{stage}-vllm.log",
@@ -467,14 +469,13 @@ def run_commit(
     label = f"commit-{tree_name}-{index:02d}"
     with step(f"{label}: {result.subject[:70]}", live=False):
         if tree_name == "vllm":
-            args = list(cfg.vllm_suite)
-            for entry in deselected:
-                if entry.is_file:
-                    args.append(f"--ignore={entry.node}")
-                else:
-                    args += ["--deselect", entry.node]
             result.vllm = run_pytest(
-                cfg, pyenv, args, repo, [repo], cfg.reports / "logs" / f"{label}.log"
+                cfg,
+                pyenv,
+                vllm_suite_args(cfg, deselected),
+                repo,
+                [repo],
+                cfg.reports / "logs" / f"{label}.log",
             )
         result.ruff = run_ruff(cfg, tree_name, repo, label)
     result.seconds = round(time.monotonic() - start, 1)

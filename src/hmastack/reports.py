@@ -42,6 +42,17 @@ def write_stage_report(cfg: Config, results: Sequence[StageResult]) -> Path:
     return path
 
 
+def pytest_counts_summary(counts: dict[str, int]) -> str:
+    """``"292 passed / 15 failed / 2 errors"``: passed and failed always, then
+    errors, skipped and deselected when not 0 (``counts``: pytest outcome ->
+    tests). The one text of the stage table, on the terminal and the site."""
+    text = f"{counts.get('passed', 0)} passed / {counts.get('failed', 0)} failed"
+    for key in ("errors", "skipped", "deselected"):
+        if counts.get(key):
+            text += f" / {counts[key]} {key}"
+    return text
+
+
 def stage_table_rows(results: Sequence[StageResult]) -> list[list[str]]:
     rows = []
     for r in results:
@@ -73,14 +84,25 @@ HEADERS = [
 ]
 
 
-def print_stage_table(results: Sequence[StageResult]) -> None:
+def print_table(title: str, headers: list[str], rows: list[list[str]]) -> None:
+    """A table whose last column is the result ("green" or not): a rich table
+    on a terminal (red rows where it is not green), then a plain Markdown copy
+    for logs and notes, which is what CI shows."""
     if console.is_terminal:
-        _print_rich_table(results)
-    # A plain copy for logs and notes: this is what CI shows.
-    print("| " + " | ".join(HEADERS) + " |")
-    print("|" + "---|" * len(HEADERS))
-    for row in stage_table_rows(results):
+        table = Table(title=title)
+        for header in headers:
+            table.add_column(header)
+        for row in rows:
+            table.add_row(*row, style=None if row[-1] == "green" else "red")
+        console.print(table)
+    print("| " + " | ".join(headers) + " |")
+    print("|" + "---|" * len(headers))
+    for row in rows:
         print("| " + " | ".join(row) + " |")
+
+
+def print_stage_table(results: Sequence[StageResult]) -> None:
+    print_table("Stage matrix", HEADERS, stage_table_rows(results))
 
 
 def write_commit_report(cfg: Config, results: Sequence[CommitResult]) -> Path:
@@ -116,24 +138,4 @@ def commit_table_rows(results: Sequence[CommitResult]) -> list[list[str]]:
 
 
 def print_commit_table(results: Sequence[CommitResult]) -> None:
-    headers = [*COMMIT_HEADERS, "result"]
-    if console.is_terminal:
-        table = Table(title="Per commit")
-        for header in headers:
-            table.add_column(header)
-        for row in commit_table_rows(results):
-            table.add_row(*row, style=None if row[-1] == "green" else "red")
-        console.print(table)
-    print("| " + " | ".join(headers) + " |")
-    print("|" + "---|" * len(headers))
-    for row in commit_table_rows(results):
-        print("| " + " | ".join(row) + " |")
-
-
-def _print_rich_table(results: Sequence[StageResult]) -> None:
-    table = Table(title="Stage matrix")
-    for header in HEADERS:
-        table.add_column(header)
-    for row in stage_table_rows(results):
-        table.add_row(*row, style=None if row[-1] == "green" else "red")
-    console.print(table)
+    print_table("Per commit", [*COMMIT_HEADERS, "result"], commit_table_rows(results))

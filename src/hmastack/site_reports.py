@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hmastack.config import Config
-from hmastack.reports import COMMIT_REPORT, STAGE_REPORT
+from hmastack.reports import COMMIT_REPORT, HEADERS, STAGE_REPORT, pytest_counts_summary
 
 # --- stage matrix (build/reports/stages.json, written by `hmastack test`) --------
 
@@ -64,24 +64,10 @@ def pytest_summary(result: dict | None) -> str:
     """``"292 passed / 15 failed / 2 errors"`` as the terminal table prints it."""
     if not result:
         return "-"
-    c = result.get("counts", {})
-    text = f"{c.get('passed', 0)} passed / {c.get('failed', 0)} failed"
-    for key in ("errors", "skipped", "deselected"):
-        if c.get(key):
-            text += f" / {c[key]} {key}"
-    return text
+    return pytest_counts_summary(result.get("counts", {}))
 
 
-STAGE_HEADERS = [
-    "stage",
-    "patches",
-    "vLLM suite",
-    "LMCache suite",
-    "our tests",
-    "ruff",
-    "seconds",
-    "result",
-]
+STAGE_HEADERS = HEADERS  # the terminal's stage table
 
 
 def stage_row(entry: dict) -> list[str]:

@@ -2,33 +2,23 @@
 vLLM's own tests build them, with one hashing setup for every stage.
 
 Imported by ``tests/stages/sNN_*/test_*.py`` (``tests/stages`` is on PYTHONPATH
-inside the stage matrix).
+inside the stage matrix). The KV cache specs, groups and the CPU VllmConfig are
+``hmastack_testkit.kv_layouts``'s (``support/testkit``, shared with the
+benchmark scenarios), under the names the stage tests import from here.
 """
 
 from __future__ import annotations
 
-import torch
+from hmastack_testkit.kv_layouts import (  # noqa: F401 - the stage tests' names
+    make_cpu_vllm_config,
+    make_kv_cache_config,
+    make_kv_cache_groups,
+    make_request,
+    make_spec,
+)
 from hypothesis import HealthCheck, settings
-from vllm.config import (
-    CacheConfig,
-    DeviceConfig,
-    KVTransferConfig,
-    ModelConfig,
-    SchedulerConfig,
-    VllmConfig,
-)
-from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.kv_cache_interface import (
-    ChunkedLocalAttentionSpec,
-    CrossAttentionSpec,
-    FullAttentionSpec,
-    KVCacheGroupSpec,
-    MambaSpec,
-    SlidingWindowSpec,
-)
-from vllm.v1.request import Request
+from vllm.v1.core.kv_cache_utils import init_none_hash
 
 # The model policies (spec/HybridKVAlloc.tla) that describe this tree's stage
 # 03: "SeriesAllocOnly" (stage 03's allocation alone, patches 12-13 of the series) and
@@ -37,6 +27,18 @@ from vllm.v1.request import Request
 REPLAY_POLICIES = ("SeriesAllocOnly", "SeriesAsCoded")
 
 init_none_hash(sha256)
+
+# The KV cache group layouts the allocation properties of stages 1 and 2 draw
+# from (kinds of ``make_spec``, one single-layer group each).
+GROUP_KINDS = [
+    ["full"],
+    ["sliding_window"],
+    ["chunked_local"],
+    ["full", "sliding_window"],
+    ["full", "sliding_window", "sliding_window"],
+    ["full", "chunked_local"],
+    ["full", "mamba"],
+]
 
 
 def hypothesis_settings(max_examples: int) -> settings:
@@ -48,37 +50,6 @@ def hypothesis_settings(max_examples: int) -> settings:
         database=None,
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow],
-    )
-
-
-def make_spec(kind: str, block_size: int, window: int):
-    """A one-layer KV cache spec of attention type ``kind``.
-
-    ``window`` is the sliding window or the attention chunk size, in tokens.
-    """
-    if kind == "full":
-        return FullAttentionSpec(block_size, 1, 1, torch.float32)
-    if kind == "sliding_window":
-        return SlidingWindowSpec(block_size, 1, 1, torch.float32, sliding_window=window)
-    if kind == "chunked_local":
-        return ChunkedLocalAttentionSpec(
-            block_size, 1, 1, torch.float32, attention_chunk_size=window
-        )
-    if kind == "mamba":
-        return MambaSpec(block_size=block_size, shapes=((1,),), dtypes=(torch.float32,))
-    assert kind == "cross_attention", kind
-    return CrossAttentionSpec(block_size, 1, 1, torch.float32)
-
-
-def make_request(request_id: str, token_ids: list[int], block_size: int) -> Request:
-    """A request whose block hashes are computed per ``block_size`` tokens."""
-    return Request(
-        request_id=request_id,
-        prompt_token_ids=token_ids,
-        sampling_params=SamplingParams(max_tokens=64),
-        pooling_params=None,
-        eos_token_id=None,
-        block_hasher=get_request_block_hasher(block_size, sha256),
     )
 
 
@@ -225,54 +196,3 @@ def compare_table(request_id: str, real: dict, model: dict, r2m: dict) -> list[s
                 f"vLLM {real_ids} = {mapped} as model ids"
             )
     return problems
-
-
-def make_kv_cache_groups(
-    kinds: list[str], block_size: int, window: int
-) -> list[KVCacheGroupSpec]:
-    """One single-layer KV cache group per entry of ``kinds`` ("full" or
-    "sliding_window"; ``window`` in tokens), layers named ``layer<i>``."""
-    return [
-        KVCacheGroupSpec([f"layer{i}"], make_spec(kind, block_size, window))
-        for i, kind in enumerate(kinds)
-    ]
-
-
-def make_cpu_vllm_config(
-    block_size: int,
-    num_blocks: int,
-    kv_transfer_config: KVTransferConfig,
-    max_num_seqs: int,
-    max_num_batched_tokens: int,
-    max_model_len: int | None = None,
-) -> VllmConfig:
-    """A VllmConfig for a CPU Scheduler with prefix caching, chunked prefill and
-    a KV connector; the model is a hub config only (no weights, no
-    tokenizer). ``num_blocks`` includes the null block."""
-    model_config = ModelConfig(
-        model="facebook/opt-125m",
-        dtype="float16",
-        seed=0,
-        skip_tokenizer_init=True,
-        max_model_len=max_model_len,
-    )
-    config = VllmConfig(
-        model_config=model_config,
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=model_config.max_model_len,
-            enable_chunked_prefill=True,
-            is_encoder_decoder=False,
-        ),
-        cache_config=CacheConfig(
-            block_size=block_size,
-            gpu_memory_utilization=0.9,
-            swap_space=0,
-            enable_prefix_caching=True,
-        ),
-        kv_transfer_config=kv_transfer_config,
-        device_config=DeviceConfig("cpu"),
-    )
-    config.cache_config.num_gpu_blocks = num_blocks
-    return config

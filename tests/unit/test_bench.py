@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+from hmastack_testkit.window import window_min_blocks
 
 from hmastack import bench, bench_cost, bench_trees, docs
 from hmastack import config as config_mod
@@ -24,7 +25,7 @@ def test_expected_swa_blocks_formulas():
     assert bench.expected_swa_blocks(131072, 1, 512, B, separate=False) == 8193
     # Separate external tokens: only the window (+ the new token) is real.
     assert bench.expected_swa_blocks(131072, 1, 512, B, separate=True) == 33
-    assert bench.swa_min_blocks(512, B) == 33
+    assert window_min_blocks(512, B) == 33
     assert bench.expected_swa_blocks(131072, 1, 4096, B, separate=True) == 257
     # A hit shorter than the window keeps every block.
     assert bench.expected_swa_blocks(1024, 1, 4096, B, separate=True) == 65

@@ -373,3 +373,61 @@ def test_known_series_stall_passes_only_from_its_stage_and_must_show():
     assert _judge(s, finished, ref, stage=0).passed
     v = _judge(s, finished, ref, stage=3)
     assert not v.passed and "did not show" in v.detail
+
+
+# --- the engine-process launcher (e2e driver and throughput bench) ------------------
+
+ENGINE_STANDIN = """
+import json, os, sys, time
+plan = json.load(open(sys.argv[1]))
+print("seed", os.environ["PYTHONHASHSEED"], flush=True)
+if plan["sleep"]:
+    time.sleep(plan["sleep"])
+with open(sys.argv[2], "w") as out:
+    json.dump({"echo": plan["value"], "path": os.environ["PYTHONPATH"]}, out)
+sys.exit(plan["exit"])
+"""
+
+
+def _launch(tmp_path, sleep: float, exit_code: int = 0, timeout: float = 30.0):
+    """``run_engine_process`` on a stand-in module (this interpreter as the
+    end-to-end environment's python)."""
+    e2e = _e2e(tmp_path)
+    (e2e.env_dir / "bin").mkdir(parents=True)
+    e2e.python.symlink_to(sys.executable)
+    support = tmp_path / "support"
+    support.mkdir()
+    (support / "standin_engine.py").write_text(ENGINE_STANDIN)
+    trees = {"vllm": tmp_path / "vllm", "lmcache": tmp_path / "lmcache"}
+    plan = {"sleep": sleep, "value": 7, "exit": exit_code}
+    return runner.run_engine_process(
+        e2e,
+        "standin_engine",
+        "p1",
+        plan,
+        trees,
+        [support],
+        tmp_path / "w",
+        "3",
+        timeout,
+    )
+
+
+def test_engine_process_result_exit_code_and_log(tmp_path):
+    ran = _launch(tmp_path, sleep=0, exit_code=3)
+    assert (ran.hung, ran.returncode) == (False, 3)
+    assert ran.result["echo"] == 7
+    paths = ran.result["path"].split(":")
+    assert paths == [
+        str(tmp_path / "vllm"),
+        str(tmp_path / "lmcache"),
+        str(tmp_path / "support"),
+    ]
+    assert ran.log == tmp_path / "w" / "p1.log" and "seed 3" in ran.log.read_text()
+    assert (tmp_path / "w" / "p1.plan.json").is_file()
+
+
+def test_engine_process_past_its_timeout_is_killed_without_a_result(tmp_path):
+    ran = _launch(tmp_path, sleep=60, timeout=1.0)
+    assert ran.hung and ran.returncode == -9 and ran.result is None
+    assert ran.seconds < 30

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from hmastack_testkit.window import window_min_blocks
+
 from hmastack.e2e.catalogue import BLOCK_SIZE, LOGPROB_TOLERANCE, WINDOW, Scenario
 
 
@@ -80,7 +82,7 @@ def window_bound(new_tokens: int) -> int:
     ``new_tokens`` after an external hit: the window before them and the new
     tokens, ``ceil((W - 1 + new) / B) + 1`` (the +1: a window that does not
     start on a block boundary spans one block more)."""
-    return -(-(WINDOW - 1 + new_tokens) // BLOCK_SIZE) + 1
+    return window_min_blocks(WINDOW + new_tokens, BLOCK_SIZE)
 
 
 @dataclass

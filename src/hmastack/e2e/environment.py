@@ -39,6 +39,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
 from hmastack.config import Config
+from hmastack.env import sha256_file, update_with_tree
 from hmastack.errors import HmastackError
 from hmastack.progress import CommandError, console, run, step
 
@@ -202,14 +203,6 @@ def missing(e2e: E2EConfig) -> list[str]:
 
 
 # --- download -----------------------------------------------------------------------
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _pip_download(e2e: E2EConfig, dest: Path, args: list[str], log: Path) -> None:
@@ -406,14 +399,7 @@ def env_key(e2e: E2EConfig) -> str:
     digest.update(repr((e2e.torch, e2e.no_deps, e2e.kernels)).encode())
     digest.update(e2e.lock.read_bytes())
     digest.update(e2e.base_lock.read_bytes())
-    for path in sorted(e2e.plugin.rglob("*")):
-        rel = path.relative_to(e2e.plugin)
-        written = any(
-            p in ("__pycache__", "build") or p.endswith(".egg-info") for p in rel.parts
-        )
-        if path.is_file() and not written:
-            digest.update(str(rel).encode())
-            digest.update(path.read_bytes())
+    update_with_tree(digest, e2e.plugin)
     return digest.hexdigest()
 
 

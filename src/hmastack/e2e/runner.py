@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hmastack import env as env_mod
 from hmastack.config import Config
 from hmastack.e2e import catalogue as cat
 from hmastack.e2e.compare import Verdict, admission_check, judge
@@ -142,13 +143,21 @@ def plan_stage(stage: int, scenarios: list[cat.Scenario]) -> list[Process]:
     return list(procs.values())
 
 
+def engine_support(cfg: Config) -> list[Path]:
+    """Our code an engine process imports, after the trees on ``PYTHONPATH``:
+    ``tests/e2e`` (``hmastack_e2e``) and ``support/testkit``
+    (``hmastack_testkit``)."""
+    return [cfg.root / "tests" / "e2e", cfg.root / env_mod.TESTKIT]
+
+
 def engine_environ(
-    e2e: E2EConfig, trees: dict[str, Path], support: Path, seed: str
+    e2e: E2EConfig, trees: dict[str, Path], support: list[Path], seed: str
 ) -> dict[str, str]:
-    """The variables every engine process runs with (facts: e2e-facts.md)."""
+    """The variables every engine process runs with (facts: e2e-facts.md);
+    ``support``: :func:`engine_support`."""
     return {
         "PYTHONPATH": os.pathsep.join(
-            str(p) for p in (trees["vllm"], trees["lmcache"], support)
+            str(p) for p in (trees["vllm"], trees["lmcache"], *support)
         ),
         "PYTHONHASHSEED": seed,
         "TORCH_COMPILE_DISABLE": "1",
@@ -169,34 +178,44 @@ def engine_environ(
     }
 
 
-def run_process(
+@dataclass
+class EngineRun:
+    """What one engine process left behind."""
+
+    result: dict | None  # its JSON output; None: none, or not JSON
+    returncode: int  # -9 when the watchdog killed it
+    hung: bool  # killed by the watchdog after ``timeout`` seconds
+    seconds: float  # wall clock, start to exit
+    log: Path  # its stdout and stderr
+
+
+def run_engine_process(
     e2e: E2EConfig,
-    proc: Process,
+    module: str,
+    name: str,
+    plan: dict,
     trees: dict[str, Path],
-    support: Path,
-    models: Path,
+    support: list[Path],
     workdir: Path,
-) -> None:
-    """Run ``proc`` under a watchdog; fills ``proc.result`` (the driver's JSON,
-    or a ``hang`` / ``error`` entry for every scenario)."""
+    seed: str,
+    timeout: float,
+) -> EngineRun:
+    """``python -m module <name>.plan.json <name>.out.json`` in the end-to-end
+    environment, in its own session (``engine_environ``; ``seed`` its
+    ``PYTHONHASHSEED``), output to ``<name>.log``, all in ``workdir``. A
+    watchdog kills the whole session after ``timeout`` seconds. Never raises
+    for the child's failure: the caller reads :class:`EngineRun`."""
     workdir.mkdir(parents=True, exist_ok=True)
-    plan_file = workdir / f"{proc.name}.plan.json"
-    out_file = workdir / f"{proc.name}.out.json"
-    log_file = workdir / f"{proc.name}.log"
+    plan_file = workdir / f"{name}.plan.json"
+    out_file = workdir / f"{name}.out.json"
+    log_file = workdir / f"{name}.log"
     out_file.unlink(missing_ok=True)
-    # One store per process; a P/D pair shares the producer's.
-    store = (
-        workdir
-        / "store"
-        / (f"pd-{proc.model}-{proc.hma}" if proc.namespace == "pd" else proc.name)
-    )
-    plan_file.write_text(json.dumps(proc.plan(models / proc.model, store), indent=1))
-    env = {**os.environ, **engine_environ(e2e, trees, support, proc.pythonhashseed)}
-    timeout = PROCESS_TIMEOUT + SCENARIO_TIMEOUT * len(proc.functions)
+    plan_file.write_text(json.dumps(plan, indent=1))
+    env = {**os.environ, **engine_environ(e2e, trees, support, seed)}
     start = time.monotonic()
     with log_file.open("w") as log:
         child = subprocess.Popen(
-            [str(e2e.python), "-m", "hmastack_e2e.driver", plan_file, out_file],
+            [str(e2e.python), "-m", module, plan_file, out_file],
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -210,11 +229,45 @@ def run_process(
             os.killpg(child.pid, signal.SIGKILL)
             child.wait()
             hung = True
-    proc.seconds = time.monotonic() - start
+    seconds = time.monotonic() - start
     try:
         result = json.loads(out_file.read_text())
     except (OSError, ValueError):
-        result = {"scenarios": {}}
+        result = None
+    return EngineRun(result, child.returncode, hung, seconds, log_file)
+
+
+def run_process(
+    e2e: E2EConfig,
+    proc: Process,
+    trees: dict[str, Path],
+    support: list[Path],
+    models: Path,
+    workdir: Path,
+) -> None:
+    """Run ``proc`` under a watchdog; fills ``proc.result`` (the driver's JSON,
+    or a ``hang`` / ``error`` entry for every scenario)."""
+    # One store per process; a P/D pair shares the producer's.
+    store = (
+        workdir
+        / "store"
+        / (f"pd-{proc.model}-{proc.hma}" if proc.namespace == "pd" else proc.name)
+    )
+    timeout = PROCESS_TIMEOUT + SCENARIO_TIMEOUT * len(proc.functions)
+    ran = run_engine_process(
+        e2e,
+        "hmastack_e2e.driver",
+        proc.name,
+        proc.plan(models / proc.model, store),
+        trees,
+        support,
+        workdir,
+        proc.pythonhashseed,
+        timeout,
+    )
+    proc.seconds = ran.seconds
+    hung, log_file = ran.hung, ran.log
+    result = ran.result if ran.result is not None else {"scenarios": {}}
     if "error" in result:
         detail = result["error"][-2000:]
         result["scenarios"] = {
@@ -227,7 +280,7 @@ def run_process(
             entry["detail"] = (
                 f"killed by the watchdog after {timeout:.0f} s (log: {log_file})"
                 if hung
-                else f"the engine process exited with {child.returncode} "
+                else f"the engine process exited with {ran.returncode} "
                 f"(log: {log_file})"
             )
         elif hung and entry.get("outcome") == "ran" and "requests" not in entry:
@@ -284,7 +337,7 @@ def run_stage(
     """Every process of ``stage``, then the verdicts."""
     start = time.monotonic()
     place_kernels(e2e, trees["vllm"])
-    support = cfg.root / "tests" / "e2e"
+    support = engine_support(cfg)
     workdir = cfg.build / "e2e" / "runs" / str(stage)
     if workdir.exists():
         _rmtree(workdir)

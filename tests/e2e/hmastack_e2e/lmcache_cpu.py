@@ -28,6 +28,7 @@ import sys
 import types
 
 import torch
+from hmastack_testkit.lmcache_cpu import initialize_pointers_without_device_check
 
 os.environ.setdefault("LMCACHE_CHUNK_SIZE", "256")
 os.environ.setdefault("LMCACHE_LOCAL_CPU", "True")
@@ -115,23 +116,11 @@ def install() -> None:
         if not hasattr(gpu_connector, "_assert_cuda_device"):
             # point 4 on LMCache 0.3.11: the assertion is inline; run the same
             # set-up with a device whose type reads "cuda" for the check only
-            return _initialize_pointers_cpu(self, kv_caches)
+            return initialize_pointers_without_device_check(self, kv_caches)
         return original_init(self, kv_caches)
 
     gpu_connector.VLLMPagedMemGPUConnectorV2._initialize_pointers = initialize_pointers
     vllm_v1_adapter._init_lmcache_engine = _init_lmcache_engine_cpu  # point 5
-
-
-def _initialize_pointers_cpu(self, kv_caches):
-    """LMCache 0.3.11's pointer set-up without its CUDA-device assertion."""
-    self.device = kv_caches[0].device
-    idx = self.device.index
-    if idx in self.kv_cache_pointers_on_gpu:
-        return self.kv_cache_pointers_on_gpu[idx]
-    self.kv_cache_pointers.numpy()[:] = [t.data_ptr() for t in kv_caches]
-    self.kv_cache_pointers_on_gpu[idx] = self.kv_cache_pointers.clone()
-    self.page_buffer_size = kv_caches[0].shape[1] * kv_caches[0].shape[2]
-    return self.kv_cache_pointers_on_gpu[idx]
 
 
 def _init_lmcache_engine_cpu(lmcache_config, vllm_config, role):

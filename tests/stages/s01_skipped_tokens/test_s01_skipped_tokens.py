@@ -7,7 +7,13 @@ hypothesis and interleave several requests on one shared block pool.
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from kvtest import hypothesis_settings, make_request, make_spec
+from kvtest import (
+    GROUP_KINDS,
+    hypothesis_settings,
+    make_kv_cache_config,
+    make_request,
+    make_spec,
+)
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.single_type_kv_cache_manager import get_manager_for_kv_cache_spec
@@ -81,15 +87,7 @@ def test_remove_skipped_blocks_nulls_exactly_the_skipped_blocks(
         assert pool.get_num_free_blocks() == 399 - held
 
 
-GROUPS = [
-    ["full"],
-    ["sliding_window"],
-    ["chunked_local"],
-    ["full", "sliding_window"],
-    ["full", "sliding_window", "sliding_window"],
-    ["full", "chunked_local"],
-    ["full", "mamba"],
-]
+GROUPS = GROUP_KINDS
 
 
 @st.composite
@@ -133,14 +131,7 @@ def test_admission_count_is_exact_for_interleaved_requests(scenario):
     groups, block_size, window, use_eagle, num_blocks, prefix_len, tails, actions = (
         scenario
     )
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec([f"layer{i}"], make_spec(kind, block_size, window))
-            for i, kind in enumerate(groups)
-        ],
-    )
+    kv_cache_config = make_kv_cache_config(groups, block_size, window, num_blocks)
     manager = KVCacheManager(
         kv_cache_config,
         max_model_len=4096,

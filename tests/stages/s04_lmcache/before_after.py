@@ -4,8 +4,8 @@
                                      # the only way it runs)
     python before_after.py hma-on    # LMCache tree with stage 04
 
-(``PYTHONPATH=<vllm tree>:<lmcache tree>:tests/stages``, in the CPU
-environment.) Same harness and CUDA boundary as the tests: request A (1100
+(``PYTHONPATH=<vllm tree>:<lmcache tree>:tests/stages:support/testkit``, in
+the CPU environment.) Same harness and CUDA boundary as the tests: request A (1100
 tokens) is computed and stored, vLLM's prefix cache is reset, request B shares
 A's first 1024 tokens and loads them from LMCache. Prints, for each layer, its
 KV cache group's type, how many slots the load wrote for it and which tokens.

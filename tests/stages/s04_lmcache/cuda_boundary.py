@@ -28,6 +28,7 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
+from hmastack_testkit.lmcache_cpu import initialize_pointers_without_device_check
 
 
 @dataclass
@@ -104,19 +105,6 @@ class _Stream:
         pass
 
 
-def _pointers_without_device_check(self, kv_caches):
-    """LMCache 0.3.11's ``_initialize_pointers`` minus its CUDA assertion
-    (0.3.11 has no ``_assert_cuda_device`` to replace)."""
-    self.device = kv_caches[0].device
-    idx = self.device.index
-    if idx in self.kv_cache_pointers_on_gpu:
-        return self.kv_cache_pointers_on_gpu[idx]
-    self.kv_cache_pointers.numpy()[:] = [t.data_ptr() for t in kv_caches]
-    self.kv_cache_pointers_on_gpu[idx] = self.kv_cache_pointers.clone()
-    self.page_buffer_size = kv_caches[0].shape[1] * kv_caches[0].shape[2]
-    return self.kv_cache_pointers_on_gpu[idx]
-
-
 def install(monkeypatch) -> TorchCopyKernel:
     """Replace points 1-4 for the duration of a test (``monkeypatch``)."""
     from lmcache.v1 import gpu_connector
@@ -129,7 +117,7 @@ def install(monkeypatch) -> TorchCopyKernel:
         monkeypatch.setattr(
             gpu_connector.VLLMPagedMemGPUConnectorV2,
             "_initialize_pointers",
-            _pointers_without_device_check,
+            initialize_pointers_without_device_check,
         )
     monkeypatch.setattr(torch.cuda, "Stream", _Stream)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())

@@ -16,25 +16,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from vllm.config import (
-    CacheConfig,
-    DeviceConfig,
-    KVTransferConfig,
-    ModelConfig,
-    SchedulerConfig,
-    VllmConfig,
-)
+from hmastack_testkit.kv_layouts import make_cpu_vllm_config, make_spec
+from vllm.config import KVTransferConfig, VllmConfig
 from vllm.v1.core.kv_cache_utils import (
     generate_scheduler_kv_cache_config,
     get_kv_cache_configs,
 )
 from vllm.v1.kv_cache_interface import (
-    ChunkedLocalAttentionSpec,
-    FullAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
     MambaSpec,
-    SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
 
@@ -46,6 +37,9 @@ DTYPE = torch.float32
 GEMMA3 = "hmastack/gemma3-like-text"  # 12 layers, 1 KV head of 64
 GPT_OSS = "hmastack/gpt-oss-like"  # 4 layers, 2 KV heads of 64
 LLAMA = "hmellor/tiny-random-LlamaForCausalLM"  # 2 layers, 4 KV heads of 4
+
+# Layer kind -> the attention kind of ``hmastack_testkit.kv_layouts.make_spec``.
+SPEC_KINDS = {"full": "full", "sliding": "sliding_window", "chunked": "chunked_local"}
 
 
 @dataclass(frozen=True)
@@ -154,34 +148,18 @@ def make_vllm_config(layout: Layout, hma: bool) -> VllmConfig:
     """The CPU VllmConfig of a layout, with LMCacheConnectorV1 and prefix
     caching. HMA is set after VllmConfig's own decision (which turns it off on
     CPU, and with connectors on vLLM 0.13.0)."""
-    model_config = ModelConfig(
+    config = make_cpu_vllm_config(
+        BLOCK_SIZE,
+        NUM_BLOCKS,
+        KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role="kv_both"),
+        max_num_seqs=8,
+        max_num_batched_tokens=MAX_MODEL_LEN,
+        max_model_len=MAX_MODEL_LEN,
         model=layout.model,
         dtype="float32",
-        seed=0,
-        skip_tokenizer_init=True,
-        max_model_len=MAX_MODEL_LEN,
-    )
-    config = VllmConfig(
-        model_config=model_config,
-        cache_config=CacheConfig(
-            block_size=BLOCK_SIZE,
-            enable_prefix_caching=True,
-            num_gpu_blocks_override=NUM_BLOCKS,
-        ),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=8,
-            max_num_batched_tokens=MAX_MODEL_LEN,
-            max_model_len=MAX_MODEL_LEN,
-            enable_chunked_prefill=True,
-            is_encoder_decoder=False,
-        ),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="LMCacheConnectorV1", kv_role="kv_both"
-        ),
-        device_config=DeviceConfig("cpu"),
+        num_gpu_blocks_override=NUM_BLOCKS,
     )
     config.scheduler_config.disable_hybrid_kv_cache_manager = not hma
-    config.cache_config.num_gpu_blocks = NUM_BLOCKS
     return config
 
 
@@ -195,21 +173,14 @@ def layer_specs(layout: Layout, vllm_config: VllmConfig) -> dict[str, KVCacheSpe
     for i, layer in enumerate(layout.layers):
         if layer.kind in ("mamba", "shared"):
             continue
-        common = dict(
-            block_size=BLOCK_SIZE,
+        spec = make_spec(
+            SPEC_KINDS[layer.kind],
+            BLOCK_SIZE,
+            layer.window,
             num_kv_heads=layer.num_kv_heads or num_kv_heads,
             head_size=layer.head_size or head_size,
             dtype=DTYPE,
         )
-        if layer.kind == "full":
-            spec: KVCacheSpec = FullAttentionSpec(**common)
-        elif layer.kind == "sliding":
-            spec = SlidingWindowSpec(**common, sliding_window=layer.window)
-        else:
-            assert layer.kind == "chunked", layer
-            spec = ChunkedLocalAttentionSpec(
-                **common, attention_chunk_size=layer.window
-            )
         specs[layout.layer_name(i)] = spec
         attention_page = spec.page_size_bytes
     for i, layer in enumerate(layout.layers):

@@ -28,13 +28,16 @@ from collections import Counter
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from kvtest import hypothesis_settings, make_cpu_vllm_config, make_kv_cache_groups
+from kvtest import (
+    hypothesis_settings,
+    make_cpu_vllm_config,
+    make_kv_cache_config,
+)
 from vllm.config import SpeculativeConfig
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
@@ -106,10 +109,8 @@ class Harness:
         config.speculative_config = speculative_config
         self.scheduler = Scheduler(
             vllm_config=config,
-            kv_cache_config=KVCacheConfig(
-                num_blocks=num_blocks,
-                kv_cache_tensors=[],
-                kv_cache_groups=make_kv_cache_groups(self.kinds, BLOCK_SIZE, window),
+            kv_cache_config=make_kv_cache_config(
+                self.kinds, BLOCK_SIZE, window, num_blocks
             ),
             structured_output_manager=StructuredOutputManager(config),
             block_size=BLOCK_SIZE,

@@ -1,0 +1,15 @@
+"""Code shared by our stage tests, the benchmark scenarios, the engine side of
+``hmastack e2e`` and the tool itself (one copy of each helper).
+
+``support/testkit`` is on ``PYTHONPATH`` wherever that code runs:
+
+* stage tests and benchmark scenarios (``build/env``): ``hmastack.env.Env.
+  test_environ`` adds it to every run it sets up;
+* engine processes of ``hmastack e2e`` and ``hmastack bench --throughput``
+  (``build/e2e-env``): ``hmastack.e2e.runner.engine_environ`` adds it;
+* the tool (``.venv``): ``pyproject.toml`` installs the package with it.
+
+Modules: :mod:`~hmastack_testkit.window` (pure Python, no vLLM),
+:mod:`~hmastack_testkit.kv_layouts` (vLLM's KV cache specs and configs),
+:mod:`~hmastack_testkit.lmcache_cpu` (LMCache's pointer set-up on CPU).
+"""
