@@ -58,7 +58,7 @@ def test_parse_cfg_constants():
     constants = traces.parse_cfg_constants(SMALL_CFG.read_text())
     assert constants["N"] == 6
     assert constants["Req"] == ["r1", "r2"]
-    assert constants["Policy"] == "SeriesAllocOnly"
+    assert constants["Policy"] == "SeriesAsCoded"
     assert constants["AsyncLoad"] is True
     assert "TypeOK" not in constants
 
@@ -74,7 +74,7 @@ def test_generate_small_model(tmp_path):
     traces.generate(SMALL_CFG, "replay-small", 5, 30, again, root=ROOT)
     for f in files:
         doc = json.loads(f.read_text())
-        assert doc["constants"]["Policy"] == "SeriesAllocOnly"
+        assert doc["constants"]["Policy"] == "SeriesAsCoded"
         states = doc["states"]
         assert states[0]["event"]["act"] == "Init"
         assert 1 < len(states) <= 30
