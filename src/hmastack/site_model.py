@@ -418,38 +418,23 @@ def model_page(root: Path, reports_dir: Path, md_table, fence) -> str:
     )
     if info.header:
         out += ["## What is modelled\n", fence(info.header, "text")]
-    if info.constants:
-        out += [
-            "## Constants\n",
-            md_table(
-                ["constant", "meaning"], [[f"`{n}`", c] for n, c in info.constants]
-            ),
-        ]
-    if info.variables:
-        out += [
-            "## State\n",
-            md_table(
-                ["variable", "stands for"], [[f"`{n}`", c] for n, c in info.variables]
-            ),
-        ]
-    if info.switches:
-        out += [
-            "## Stage 03: allocation alone and as coded\n",
-            '`Policy = "SeriesAsCoded"` is the fifteen commits of stage 03, '
-            '`"SeriesAllocOnly"` its per-group allocation alone (none of the '
-            "mechanisms below). "
-            "Each mechanism, with the patch that brings it:\n\n",
-            md_table(
-                ["switch", "mechanism"], [[f"`{n}`", c] for n, c in info.switches]
-            ),
-        ]
-    if info.actions:
-        out += [
-            "## Actions\n",
-            md_table(
-                ["action", "what it models"], [[f"`{n}`", c] for n, c in info.actions]
-            ),
-        ]
+
+    def section(title: str, intro: str, header: list[str], rows) -> list[str]:
+        if not rows:
+            return []
+        return [title, intro, md_table(header, [[f"`{n}`", c] for n, c in rows])]
+
+    out += section("## Constants\n", "", ["constant", "meaning"], info.constants)
+    out += section("## State\n", "", ["variable", "stands for"], info.variables)
+    out += section(
+        "## Stage 03: allocation alone and as coded\n",
+        '`Policy = "SeriesAsCoded"` is the fifteen commits of stage 03, '
+        '`"SeriesAllocOnly"` its per-group allocation alone (none of the '
+        "mechanisms below). Each mechanism, with the patch that brings it:\n\n",
+        ["switch", "mechanism"],
+        info.switches,
+    )
+    out += section("## Actions\n", "", ["action", "what it models"], info.actions)
     if info.properties:
         kinds = {"invariant": "Spec => []{}", "action": "Spec => {} (action property)",
                  "temporal": "FairSpec => {}"}  # fmt: skip

@@ -104,6 +104,18 @@ def compare_pool(block_pool, m2r: dict, state: dict, num_blocks: int) -> list[st
     return problems
 
 
+def model_hit_blocks(m2r: dict, tables: dict, num_hit_blocks: int) -> list[int]:
+    """The real ids of the blocks a model's prefix cache hit took: the first
+    ``num_hit_blocks`` slots of each group's ``tables`` (model ids, null and
+    unmapped ones left out), through the bijection ``m2r``."""
+    return [
+        m2r[m]
+        for group_table in tables.values()
+        for m in group_table[:num_hit_blocks]
+        if m and m in m2r
+    ]
+
+
 def steer_hits(block_pool, real_blocks) -> None:
     """Make ``get_one_block`` return the given blocks for their keys.
 

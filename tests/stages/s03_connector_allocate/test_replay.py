@@ -52,6 +52,7 @@ from kvtest import (
     compare_pool,
     compare_table,
     make_request,
+    model_hit_blocks,
     steer_free_queue,
     steer_hits,
 )
@@ -162,12 +163,7 @@ class Replay:
                 # The model's hit blocks (any block of their key) first.
                 steer_hits(
                     self.pool,
-                    [
-                        self.m2r[m]
-                        for g in GROUPS
-                        for m in after["table"][r][g][: a["hitBlocks"]]
-                        if m and m in self.m2r
-                    ],
+                    model_hit_blocks(self.m2r, after["table"][r], a["hitBlocks"]),
                 )
             hits, num_hit = self.manager.get_computed_blocks(request)
             if num_hit != a["hitBlocks"] * self.B:

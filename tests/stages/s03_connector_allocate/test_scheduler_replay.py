@@ -90,6 +90,7 @@ from kvtest import (
     compare_pool,
     compare_table,
     make_cpu_vllm_config,
+    model_hit_blocks,
     steer_free_queue,
     steer_hits,
 )
@@ -557,12 +558,7 @@ class Replay:
                 # The model's hit blocks (any block of their key) first.
                 steer_hits(
                     self.pool,
-                    [
-                        self.m2r[m]
-                        for g in GROUPS
-                        for m in after["table"][r][g][: a["hitBlocks"]]
-                        if m and m in self.m2r
-                    ],
+                    model_hit_blocks(self.m2r, after["table"][r], a["hitBlocks"]),
                 )
         out = self.schedule([r], max(a["newTokens"] + a["draftTokens"], 1))
         self.conn.script.pop(r, None)
