@@ -472,7 +472,7 @@ NoScan == [nc |-> <<>>, marked |-> {}, first |-> {}, evict |-> {}]
 
 (***************************************************************************)
 (* Scheduler._update_requests_with_invalid_blocks with SharedInvalidFix    *)
-(* (patches 5 and 11): every request that counts an invalid block as      *)
+(* (patches 5, 12, 13): every request that counts an invalid block as    *)
 (* computed truncates at its own first invalid slot (over all groups), or *)
 (* starts over when can_recompute_from says no; no request counts on      *)
 (* another one. Counted as computed: num_computed_tokens_after_recving    *)
@@ -651,7 +651,9 @@ Execute(r) ==
              /\ UNCHANGED <<ref, freeQ, table, ncached, held>>
         ELSE /\ event' = Ev("Execute", r, NoBlocks, [acceptedTokens |-> a])
              /\ UNCHANGED <<ref, freeQ, table, ncached, held, status, running>>
-  /\ UNCHANGED <<hash, loads, failures, cachedTok, order, stallHead, noLoad>>
+     \* Scheduler._free_request (called when the request finishes) forgets it.
+     /\ noLoad' = IF fin THEN noLoad \ {r} ELSE noLoad
+  /\ UNCHANGED <<hash, loads, failures, cachedTok, order, stallHead>>
 
 \* Scheduler.update_from_output with invalid_block_ids: request r's
 \* synchronous load (inside its step) failed from table slot i on, reported
@@ -659,8 +661,9 @@ Execute(r) ==
 \* "recompute"). Affected requests lose their step's output and resume from
 \* their new num_computed_tokens; one that must start over and lacks blocks
 \* for it (can_recompute_from(0) false) is preempted after its invalid blocks
-\* leave the prefix cache. If r is not affected (its range, num_cached_tokens,
-\* does not reach the invalid blocks) its step returns normally later.
+\* leave the prefix cache. If r is not affected (only without patch 8: its
+\* range, num_cached_tokens, does not reach the invalid blocks) its step
+\* returns normally later.
 SyncLoadFailed(r) ==
   /\ step[r].on /\ step[r].e > 0 /\ failures < MaxFailures
   /\ \E i \in Slot(step[r].from - step[r].e)..Slot(step[r].from - 1) :
@@ -678,7 +681,7 @@ SyncLoadFailed(r) ==
         LET sc == scan(lq)
             aff == DOMAIN sc.nc
             \* Running requests that must start over and lack blocks for it;
-            \* (Proposed) waiting ones back from a load start over anyway.
+            \* waiting ones back from a load start over anyway (patch 5).
             restart == {q \in aff : status[q] # "loading" /\ sc.nc[q] = 0
                                     /\ (~CanRecomputeFrom(q, 0) \/ status[q] = "waiting")}
             keep == UNION {Keep(q) : q \in restart}
@@ -872,8 +875,9 @@ Abort(r) ==
      ELSE /\ FreeFinished(r)
           /\ event' = Ev("Abort", r, table[r], [none |-> 0])
   /\ stallHead' = IF stallHead # NoHead /\ stallHead.h = r THEN NoHead ELSE stallHead
+  /\ noLoad' = noLoad \ {r}
   /\ UNCHANGED <<hash, len, computed, step, loads, saves, failures, bad, cachedTok,
-                 order, noLoad>>
+                 order>>
 
 \* Every request is done: the system stutters (no deadlock).
 Terminated == (\A r \in Req : status[r] = "done") /\ UNCHANGED vars
@@ -945,6 +949,7 @@ TypeOK ==
     /\ order \in [1..Cardinality(Req) -> Req] /\ Range(order) = Req
     /\ stallHead = NoHead \/ stallHead \in [h : Req, vs : SUBSET Req]
     /\ noLoad \subseteq Req /\ (~NoReload => noLoad = {})
+    /\ \A q \in noLoad : status[q] \in {"waiting", "loading", "running"}
     /\ event.act \in Acts /\ event.req \in Req \cup {"none"}
     /\ event.blocks \in [Groups -> Seq(Blocks \cup {Null})]
 
@@ -1128,7 +1133,7 @@ Unmutated == Mutation = "none"
 SavesSafe == SaveMode # "async" \/ SaveHold
 \* Load failures cannot leave a shared block unrecomputed: every holder
 \* recomputes (patch 5) and counts what it computed before its step as
-\* computed (the proposal; the code counts num_cached_tokens).
+\* computed (patch 8; before it the code counted num_cached_tokens).
 FailuresSafe == MaxFailures = 0 \/ (SharedInvalidFix /\ RangeByComputed)
 \* Blocks vLLM's start-up check demands for one request of MaxLen tokens
 \* (check_enough_kv_cache_memory, KVCacheSpec.max_memory_usage_bytes per

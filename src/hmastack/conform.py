@@ -1,9 +1,10 @@
 """``hmastack conform``: the model's behaviours and random schedules against the
 patched vLLM (stage 03), and the same checks against deliberately broken copies.
 
-1. TLC simulates ``--traces`` behaviours of the Series policy
-   (``tests/stages/s03_connector_allocate/fixtures/replay-small.cfg``, a seed other
-   than the committed fixtures') into ``build/reports/conformance/traces/``.
+1. TLC simulates ``--traces`` behaviours of stage 03 as coded
+   (``tests/stages/s03_connector_allocate/fixtures/replay-saves.cfg``: stores that
+   outlive the step; a seed other than the committed fixtures') into
+   ``build/reports/conformance/traces/``.
 2. At stage 03 three suites run on them (see ``SUITES``): the replay through the
    ``KVCacheManager``, the replay through the ``Scheduler`` with a scripted
    ``SupportsHMA`` connector, and the random state machine on the ``Scheduler``
@@ -89,6 +90,7 @@ class Break:
     caught_by: tuple[str, ...] = ("replay", "random")
     # Why a kind of suite is not expected to catch it.
     not_by_replay: str = ""
+    not_by_random: str = ""
 
 
 BREAKS = {
@@ -174,6 +176,23 @@ BREAKS = {
                 "the model never schedules a request's next step while its "
                 "current one is in flight (no asynchronous scheduling), so no "
                 "replayed state has tokens in flight at an allocation"
+            ),
+        ),
+        Break(
+            name="reload-after-failed-load",
+            protection=(
+                "a request whose KV load failed and left it no valid token takes "
+                "no external tokens any more (broken: it loads again, and a "
+                "connector whose loads keep failing keeps it loading for ever)"
+            ),
+            path="vllm/v1/core/sched/scheduler.py",
+            old="                            ext_tokens, load_kv_async = 0, False\n",
+            new="                            pass\n",
+            caught_by=("replay",),
+            not_by_random=(
+                "no property of the random state machine says that a request "
+                "is not loaded again after a failure (its connector's loads do "
+                "not fail at every attempt)"
             ),
         ),
         Break(
@@ -427,6 +446,8 @@ def print_report(report: dict) -> None:
         )
         if b["not_by_replay"]:
             verdict += f"; no replay expected: {b['not_by_replay']}"
+        if b["not_by_random"]:
+            verdict += f"; the random test is not expected to: {b['not_by_random']}"
         console.print(f"  break {b['name']} ({escape(b['protection'])}): {verdict}")
     console.print(f"report: {report['path']}")
 

@@ -532,7 +532,14 @@ class Replay:
         if a["draftTokens"] and before["status"][r] != "running":
             raise Stop(STOP_DRAFT_WAITING, f"{r}: d={a['draftTokens']}")
         if fresh:
-            self.conn.script[r] = Script(a["extTokens"], a["async"])
+            ext = a["extTokens"]
+            if r in before["noLoad"] and ext == 0:
+                # Patch 9: a request whose load left it no valid token takes
+                # no external tokens; the connector offers some anyway (as a
+                # connector whose store still lists them does), the scheduler
+                # must take 0.
+                ext = before["len"][r] - 1 - a["hitBlocks"] * self.B
+            self.conn.script[r] = Script(ext, a["async"])
         if a["draftTokens"]:
             request.spec_token_ids = [9000 + i for i in range(a["draftTokens"])]
         self.evicted.clear()
@@ -881,6 +888,12 @@ class Replay:
                 problems.append(
                     f"held {r}: model {sorted(state['held'][r])}, vLLM {held}"
                 )
+            if (r in self.sched.kv_load_failed_req_ids) != (r in state["noLoad"]):
+                problems.append(
+                    "kv_load_failed_req_ids "
+                    f"{sorted(self.sched.kv_load_failed_req_ids)}, "
+                    f"model noLoad {sorted(state['noLoad'])}"
+                )
             if (r in self.sched.recving_kv_req_ids) != bool(state["loads"][r]):
                 problems.append(
                     f"recving_kv_req_ids {sorted(self.sched.recving_kv_req_ids)}, "
@@ -973,6 +986,7 @@ def model_state(state: dict) -> dict:
         "loads",
         "saves",
         "held",
+        "noLoad",
     )
     return {k: state[k] for k in keys}
 
