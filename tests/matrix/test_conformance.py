@@ -37,13 +37,20 @@ def test_conformance_ci_set(capfd):
     assert not failed, f"the series fails conformance suites: {failed}"
     for name, r in series.items():
         if r["kind"] == "replay":
-            # Most of the behaviours' steps were compared, not skipped (the
-            # behaviours are fixed by the seed: about 2500 steps, of which the
-            # replays compare 1700 (manager) and 1666 of 1778 (scheduler)).
+            # The behaviours are fixed by the seed: 1064 steps (the model of
+            # stage 03 as coded, with aborts, ends many behaviours early).
             assert r["summary"]["traces"] == 200, name
-            assert r["summary"]["steps_compared"] > 1500, (name, r["summary"])
+            assert r["summary"]["steps_compared"] > 1000, (name, r["summary"])
+    # Every event kind the replays map was compared at least once.
+    acts = series["replay through the KVCacheManager"]["summary"]["acts"]
+    wanted = {
+        "AllocateSlots", "Refused", "Execute", "Finish", "FinishDelayed",
+        "FinishLoad", "FinishLoadFree", "LoadFailed", "SyncLoadFailed", "Preempt",
+        "FreeWaiting", "SaveDone", "Abort", "AbortDelayed",
+    }  # fmt: skip
+    assert wanted <= set(acts), sorted(wanted - set(acts))
     scheduler = series["replay through the Scheduler"]["summary"]
-    assert scheduler["to_the_end"] >= 170, scheduler
+    assert scheduler["to_the_end"] >= 190, scheduler
     assert scheduler["steps_compared"] >= 0.9 * scheduler["steps"], scheduler
     escaped = {
         b["name"]: b["caught"]
