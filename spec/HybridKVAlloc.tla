@@ -80,7 +80,7 @@ ASSUME /\ N \in Nat \ {0} /\ B \in Nat \ {0} /\ W \in Nat \ {0, 1}
        /\ Mutation \in {"none", "EarlyPublish", "PublishDraft", "LateClaim",
                         "FreeInFlight", "EagerFree", "AllocSkipped", "PadFull",
                         "UnderCount", "SkipTouch", "LeakSkipped", "SkipCeil",
-                        "RangeByCached"}
+                        "RangeByCached", "IgnoreZeroedLoad"}
 
 -----------------------------------------------------------------------------
 (***************************************************************************)
@@ -780,8 +780,14 @@ FreeFinished(r) ==
 \* publishes the loaded blocks now, not before. A request finished during
 \* its load is freed now; one whose computed tokens a load failure of
 \* another request set to 0 is freed and starts over.
+\* With LoadsFail no load succeeds, but a load whose request has no valid
+\* token left to fail on (a sharer's failure set computed to 0, patch 5) is
+\* still reported: the code frees the request and it starts over, failed or
+\* not (series-loads-fail-shared; mutation IgnoreZeroedLoad drops it).
 FinishLoad(r) ==
-  /\ loads[r] # {} /\ ~LoadsFail
+  /\ loads[r] # {}
+  /\ \/ ~LoadsFail
+     \/ computed[r] = 0 /\ Mutation # "IgnoreZeroedLoad"
   /\ loads' = [loads EXCEPT ![r] = {}]
   /\ IF status[r] = "finishing" /\ saves[r] = {}
      THEN /\ FreeFinished(r)
