@@ -1,7 +1,7 @@
 """Thin command line on top of the pipeline modules.
 
 Exit status: 0 success, 1 tests or checks failed, 2 a usage or environment error
-(an :class:`~hmastack.errors.HmastackError`, printed with its hint).
+(an :class:`~hmastack.core.errors.HmastackError`, printed with its hint).
 """
 
 from __future__ import annotations
@@ -14,20 +14,20 @@ from collections.abc import Callable, Sequence
 from rich.markup import escape
 
 from hmastack import __version__
-from hmastack.errors import HmastackError
-from hmastack.progress import console
+from hmastack.core.errors import HmastackError
+from hmastack.core.progress import console
 
 # Subcommands live with their pipeline step; each module offers
 # ``register(subparsers)`` that adds its parser and sets ``func``.
 COMMAND_MODULES = (
-    "hmastack.base",
-    "hmastack.env",
-    "hmastack.workspace",
-    "hmastack.matrix",
-    "hmastack.spec",
-    "hmastack.conform",
-    "hmastack.docs",
-    "hmastack.bench",
+    "hmastack.stack.base",
+    "hmastack.stack.env",
+    "hmastack.stack.workspace",
+    "hmastack.matrix.stages",
+    "hmastack.spec.models",
+    "hmastack.conform.run",
+    "hmastack.site.docs",
+    "hmastack.bench.run",
     "hmastack.e2e",
     "hmastack.pipeline",
 )

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hmastack import config
+from hmastack.core import config
 
 FILES = {
     "demo/__init__.py": 'VERSION = "1.0"\n',

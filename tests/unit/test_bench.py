@@ -11,10 +11,13 @@ from pathlib import Path
 import pytest
 from hmastack_testkit.window import window_min_blocks
 
-from hmastack import bench, bench_cost, bench_trees, docs
-from hmastack import config as config_mod
-from hmastack import env as env_mod
-from hmastack.errors import HmastackError
+from hmastack.bench import cost as bench_cost
+from hmastack.bench import run as bench
+from hmastack.bench import trees as bench_trees
+from hmastack.core import config as config_mod
+from hmastack.core.errors import HmastackError
+from hmastack.site import docs
+from hmastack.stack import env as env_mod
 
 ROOT = Path(__file__).resolve().parents[2]
 B = 16
@@ -389,8 +392,8 @@ def test_insert_statement_goes_after_the_docstring():
 
 
 def test_commit_trees_are_the_proper_prefixes_of_a_stage():
-    from hmastack import workspace
-    from hmastack.gitutil import git
+    from hmastack.core.gitutil import git
+    from hmastack.stack import workspace
 
     cfg = config_mod.load(ROOT)
     if not (cfg.workspace("vllm") / ".git").exists():

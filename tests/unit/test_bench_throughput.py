@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from hmastack import bench, docs
-from hmastack import bench_throughput as bt
-from hmastack.errors import HmastackError
+from hmastack.bench import run as bench
+from hmastack.bench import throughput as bt
+from hmastack.core.errors import HmastackError
+from hmastack.site import docs
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,9 +8,11 @@ import sys
 
 import pytest
 
-from hmastack import cli, conform, matrix
-from hmastack.errors import HmastackError
-from hmastack.gitutil import git
+from hmastack import cli
+from hmastack.conform import run as conform
+from hmastack.core.errors import HmastackError
+from hmastack.core.gitutil import git
+from hmastack.matrix import stages as matrix
 
 
 def make_tree(path, text: str):

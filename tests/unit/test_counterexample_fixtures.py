@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hmastack import traces
+from hmastack.spec import traces
 
 ROOT = Path(__file__).resolve().parents[2]
 CEX = (

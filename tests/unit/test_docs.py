@@ -11,10 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from hmastack import base, docs, site_hook, site_patches, spec, workspace
-from hmastack import config as config_mod
-from hmastack.errors import HmastackError
-from hmastack.gitutil import git
+from hmastack.core import config as config_mod
+from hmastack.core.errors import HmastackError
+from hmastack.core.gitutil import git
+from hmastack.site import docs
+from hmastack.site import hook as site_hook
+from hmastack.site import patches as site_patches
+from hmastack.spec import models as spec
+from hmastack.stack import base, workspace
 
 REPO = Path(__file__).resolve().parents[2]
 AUTHOR = "Ada Lovelace <ada@example.com>"
@@ -427,7 +431,7 @@ def test_nav_lists_every_page_and_the_model_page_when_written(project, tmp_path)
 
 
 def test_two_space_nested_lists_are_widened_for_python_markdown():
-    from hmastack.docs import widen_nested_lists
+    from hmastack.site.docs import widen_nested_lists
 
     text = "- a\n  - b\n    - c\n```\n  - code\n```\n"
     assert widen_nested_lists(text) == "- a\n    - b\n        - c\n```\n  - code\n```"
@@ -438,7 +442,8 @@ def test_two_space_nested_lists_are_widened_for_python_markdown():
 def test_stage_page_lists_every_commit_as_the_per_commit_run_reported_it(series):
     """commits.json written by the real report writer, from the real patch files:
     each commit of the stage gets its row; a commit the run did not reach says so."""
-    from hmastack import matrix, reports
+    from hmastack.matrix import reports
+    from hmastack.matrix import stages as matrix
 
     stage1 = sorted((series.patches / "01-first" / "demo").glob("*.patch"))
     assert len(stage1) == 2

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from hmastack import config as config_mod
-from hmastack import docs, site_model
+from hmastack.core import config as config_mod
+from hmastack.site import docs
+from hmastack.site import model as site_model
 from tests.site import browser
 
 REPO = Path(__file__).resolve().parents[2]

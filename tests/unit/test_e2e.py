@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from hmastack import config
+from hmastack.core import config
+from hmastack.core.errors import HmastackError
+from hmastack.core.process import CommandError
 from hmastack.e2e import catalogue as cat
 from hmastack.e2e import compare, environment, runner, site
-from hmastack.errors import HmastackError
-from hmastack.progress import CommandError
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hmastack import spec
+from hmastack.spec import models as spec
 
 ROOT = Path(__file__).resolve().parents[2]
 GLOSSARY = ROOT / "docs" / "glossary.md"

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from hmastack import config, spec
+from hmastack.core import config
+from hmastack.spec import models as spec
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "stages" / "s00_base" / "legacy_race_events.json"

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from hmastack import matrix
-from hmastack.errors import HmastackError
+from hmastack.core.errors import HmastackError
+from hmastack.matrix import stages as matrix
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -147,7 +147,7 @@ def test_stage_is_red_when_the_lmcache_suite_fails():
 def test_lmcache_suite_runs_at_the_stages_that_patch_lmcache(monkeypatch, tmp_path):
     """From the LMCache tree (its own pytest configuration), with the patched
     vLLM tree importable; not at stages that leave LMCache at its base."""
-    from hmastack import config
+    from hmastack.core import config
 
     cfg = config.load(ROOT)
     assert "tests/v1/test_vllm_v1_adapter_hma.py" in cfg.lmcache_suite

@@ -4,8 +4,10 @@ import json
 
 import pytest
 
-from hmastack import base, matrix, reports, workspace
-from hmastack.gitutil import git
+from hmastack.core.gitutil import git
+from hmastack.matrix import reports
+from hmastack.matrix import stages as matrix
+from hmastack.stack import base, workspace
 
 from .test_workspace import commit_change
 

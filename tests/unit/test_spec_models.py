@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from hmastack import site_model, spec
-from hmastack.errors import HmastackError
+from hmastack.core.errors import HmastackError
+from hmastack.site import model as site_model
+from hmastack.spec import models as spec
 
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = spec.load_settings(ROOT)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hmastack import tlc, traces
+from hmastack.spec import tlc, traces
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL_CFG = ROOT / "tests/stages/s03_connector_allocate/fixtures/replay-small.cfg"

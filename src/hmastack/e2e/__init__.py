@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from hmastack.config import Config
+from hmastack.core.config import Config
 
 __all__ = ["run", "register", "run_for_pipeline"]
 
@@ -34,12 +34,13 @@ def run(
     """Build the environment, run the set at ``stages`` (default: every stage)
     and write ``build/reports/e2e.json``; returns the report.
 
-    Raises :class:`hmastack.errors.HmastackError` when the environment cannot
+    Raises :class:`hmastack.core.errors.HmastackError` when the environment cannot
     be built (no network with an empty cache, a checksum mismatch, kernels that
     do not load) or a stage's patches do not apply.
     """
-    from hmastack import matrix, workspace
     from hmastack.e2e import environment, runner
+    from hmastack.matrix import stages as matrix
+    from hmastack.stack import workspace
 
     e2e = environment.ensure(environment.load_config(cfg))
     all_stages = workspace.discover(cfg)
@@ -53,8 +54,8 @@ def run(
 
 def run_for_pipeline(cfg: Config) -> str:
     """``hmastack run``'s step: the full set at every stage."""
+    from hmastack.core.errors import HmastackError
     from hmastack.e2e import runner
-    from hmastack.errors import HmastackError
 
     report = run(cfg)
     bad = runner.failures(report)
@@ -66,10 +67,10 @@ def run_for_pipeline(cfg: Config) -> str:
 
 
 def cmd_e2e(args: argparse.Namespace) -> int:
-    from hmastack import config as config_mod
+    from hmastack.core import config as config_mod
+    from hmastack.core.progress import console
     from hmastack.e2e import runner
-    from hmastack.progress import console
-    from hmastack.workspace import check_stage_number
+    from hmastack.stack.workspace import check_stage_number
 
     cfg = config_mod.load()
     stages = None if args.stage is None else [check_stage_number(cfg, args.stage)]

@@ -23,13 +23,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hmastack import env as env_mod
-from hmastack.config import Config
+from hmastack.core.config import Config
+from hmastack.core.errors import HmastackError
+from hmastack.core.process import run
+from hmastack.core.progress import console, step
 from hmastack.e2e import catalogue as cat
 from hmastack.e2e.compare import Verdict, admission_check, judge
 from hmastack.e2e.environment import E2EConfig, place_kernels
-from hmastack.errors import HmastackError
-from hmastack.progress import console, run, step
+from hmastack.stack import env as env_mod
 
 REPORT = "e2e.json"
 PROCESS_TIMEOUT = 240.0  # seconds for one engine process, plus per scenario:

@@ -28,13 +28,13 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from hmastack import base as base_mod
-from hmastack import config as config_mod
-from hmastack import env as env_mod
-from hmastack.config import Config, Tree
-from hmastack.errors import HmastackError
-from hmastack.gitutil import git
-from hmastack.progress import CommandError, run
+from hmastack.core import config as config_mod
+from hmastack.core.config import Config, Tree
+from hmastack.core.errors import HmastackError
+from hmastack.core.gitutil import git
+from hmastack.core.process import CommandError, run
+from hmastack.stack import base as base_mod
+from hmastack.stack import env as env_mod
 
 MARKER = "HMASTACK_BENCH_JSON "
 PEER_KEY = "vllm-0-14"
@@ -78,7 +78,8 @@ def stage_tree(cfg: Config, k: int) -> Path:
     """The vLLM tree at stage ``k`` under ``build/bench/stages/k/`` (apart from the
     stage matrix's trees, which may be in use), re-applied from ``patches/`` on
     every run so it is never stale."""
-    from hmastack import matrix, workspace
+    from hmastack.matrix import stages as matrix
+    from hmastack.stack import workspace
 
     trees = matrix.stage_trees(
         cfg, workspace.discover(cfg), k, root=cfg.build / "bench" / "stages"
@@ -91,7 +92,7 @@ def commit_trees(cfg: Config, stages: list[int]) -> list[BenchTree]:
     per proper prefix of them (``stage k.j``: stages before k and the first j
     commits of k), under ``build/bench/commits/k.j/``. Whatever commits the
     series has: read from ``patches/`` on every run."""
-    from hmastack import workspace
+    from hmastack.stack import workspace
 
     series = workspace.discover(cfg)
     tree = cfg.tree("vllm")

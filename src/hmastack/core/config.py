@@ -7,7 +7,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hmastack.errors import HmastackError
+from hmastack.core.errors import HmastackError
 
 CONFIG_NAME = "hmastack.toml"
 

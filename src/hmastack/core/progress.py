@@ -8,18 +8,13 @@ mistaken for a hung one. Every step ends with one line carrying its wall time.
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Iterator
 
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-from hmastack.errors import HmastackError
 
 # Logs (CI) are not terminals: give tables room instead of rich's 80 columns.
 console = Console(
@@ -81,52 +76,3 @@ def step(title: str, live: bool = True) -> Iterator[None]:
             console.print(f"[green]✓[/green] {title} ({elapsed})")
         else:
             console.print(f"[red]✗[/red] {title} failed ({elapsed})")
-
-
-class CommandError(HmastackError):
-    """A subprocess failed; carries its exit code and the tail of its output."""
-
-    def __init__(self, cmd: Sequence[str], returncode: int, output: str, hint=None):
-        tail = "\n".join(output.strip().splitlines()[-25:])
-        super().__init__(
-            f"command failed with exit code {returncode}: {' '.join(map(str, cmd))}"
-            + (f"\n--- last lines of its output ---\n{tail}" if tail else ""),
-            hint,
-        )
-        self.cmd = list(cmd)
-        self.returncode = returncode
-        self.output = output
-
-
-def run(
-    cmd: Sequence[str | os.PathLike],
-    *,
-    cwd: Path | None = None,
-    env: Mapping[str, str] | None = None,
-    log: Path | None = None,
-    check: bool = True,
-    hint: str | None = None,
-) -> subprocess.CompletedProcess[str]:
-    """Run ``cmd`` with stdout and stderr captured together.
-
-    The output is also written to ``log`` when given. Raises
-    :class:`CommandError` when ``check`` and the command exits non-zero.
-    """
-    full_env = dict(os.environ)
-    if env:
-        full_env.update(env)
-    proc = subprocess.run(
-        [str(c) for c in cmd],
-        cwd=cwd,
-        env=full_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        stdin=subprocess.DEVNULL,
-    )
-    if log is not None:
-        log.parent.mkdir(parents=True, exist_ok=True)
-        log.write_text(proc.stdout)
-    if check and proc.returncode != 0:
-        raise CommandError([str(c) for c in cmd], proc.returncode, proc.stdout, hint)
-    return proc

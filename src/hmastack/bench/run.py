@@ -48,10 +48,10 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from hmastack import bench_cost, bench_throughput, callgrind
-from hmastack import config as config_mod
-from hmastack import env as env_mod
-from hmastack.bench_trees import (
+from hmastack.bench import callgrind
+from hmastack.bench import cost as bench_cost
+from hmastack.bench import throughput as bench_throughput
+from hmastack.bench.trees import (
     PEER_LABEL,
     BenchTree,
     alternate,
@@ -62,9 +62,11 @@ from hmastack.bench_trees import (
     slowed_tree,
     stage_tree,
 )
-from hmastack.config import Config
-from hmastack.errors import HmastackError
-from hmastack.progress import console, step
+from hmastack.core import config as config_mod
+from hmastack.core.config import Config
+from hmastack.core.errors import HmastackError
+from hmastack.core.progress import console, step
+from hmastack.stack import env as env_mod
 
 SUMMARY = "summary.md"  # the results as Markdown tables, one column per tree
 

@@ -20,12 +20,12 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hmastack import base as base_mod
-from hmastack import config as config_mod
-from hmastack.config import Config, Tree
-from hmastack.errors import HmastackError
-from hmastack.gitutil import am_in_progress, git, git_proc, is_repo
-from hmastack.progress import console
+from hmastack.core import config as config_mod
+from hmastack.core.config import Config, Tree
+from hmastack.core.errors import HmastackError
+from hmastack.core.gitutil import am_in_progress, git, git_proc, is_repo
+from hmastack.core.progress import console
+from hmastack.stack import base as base_mod
 
 STAGE_DIR = re.compile(r"^(?P<num>\d\d)-(?P<slug>[a-z0-9][a-z0-9-]*)$")
 UPTO_FILE = "hmastack-upto"

@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING
 
 from rich.table import Table
 
-from hmastack.config import Config
-from hmastack.progress import console
+from hmastack.core.config import Config
+from hmastack.core.progress import console
 
 if TYPE_CHECKING:
-    from hmastack.matrix import CommitResult, StageResult
+    from hmastack.matrix.stages import CommitResult, StageResult
 
 STAGE_REPORT = "stages.json"
 COMMIT_REPORT = "commits.json"

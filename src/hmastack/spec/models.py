@@ -44,9 +44,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hmastack import config, tlc
-from hmastack.base import sha256_file
-from hmastack.errors import HmastackError
+from hmastack.core import config
+from hmastack.core.errors import HmastackError
+from hmastack.spec import tlc
+from hmastack.stack.base import sha256_file
 
 JAVA_HINT = "apt-get install -y openjdk-17-jre-headless"
 
@@ -597,7 +598,7 @@ def _paths() -> tuple[Path, Path, Path]:
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
-    from hmastack.progress import console, step
+    from hmastack.core.progress import console, step
 
     root, _, _ = _paths()
     settings = load_settings(root)
@@ -622,7 +623,7 @@ def select(models: dict[str, Model], names: list[str], nightly: bool) -> list[st
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from hmastack.progress import console
+    from hmastack.core.progress import console
 
     root, build, reports = _paths()
     settings = load_settings(root)
@@ -668,7 +669,7 @@ def check_models(
     """Run TLC on ``selected`` models (and their witnesses); returns the names
     of the models that missed the manifest (a missed witness counts for its
     model). Runs with one worker go ``settings.parallel`` at a time."""
-    from hmastack.progress import console, step
+    from hmastack.core.progress import console, step
 
     java = find_java()
     jar = resolve_jar(root, settings)
@@ -754,6 +755,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--no-witnesses", action="store_true", help="skip the witness runs"
     )
     check_p.set_defaults(func=cmd_check)
-    from hmastack import traces
+    from hmastack.spec import traces
 
     traces.register(sub)

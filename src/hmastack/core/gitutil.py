@@ -6,7 +6,7 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from hmastack.progress import run
+from hmastack.core.process import run
 
 # Settings that change what git writes (commit ids, patch text) are pinned here.
 FIXED_CONFIG = (
@@ -48,7 +48,7 @@ def git(
 ) -> str:
     """Run ``git args`` in ``repo``; returns stdout+stderr (stripped).
 
-    Raises :class:`~hmastack.progress.CommandError` when ``check`` and git fails.
+    Raises :class:`~hmastack.core.process.CommandError` when ``check`` and git fails.
     """
     return run(_cmd(args), cwd=repo, env=_env(env), check=check).stdout.strip()
 

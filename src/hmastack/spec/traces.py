@@ -4,7 +4,7 @@
 (``-simulate num=N,file=...``). TLC 2.15 writes one file per behaviour,
 ``<file>_<worker>_<index>``, each a TLA+ module of ``STATE_k ==`` definitions
 (conjuncts ``/\\ var = value``, TLC's value syntax). They are parsed with
-:mod:`hmastack.tlc`'s value parser into
+:mod:`hmastack.spec.tlc`'s value parser into
 ``build/reports/spec/traces/<model>/trace-NNNN.json``::
 
     {"model": ..., "cfg": ..., "seed": ..., "index": k,
@@ -26,8 +26,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from hmastack import tlc
-from hmastack.errors import HmastackError
+from hmastack.core.errors import HmastackError
+from hmastack.spec import tlc
 
 __all__ = [
     "counterexample",
@@ -82,7 +82,7 @@ def parse_cfg_constants(text: str) -> dict[str, Any]:
 
 
 def _resolve_cfg(root: Path, settings, name: str) -> tuple[str, Path]:
-    from hmastack import spec
+    from hmastack.spec import models as spec
 
     path = Path(name)
     if path.suffix == ".cfg":
@@ -113,7 +113,7 @@ def generate(
 
     Returns a summary (also written as ``out/index.json``).
     """
-    from hmastack import spec
+    from hmastack.spec import models as spec
 
     root = root or spec._root()
     settings = spec.load_settings(root)
@@ -188,7 +188,7 @@ def counterexample(name: str, out: Path, *, root: Path | None = None) -> dict[st
     """Run TLC on manifest model ``name`` (a failure) and write its
     counterexample as a trace document (the format of :func:`generate`), so
     that the replays can drive vLLM through it. Returns the document."""
-    from hmastack import spec
+    from hmastack.spec import models as spec
 
     root = root or spec._root()
     settings = spec.load_settings(root)
@@ -225,8 +225,8 @@ def counterexample(name: str, out: Path, *, root: Path | None = None) -> dict[st
 
 
 def cmd_traces(args: argparse.Namespace) -> int:
-    from hmastack import spec
-    from hmastack.progress import console
+    from hmastack.core.progress import console
+    from hmastack.spec import models as spec
 
     root, _, reports = spec._paths()
     settings = spec.load_settings(root)

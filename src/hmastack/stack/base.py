@@ -16,13 +16,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from hmastack import config as config_mod
-from hmastack import env as env_mod
-from hmastack.config import Config, Tree
-from hmastack.env import sha256_file  # hmastack.spec imports it from here
-from hmastack.errors import HmastackError
-from hmastack.gitutil import git, identity_env, is_repo
-from hmastack.progress import CommandError, run, step
+from hmastack.core import config as config_mod
+from hmastack.core.config import Config, Tree
+from hmastack.core.errors import HmastackError
+from hmastack.core.gitutil import git, identity_env, is_repo
+from hmastack.core.process import CommandError, run
+from hmastack.core.progress import step
+from hmastack.stack import env as env_mod
+from hmastack.stack.env import sha256_file  # hmastack.spec imports it from here
 
 
 def sdist_path(cfg: Config, tree: Tree) -> Path:

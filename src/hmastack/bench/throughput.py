@@ -43,10 +43,10 @@ import statistics
 import time
 from pathlib import Path
 
-from hmastack.bench_trees import round_order
-from hmastack.config import Config
-from hmastack.errors import HmastackError
-from hmastack.progress import console, step
+from hmastack.bench.trees import round_order
+from hmastack.core.config import Config
+from hmastack.core.errors import HmastackError
+from hmastack.core.progress import console, step
 
 MODEL = "gemma-5to1"
 LAYERS = 6  # layers of MODEL: a block holds all of them with HMA off
@@ -340,9 +340,10 @@ def headline(verdicts: dict, rounds: int) -> str:
 
 def run(cfg: Config, quick: bool) -> dict:
     """Every run, alternating trees per round and case; the report."""
-    from hmastack import matrix, workspace
     from hmastack.e2e import environment
     from hmastack.e2e.runner import engine_support, ensure_models
+    from hmastack.matrix import stages as matrix
+    from hmastack.stack import workspace
 
     settings = QUICK if quick else FULL
     started = time.monotonic()
@@ -439,7 +440,7 @@ def plot(report: dict, plt):
     rows = report.get("rows", [])
     if not rows:
         return None
-    from hmastack.bench import tree_color
+    from hmastack.bench.run import tree_color
 
     cases = list(dict.fromkeys(r["case"] for r in rows))
     trees = list(dict.fromkeys(r["tree"] for r in rows))

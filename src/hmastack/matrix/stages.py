@@ -34,15 +34,16 @@ from pathlib import Path
 
 import junitparser
 
-from hmastack import base as base_mod
-from hmastack import config as config_mod
-from hmastack import env as env_mod
-from hmastack import reports
-from hmastack.config import Config
-from hmastack.errors import HmastackError
-from hmastack.gitutil import git, is_repo
-from hmastack.progress import console, run, step
-from hmastack.workspace import (
+from hmastack.core import config as config_mod
+from hmastack.core.config import Config
+from hmastack.core.errors import HmastackError
+from hmastack.core.gitutil import git, is_repo
+from hmastack.core.process import run
+from hmastack.core.progress import console, step
+from hmastack.matrix import reports
+from hmastack.stack import base as base_mod
+from hmastack.stack import env as env_mod
+from hmastack.stack.workspace import (
     Stage,
     apply_patches,
     apply_to,

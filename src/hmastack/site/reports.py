@@ -14,8 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hmastack.config import Config
-from hmastack.reports import COMMIT_REPORT, HEADERS, STAGE_REPORT, pytest_counts_summary
+from hmastack.core.config import Config
+from hmastack.matrix.reports import (
+    COMMIT_REPORT,
+    HEADERS,
+    STAGE_REPORT,
+    pytest_counts_summary,
+)
 
 # --- stage matrix (build/reports/stages.json, written by `hmastack test`) --------
 

@@ -14,8 +14,8 @@ from typing import Any
 
 from tabulate import tabulate
 
-from hmastack import site_reports
-from hmastack.config import Config
+from hmastack.core.config import Config
+from hmastack.site import reports as site_reports
 
 KNOWN = (
     "peak_blocks",

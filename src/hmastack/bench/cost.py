@@ -6,7 +6,7 @@ layout x connector x mode x requests) on the base, the stages and the peer;
 only ``schedule()`` and ``update_from_output()`` are measured:
 
 * :func:`instruction_counts`: instructions counted by callgrind
-  (:mod:`hmastack.callgrind`), one child per run forked from a parent that has
+  (:mod:`hmastack.bench.callgrind`), one child per run forked from a parent that has
   imported vLLM's dependencies (``bench/scenarios/_forkserver.py``). Deterministic
   up to the memory allocator's state: the run-to-run spread of each count is
   reported and is far below the 1% that a ratio must exceed to count as a cost.
@@ -32,9 +32,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hmastack import callgrind
-from hmastack import env as env_mod
-from hmastack.bench_trees import (
+from hmastack.bench import callgrind
+from hmastack.bench.trees import (
     BenchTree,
     Slowdown,
     alternate,
@@ -44,8 +43,9 @@ from hmastack.bench_trees import (
     scenario_environ,
     scenario_script,
 )
-from hmastack.config import Config
-from hmastack.progress import CommandError
+from hmastack.core.config import Config
+from hmastack.core.process import CommandError
+from hmastack.stack import env as env_mod
 
 THRESHOLD = 1.01  # a ratio above this is a cost, and gets a profile
 SCENARIO = "scheduler_cost"

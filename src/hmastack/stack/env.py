@@ -16,10 +16,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from hmastack import config as config_mod
-from hmastack.config import Config
-from hmastack.errors import HmastackError
-from hmastack.progress import CommandError, console, run, step
+from hmastack.core import config as config_mod
+from hmastack.core.config import Config
+from hmastack.core.errors import HmastackError
+from hmastack.core.process import CommandError, run
+from hmastack.core.progress import console, step
 
 BOOTSTRAP = ("setuptools-scm", "wheel", "setuptools>=77,<81")
 HF_MODELS = "env/hf-models.json"

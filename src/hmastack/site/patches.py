@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hmastack.errors import HmastackError
+from hmastack.core.errors import HmastackError
 
 # git am --keep-non-patch strips only the leading "[PATCH ...]" bracket.
 PATCH_PREFIX = re.compile(r"^\[PATCH[^\]]*\]\s*")

@@ -38,13 +38,13 @@ from pathlib import Path
 from rich.markup import escape
 from rich.table import Table
 
-from hmastack import config as config_mod
-from hmastack import env as env_mod
-from hmastack import matrix
-from hmastack.errors import HmastackError
-from hmastack.gitutil import git
-from hmastack.progress import console, step
-from hmastack.workspace import discover
+from hmastack.core import config as config_mod
+from hmastack.core.errors import HmastackError
+from hmastack.core.gitutil import git
+from hmastack.core.progress import console, step
+from hmastack.matrix import stages as matrix
+from hmastack.stack import env as env_mod
+from hmastack.stack.workspace import discover
 
 STAGE = 3
 STAGE_TESTS = Path("tests") / "stages"
@@ -346,7 +346,7 @@ def conform(
     examples: int | None,
     breaks: list[Break],
 ) -> dict:
-    from hmastack import traces as traces_mod
+    from hmastack.spec import traces as traces_mod
 
     pyenv = env_mod.ensure(cfg)
     traces_dir = cfg.reports / "conformance" / "traces"

@@ -394,7 +394,7 @@ def _witness_rows(models, reports) -> list[list[str]]:
 def model_page(root: Path, reports_dir: Path, md_table, fence) -> str:
     """The model-results page: what the spec says, and every manifest model
     with the verdict of the last ``hmastack spec check`` (its own ``ok``)."""
-    from hmastack import spec as spec_mod
+    from hmastack.spec import models as spec_mod
 
     spec_dir = root / "spec"
     out = ["# The model: properties and results\n"]
@@ -520,7 +520,7 @@ def model_page(root: Path, reports_dir: Path, md_table, fence) -> str:
 def manifest_table(root: Path, md_table) -> str:
     """Every manifest model with what the manifest records for it (the run that
     recorded it), for docs/model.md."""
-    from hmastack import spec as spec_mod
+    from hmastack.spec import models as spec_mod
 
     try:
         models = spec_mod.load_manifest(spec_mod.load_settings(root))

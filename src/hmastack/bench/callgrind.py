@@ -37,7 +37,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hmastack.errors import HmastackError
+from hmastack.core.errors import HmastackError
 
 # (how Python enters the marker, the C function callgrind toggles on): tried in
 # this order. glibc's qsort runs its work in qsort_r (as callgrind names it when

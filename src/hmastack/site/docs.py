@@ -4,7 +4,7 @@ Nothing the site shows about the series is written twice. The hand-written pages
 in ``docs/`` carry prose and markers (``<!-- hmastack:NAME -->``) that are replaced
 by generated blocks; the pages for each stage, the model results and the
 benchmarks are generated whole. Generation happens inside ``mkdocs build``
-itself, through the hook :mod:`hmastack.site_hook` named in ``mkdocs.yml``, so a
+itself, through the hook :mod:`hmastack.site.hook` named in ``mkdocs.yml``, so a
 plain ``mkdocs build --strict`` is as fresh as ``hmastack docs build``; no
 generated file is written into the source tree.
 
@@ -22,13 +22,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hmastack import config as config_mod
-from hmastack import site_bench, site_model, site_reports, site_svg
-from hmastack.config import Config
-from hmastack.errors import HmastackError
-from hmastack.progress import CommandError, console, run, step
-from hmastack.site_patches import FileChange, Patch, combined_files, parse_patch
-from hmastack.workspace import Stage, discover, subject_stage
+from hmastack.core import config as config_mod
+from hmastack.core.config import Config
+from hmastack.core.errors import HmastackError
+from hmastack.core.process import CommandError, run
+from hmastack.core.progress import console, step
+from hmastack.site import bench as site_bench
+from hmastack.site import model as site_model
+from hmastack.site import reports as site_reports
+from hmastack.site import svg as site_svg
+from hmastack.site.patches import FileChange, Patch, combined_files, parse_patch
+from hmastack.stack.workspace import Stage, discover, subject_stage
 
 MARKER = re.compile(r"<!--\s*hmastack:([\w-]+)\s*-->")
 TREE_TITLES = {"vllm": "vLLM", "lmcache": "LMCache"}

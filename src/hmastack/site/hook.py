@@ -1,7 +1,7 @@
 """mkdocs hook (named in ``mkdocs.yml``): generates the site's pages at build time.
 
 ``on_config`` reads the repository (``patches/``, ``spec/``, the reports) into a
-:class:`hmastack.docs.Site` and sets the nav; ``on_files`` adds the generated
+:class:`hmastack.site.docs.Site` and sets the nav; ``on_files`` adds the generated
 pages and assets as in-memory files; ``on_page_markdown`` fills the markers of the
 hand-written pages. Nothing is written into ``docs/``.
 """
@@ -13,9 +13,9 @@ from pathlib import Path
 from mkdocs.exceptions import PluginError
 from mkdocs.structure.files import File
 
-from hmastack import config as config_mod
-from hmastack import docs
-from hmastack.errors import HmastackError
+from hmastack.core import config as config_mod
+from hmastack.core.errors import HmastackError
+from hmastack.site import docs
 
 _site: docs.Site | None = None
 
