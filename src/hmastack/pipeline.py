@@ -10,7 +10,6 @@ later steps still run where they can, so one run shows everything that is red.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import time
 from collections.abc import Callable
@@ -32,7 +31,8 @@ def _optional(module: str, attr: str) -> Callable | None:
         return None
 
 
-def cmd_run(args: argparse.Namespace) -> int:
+def cmd_run(jobs: int = matrix.DEFAULT_JOBS) -> int:
+    """``hmastack run``: every step in turn, ``jobs`` stages tested at once."""
     cfg = config.load()
     summary: list[tuple[str, str, float]] = []
 
@@ -56,7 +56,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return ", ".join(f"{n} {t} patches" for t, n in applied.items())
 
     def do_matrix() -> str:
-        results = matrix.run_matrix(cfg, list(range(cfg.num_stages + 1)), args.jobs)
+        results = matrix.run_matrix(cfg, list(range(cfg.num_stages + 1)), jobs)
         reports.write_stage_report(cfg, results)
         reports.print_stage_table(results)
         red = [str(r.stage) for r in results if not r.ok]
@@ -65,7 +65,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return f"stages 0..{cfg.num_stages} green"
 
     def do_per_commit() -> str:
-        commits = matrix.run_per_commit(cfg, args.jobs)
+        commits = matrix.run_per_commit(cfg, jobs)
         reports.write_commit_report(cfg, commits)
         reports.print_commit_table(commits)
         red = [f"{c.tree} {c.index}" for c in commits if not c.ok]
@@ -101,15 +101,3 @@ def cmd_run(args: argparse.Namespace) -> int:
         table.add_row(name, outcome, f"{seconds:.0f}")
     console.print(table)
     return 0 if ok else 1
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "run",
-        help="the main job: base, env, apply, stage matrix, every commit, model, "
-        "conformance, benchmarks, site",
-    )
-    parser.add_argument(
-        "--jobs", type=int, default=2, help="stages tested at once (default 2)"
-    )
-    parser.set_defaults(func=cmd_run)

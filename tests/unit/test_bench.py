@@ -71,7 +71,7 @@ def test_parse_stages():
     assert bench.parse_stages("0,1-3", cfg) == [1, 2, 3]
 
 
-def test_register_adds_bench_command():
+def test_cli_adds_bench_command():
     from hmastack.cli import build_parser
 
     args = build_parser().parse_args(["bench", "--quick", "--stages", "3", "--no-peer"])

@@ -277,15 +277,18 @@ def test_select_runs_ci_models_unless_nightly():
         spec.select(MODELS, ["nope"], nightly=False)
 
 
-def test_register_adds_fetch_and_check():
+def test_cli_adds_fetch_and_check():
+    from hmastack import cli
+
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command")
-    spec.register(sub)
+    cli.add_spec_parser(sub)
     args = parser.parse_args(["spec", "check", "legacy", "series-wide"])
-    assert args.func is spec.cmd_check and args.model == ["legacy", "series-wide"]
+    assert args.func is cli.spec_check_command
+    assert args.model == ["legacy", "series-wide"]
     args = parser.parse_args(["spec", "check", "--nightly", "--no-witnesses"])
     assert args.nightly and args.no_witnesses
-    assert parser.parse_args(["spec", "fetch"]).func is spec.cmd_fetch
+    assert parser.parse_args(["spec", "fetch"]).func is cli.spec_fetch_command
 
 
 def test_a_model_may_name_its_module(tmp_path):

@@ -37,7 +37,6 @@ control KV budget, base (HMA off) against stages 3/4 (``bench_throughput``).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -984,16 +983,26 @@ def eagle_markdown(rows: list[dict]) -> str:
     )
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
+def cmd_bench(
+    quick: bool = False,
+    stages: str | None = None,
+    no_peer: bool = False,
+    instructions: bool = True,
+    only: str | None = None,
+    throughput: bool = False,
+    count_settings: str | None = None,
+) -> int:
+    """``hmastack bench``: the scenarios ``only`` names (default: all but the
+    optional ones; ``throughput`` adds that one)."""
     cfg = config_mod.load()
     failed = run_bench(
         cfg,
-        args.quick,
-        args.stages,
-        args.no_peer,
-        not args.no_instructions,
-        selected_scenarios(args.only, args.throughput),
-        args.count_settings,
+        quick,
+        stages,
+        no_peer,
+        instructions,
+        selected_scenarios(only, throughput),
+        count_settings,
     )
     return 1 if failed else 0
 
@@ -1128,44 +1137,3 @@ def run_bench(
     )
     console.print(f"bench reports in {out} ({total:.0f}s)")
     return bool(failures)
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "bench",
-        help="memory, admission and scheduler-cost benchmarks per stage",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
-        "--quick", action="store_true", help="the CI set (a few minutes)"
-    )
-    parser.add_argument(
-        "--stages", help="stages to compare with the base, e.g. 3 or 1-3 (default all)"
-    )
-    parser.add_argument(
-        "--no-peer", action="store_true", help="skip the vLLM 0.14.0 peer tree"
-    )
-    parser.add_argument(
-        "--no-instructions",
-        action="store_true",
-        help="skip the instruction counts (they need valgrind)",
-    )
-    parser.add_argument(
-        "--throughput",
-        action="store_true",
-        help="also the real-engine throughput under a KV budget (build/e2e-env, "
-        "~4 GB of downloads on first use; minutes of engine runs)",
-    )
-    parser.add_argument(
-        "--count-settings",
-        choices=("quick", "full"),
-        help="the instruction counts' settings: the quick set's 4 on the full "
-        "set's trees (quick), or all 16 (full, the default without --quick)",
-    )
-    parser.add_argument(
-        "--only",
-        metavar="NAMES",
-        help="run only these scenarios (comma-separated), e.g. throughput",
-    )
-    parser.set_defaults(func=cmd_bench)

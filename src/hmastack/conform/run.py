@@ -28,7 +28,6 @@ pinned environment (``hmastack env``); about 3 minutes on 2 cores.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import time
@@ -52,6 +51,8 @@ SUITE_DIR = STAGE_TESTS / "s03_connector_allocate"
 MODEL_CFG = SUITE_DIR / "fixtures" / "replay-saves.cfg"
 # The committed fixtures use spec/tlc.toml's seed; CI draws other behaviours.
 DEFAULT_SEED = 20261130
+DEFAULT_TRACES = 200  # TLC behaviours (the CLI's default and `hmastack run`'s)
+DEFAULT_DEPTH = 60  # states per behaviour
 
 
 @dataclass(frozen=True)
@@ -452,24 +453,33 @@ def print_report(report: dict) -> None:
     console.print(f"report: {report['path']}")
 
 
-def cmd_conform(args: argparse.Namespace) -> int:
+def cmd_conform(
+    traces: int | None = DEFAULT_TRACES,
+    depth: int | None = DEFAULT_DEPTH,
+    seed: int = DEFAULT_SEED,
+    examples: int | None = None,
+    break_names: list[str] | None = None,
+    no_break: bool = False,
+) -> int:
+    """``hmastack conform``: the series and the breaks ``break_names`` (default:
+    every break; none with ``no_break``)."""
     cfg = config_mod.load()
-    if args.no_break:
+    if no_break:
         breaks = []
-    elif args.breaks:
-        unknown = [name for name in args.breaks if name not in BREAKS]
+    elif break_names:
+        unknown = [name for name in break_names if name not in BREAKS]
         if unknown:
             raise HmastackError(
                 f"unknown break {', '.join(unknown)}",
                 f"choose from: {', '.join(BREAKS)}",
             )
-        breaks = [BREAKS[name] for name in args.breaks]
+        breaks = [BREAKS[name] for name in break_names]
     else:
         breaks = list(BREAKS.values())
     for flag, value in (
-        ("--traces", args.traces),
-        ("--depth", args.depth),
-        ("--examples", args.examples),
+        ("--traces", traces),
+        ("--depth", depth),
+        ("--examples", examples),
     ):
         if value is not None and value < (2 if flag == "--depth" else 1):
             raise HmastackError(
@@ -477,14 +487,16 @@ def cmd_conform(args: argparse.Namespace) -> int:
                 "--traces and --examples take 1 or more, --depth 2 or more "
                 "(states per behaviour); see hmastack conform --help",
             )
-    report = conform(cfg, args.traces, args.depth, args.seed, args.examples, breaks)
+    report = conform(cfg, traces, depth, seed, examples, breaks)
     print_report(report)
     return 0 if report["ok"] else 1
 
 
 def run_for_pipeline(cfg: config_mod.Config) -> str:
     """`hmastack run`'s conformance step: the CI-sized set with every break."""
-    report = conform(cfg, 200, 60, DEFAULT_SEED, None, list(BREAKS.values()))
+    report = conform(
+        cfg, DEFAULT_TRACES, DEFAULT_DEPTH, DEFAULT_SEED, None, list(BREAKS.values())
+    )
     print_report(report)
     if not report["ok"]:
         raise HmastackError(f"conformance failed, see {report['path']}")
@@ -492,41 +504,3 @@ def run_for_pipeline(cfg: config_mod.Config) -> str:
         f"{report['traces']['count']} behaviours, the random test's CI set, "
         f"{len(report['breaks'])} breaks caught"
     )
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "conform",
-        help="replay TLC behaviours and random schedules on stage 03 and on "
-        "deliberately broken copies",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
-        "--traces", type=int, default=200, help="TLC behaviours (default 200)"
-    )
-    parser.add_argument(
-        "--depth", type=int, default=60, help="states per behaviour (default 60)"
-    )
-    parser.add_argument(
-        "--seed", type=int, default=DEFAULT_SEED, help="TLC simulation seed"
-    )
-    parser.add_argument(
-        "--examples",
-        type=int,
-        default=None,
-        help="random schedules of the state machine, with a fresh seed (default: "
-        "the test's fixed, derandomized CI set)",
-    )
-    which = parser.add_mutually_exclusive_group()
-    which.add_argument(
-        "--break",
-        dest="breaks",
-        action="append",
-        metavar="NAME",
-        help=f"only this break (repeatable): {', '.join(BREAKS)}",
-    )
-    which.add_argument(
-        "--no-break", action="store_true", help="only the series, no broken copies"
-    )
-    parser.set_defaults(func=cmd_conform)

@@ -17,19 +17,20 @@ Entry point: :func:`run` (typed arguments), ``register`` adds the subcommand.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from hmastack.core.config import Config
 
-__all__ = ["run", "register", "run_for_pipeline"]
+__all__ = ["run", "cmd_e2e", "run_for_pipeline"]
+
+DEFAULT_JOBS = 2  # engine processes at once
 
 
 def run(
     cfg: Config,
     stages: list[int] | None = None,
     quick: bool = False,
-    jobs: int = 2,
+    jobs: int = DEFAULT_JOBS,
 ) -> dict:
     """Build the environment, run the set at ``stages`` (default: every stage)
     and write ``build/reports/e2e.json``; returns the report.
@@ -66,15 +67,18 @@ def run_for_pipeline(cfg: Config) -> str:
     return f"{len(report['verdicts'])} verdicts pass ({report['seconds']:.0f} s)"
 
 
-def cmd_e2e(args: argparse.Namespace) -> int:
+def cmd_e2e(
+    quick: bool = False, stage: int | None = None, jobs: int = DEFAULT_JOBS
+) -> int:
+    """``hmastack e2e``: every stage or one ``stage``."""
     from hmastack.core import config as config_mod
     from hmastack.core.progress import console
     from hmastack.e2e import runner
     from hmastack.stack.workspace import check_stage_number
 
     cfg = config_mod.load()
-    stages = None if args.stage is None else [check_stage_number(cfg, args.stage)]
-    report = run(cfg, stages=stages, quick=args.quick, jobs=args.jobs)
+    stages = None if stage is None else [check_stage_number(cfg, stage)]
+    report = run(cfg, stages=stages, quick=quick, jobs=jobs)
     runner.print_table(report)
     bad = runner.failures(report)
     for line in bad:
@@ -84,25 +88,3 @@ def cmd_e2e(args: argparse.Namespace) -> int:
         highlight=False,
     )
     return 1 if bad else 0
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "e2e",
-        help="run vLLM's real CPU engine at every stage with a KV connector",
-        description=(
-            "Builds build/e2e-env (torch 2.9.0 and vLLM 0.13.0's compiled CPU "
-            "kernels; downloads cached under ~/.cache/hmastack), generates tiny "
-            "hybrid models, and runs each scenario with our test connector and "
-            "without (the reference): outputs must be equal, the engine must "
-            "report the cached tokens. Writes build/reports/e2e.json."
-        ),
-    )
-    parser.add_argument(
-        "--quick", action="store_true", help="the CI-sized set (a few minutes)"
-    )
-    parser.add_argument("--stage", type=int, metavar="K", help="only stage K")
-    parser.add_argument(
-        "--jobs", type=int, default=2, help="engine processes at once (default 2)"
-    )
-    parser.set_defaults(func=cmd_e2e)

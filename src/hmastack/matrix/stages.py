@@ -24,7 +24,6 @@ commit on 2 cores, so ``hmastack run`` runs it and ``make test`` does not.
 
 from __future__ import annotations
 
-import argparse
 import re
 import time
 import tomllib
@@ -53,6 +52,7 @@ from hmastack.stack.workspace import (
 )
 
 DESELECT_REASONS = ("needs weights", "needs GPU", "needs torchvision", "needs ray")
+DEFAULT_JOBS = 2  # stages (or commits) tested at once
 OUTCOMES = ("passed", "failed", "errors", "skipped", "deselected", "xfailed", "xpassed")
 
 
@@ -369,7 +369,7 @@ def run_stage(
 
 
 def run_matrix(
-    cfg: Config, selected: list[int], jobs: int = 2, vllm_suite: bool = True
+    cfg: Config, selected: list[int], jobs: int = DEFAULT_JOBS, vllm_suite: bool = True
 ) -> list[StageResult]:
     stages = discover(cfg)
     pyenv = env_mod.ensure(cfg)
@@ -483,7 +483,7 @@ def run_commit(
     return result
 
 
-def run_per_commit(cfg: Config, jobs: int = 2) -> list[CommitResult]:
+def run_per_commit(cfg: Config, jobs: int = DEFAULT_JOBS) -> list[CommitResult]:
     """Every commit of every tree, each with the commits before it."""
     stages = discover(cfg)
     pyenv = env_mod.ensure(cfg)
@@ -511,10 +511,16 @@ def run_per_commit(cfg: Config, jobs: int = 2) -> list[CommitResult]:
     return sorted(results, key=lambda r: (r.tree != "vllm", r.tree, r.index))
 
 
-def cmd_test(args: argparse.Namespace) -> int:
+def cmd_test(
+    stage: int | None = None,
+    per_commit: bool = False,
+    jobs: int = DEFAULT_JOBS,
+    ours_only: bool = False,
+) -> int:
+    """``hmastack test``: every stage, one ``stage``, or every commit."""
     cfg = config_mod.load()
-    if args.per_commit:
-        commits = run_per_commit(cfg, jobs=args.jobs)
+    if per_commit:
+        commits = run_per_commit(cfg, jobs=jobs)
         path = reports.write_commit_report(cfg, commits)
         reports.print_commit_table(commits)
         console.print(f"report: {path}")
@@ -524,11 +530,11 @@ def cmd_test(args: argparse.Namespace) -> int:
                 for failure in c.vllm.failures[:20]:
                     console.print(f"  {failure}", highlight=False)
         return 0 if all(c.ok for c in commits) else 1
-    if args.stage is not None:
-        selected = [check_stage_number(cfg, args.stage)]
+    if stage is not None:
+        selected = [check_stage_number(cfg, stage)]
     else:
         selected = list(range(cfg.num_stages + 1))
-    results = run_matrix(cfg, selected, jobs=args.jobs, vllm_suite=not args.ours_only)
+    results = run_matrix(cfg, selected, jobs=jobs, vllm_suite=not ours_only)
     path = reports.write_stage_report(cfg, results)
     reports.print_stage_table(results)
     console.print(f"report: {path}")
@@ -539,30 +545,3 @@ def cmd_test(args: argparse.Namespace) -> int:
                 for failure in part.failures[:20]:
                     console.print(f"  {failure}", highlight=False)
     return 0 if all(r.ok for r in results) else 1
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "test",
-        help="run the stage matrix: vLLM's suite + our tests + ruff at every stage",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    group = parser.add_mutually_exclusive_group()
-    group.add_argument("--stage", type=int, metavar="K", help="only stage K (0..N)")
-    group.add_argument("--all", action="store_true", help="stages 0..N (default)")
-    group.add_argument(
-        "--per-commit",
-        action="store_true",
-        help="every commit of the series in turn: vLLM's suite and ruff "
-        "(build/reports/commits.json; slow: part of `hmastack run`)",
-    )
-    parser.add_argument(
-        "--jobs", type=int, default=2, help="stages tested at once (default 2)"
-    )
-    parser.add_argument(
-        "--ours-only",
-        action="store_true",
-        help="skip vLLM's suite; run only our stage tests and ruff",
-    )
-    parser.set_defaults(func=cmd_test)

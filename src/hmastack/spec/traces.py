@@ -18,7 +18,6 @@ end, and TLC 2.15 repeats some states of a simulated behaviour) are dropped.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import shutil
@@ -34,8 +33,11 @@ __all__ = [
     "parse_trace_file",
     "parse_cfg_constants",
     "generate",
-    "register",
+    "cmd_traces",
 ]
+
+DEFAULT_NUM = 20  # behaviours
+DEFAULT_DEPTH = 60  # steps per behaviour
 
 _STATE_DEF = re.compile(r"^STATE_(\d+) ==\s*$", re.MULTILINE)
 _END = re.compile(r"^={4,}\s*$", re.MULTILINE)
@@ -224,50 +226,34 @@ def counterexample(name: str, out: Path, *, root: Path | None = None) -> dict[st
     return doc
 
 
-def cmd_traces(args: argparse.Namespace) -> int:
+def cmd_traces(
+    model: str,
+    n: int = DEFAULT_NUM,
+    depth: int = DEFAULT_DEPTH,
+    seed: int | None = None,
+    counterexample_only: bool = False,
+    out: str | None = None,
+) -> int:
+    """``hmastack spec traces``: ``n`` behaviours of ``model`` (or, with
+    ``counterexample_only``, its counterexample) as JSON."""
     from hmastack.core.progress import console
     from hmastack.spec import models as spec
 
     root, _, reports = spec._paths()
     settings = spec.load_settings(root)
-    if args.counterexample:
-        out = (
-            Path(args.out) if args.out else reports / "spec" / f"{args.model}.cex.json"
-        )
-        doc = counterexample(args.model, out, root=root)
+    if counterexample_only:
+        out = Path(out) if out else reports / "spec" / f"{model}.cex.json"
+        doc = counterexample(model, out, root=root)
         console.print(
-            f"{args.model}: {doc['violated']} after {len(doc['states'])} states "
-            f"-> {out}"
+            f"{model}: {doc['violated']} after {len(doc['states'])} states -> {out}"
         )
         return 0
-    name, cfg = _resolve_cfg(root, settings, args.model)
-    out = Path(args.out) if args.out else reports / "spec" / "traces" / name
-    summary = generate(cfg, name, args.n, args.depth, out, seed=args.seed, root=root)
+    name, cfg = _resolve_cfg(root, settings, model)
+    out = Path(out) if out else reports / "spec" / "traces" / name
+    summary = generate(cfg, name, n, depth, out, seed=seed, root=root)
     steps = sum(t["states"] - 1 for t in summary["traces"])
     console.print(
         f"{len(summary['traces'])} behaviours ({steps} steps) of {name} "
         f"in {summary['seconds']} s -> {out}"
     )
     return 0
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    """``hmastack spec traces``: registered by :func:`hmastack.spec.register`."""
-    p = sub.add_parser(
-        "traces", help="simulate behaviours of a model and write them as JSON"
-    )
-    p.add_argument("model", help="a model of spec/manifest.toml, or a .cfg path")
-    p.add_argument("-n", type=int, default=20, help="behaviours (default 20)")
-    p.add_argument(
-        "--depth", type=int, default=60, help="steps per behaviour (default 60)"
-    )
-    p.add_argument("--seed", type=int, default=None, help="default: spec/tlc.toml")
-    p.add_argument(
-        "--counterexample",
-        action="store_true",
-        help="write the counterexample of MODEL (a manifest failure) to --out",
-    )
-    p.add_argument(
-        "--out", default=None, help="default: build/reports/spec/traces/<model>/"
-    )
-    p.set_defaults(func=cmd_traces)

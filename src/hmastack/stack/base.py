@@ -9,7 +9,6 @@ machine. The commit is tagged with the release tag (``v0.13.0``, ``v0.3.11``).
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import tarfile
 import tempfile
@@ -164,24 +163,12 @@ def materialize(cfg: Config, tree: Tree) -> str:
     return base_commit(cfg, tree) or ""
 
 
-def cmd_base(args: argparse.Namespace) -> int:
+def cmd_base(trees: list[str] | None = None) -> int:
+    """``hmastack base``: ``trees`` (default: every tree)."""
     cfg = config_mod.load()
-    names = args.tree or sorted(cfg.trees)
+    names = trees or sorted(cfg.trees)
     for name in names:
         tree = cfg.tree(name)
         commit = materialize(cfg, tree)
         print(f"{tree.name} {tree.package}=={tree.version} {tree.tag} {commit}")
     return 0
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "base",
-        help="fetch, verify and unpack the pinned releases into build/",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
-        "--tree", action="append", help="only this tree (vllm, lmcache); repeatable"
-    )
-    parser.set_defaults(func=cmd_base)

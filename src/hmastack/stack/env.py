@@ -8,7 +8,6 @@ rebuilt only when an input changes (the key is a hash of the inputs).
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import shutil
@@ -196,25 +195,12 @@ def ensure(cfg: Config) -> Env:
     return env
 
 
-def cmd_env(args: argparse.Namespace) -> int:
+def cmd_env() -> int:
     cfg = config_mod.load()
     env = ensure(cfg)
     console.print(f"environment: {env.root}")
     console.print(f"offline HF cache: {env.hf_home}")
     return 0
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "env",
-        help="create the pinned CPU test environment (torch, locked deps, plugin)",
-        description=(
-            "Create build/env (torch CPU, vLLM's locked dependencies, the CpuPlatform "
-            "plugin) and build/hf-home (offline Hugging Face cache). Cached: rebuilt "
-            "only when the lock, the plugin or the model list changes."
-        ),
-    )
-    parser.set_defaults(func=cmd_env)
 
 
 def ruff(cfg: Config, version: str) -> Path:

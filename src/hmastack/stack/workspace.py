@@ -14,7 +14,6 @@ follow-up J]`` for a follow-up stage beyond them (stage N + J).
 
 from __future__ import annotations
 
-import argparse
 import re
 import tempfile
 from dataclasses import dataclass, field
@@ -406,20 +405,21 @@ def export(cfg: Config, check: bool) -> list[Drift]:
 # --- CLI -------------------------------------------------------------------------
 
 
-def cmd_apply(args: argparse.Namespace) -> int:
+def cmd_apply(upto: int | None = None, force: bool = False) -> int:
+    """``hmastack apply``: stages 1..``upto`` (default: all)."""
     cfg = config_mod.load()
-    upto = cfg.num_stages if args.upto is None else args.upto
-    applied = apply(cfg, upto, force=args.force)
+    upto = cfg.num_stages if upto is None else upto
+    applied = apply(cfg, upto, force=force)
     for name, count in applied.items():
         head = git(cfg.workspace(name), "rev-parse", "HEAD")
         console.print(f"{name}: {count} patches applied (stages 1..{upto}), {head}")
     return 0
 
 
-def cmd_export(args: argparse.Namespace) -> int:
+def cmd_export(check: bool = False) -> int:
     cfg = config_mod.load()
-    drift = export(cfg, check=args.check)
-    if args.check:
+    drift = export(cfg, check=check)
+    if check:
         if drift:
             console.print("patches/ differs from what `hmastack export` would write:")
             for item in drift:
@@ -436,42 +436,3 @@ def cmd_export(args: argparse.Namespace) -> int:
         console.print(f"  updated {item.path}", highlight=False)
     console.print(f"exported ({len(drift)} files changed)")
     return 0
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "apply",
-        help="reset the workspaces to the base and git am stages 1..K",
-        description=(
-            "Reset build/<tree> to its base tag and apply the patches of stages "
-            "1..K with `git am --keep-non-patch --committer-date-is-author-date` "
-            "(keeps the [Core][...] title tags; commit ids are the same on every "
-            "machine). Refuses to discard uncommitted or unexported work unless "
-            "--force."
-        ),
-    )
-    parser.add_argument(
-        "--upto", type=int, metavar="K", help="last stage (default: all)"
-    )
-    parser.add_argument(
-        "--force", action="store_true", help="discard unexported commits in build/"
-    )
-    parser.set_defaults(func=cmd_apply)
-
-    parser = subparsers.add_parser(
-        "export",
-        help="write the workspace commits back into patches/ (git format-patch)",
-        description=(
-            "Write the commits of build/<tree> above its base tag into "
-            "patches/NN-*/<tree>/ with git format-patch (zero commit ids, full "
-            "index, no signature: byte-for-byte stable). A commit's stage comes "
-            "from its subject. Only stages up to the one `apply` brought the "
-            "workspace to are written or compared."
-        ),
-    )
-    parser.add_argument(
-        "--check",
-        action="store_true",
-        help="write nothing; exit 1 listing the files that differ",
-    )
-    parser.set_defaults(func=cmd_export)
