@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from hmastack.core.errors import HmastackError
-from hmastack.site import model as site_model
+from hmastack.spec import cfg as spec_cfg
 from hmastack.spec import models as spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,7 +46,7 @@ def build(tmp_path_factory):
 
 
 def constants(model: spec.Model) -> dict[str, str]:
-    return site_model.read_cfg(model.cfg).constants
+    return spec_cfg.read_cfg(model.cfg).constants
 
 
 def test_manifest_covers_every_model_file_and_records_results():
@@ -112,7 +112,7 @@ def test_exhaustive_series_models_are_big_enough():
 
 def test_passing_series_models_check_every_safety_property_they_claim():
     for name in ("series-wide", "series-decode", "series-saves"):
-        cfg = site_model.read_cfg(MODELS[name].cfg)
+        cfg = spec_cfg.read_cfg(MODELS[name].cfg)
         assert set(cfg.invariants) == set(SAFETY), name
         assert set(cfg.properties) == {"WindowBound", "ExactAdmission"}, name
 
@@ -149,7 +149,7 @@ def test_each_fix_of_stage_03_bites():
 
 def test_liveness_models_use_no_symmetry_nor_view():
     for model in MODELS.values():
-        cfg = site_model.read_cfg(model.cfg)
+        cfg = spec_cfg.read_cfg(model.cfg)
         if "Liveness" in cfg.properties:
             text = "\n".join(
                 line
@@ -249,7 +249,7 @@ def test_witness_run_keeps_the_constants_and_checks_only_the_witness():
     text = spec.cfg_text(run)
     assert run.name == "series-wide@Eviction" and run.workers == 1
     assert run.result == "safety failure" and run.prop == "WitnessEviction"
-    cfg = site_model.read_cfg(model.cfg)
+    cfg = spec_cfg.read_cfg(model.cfg)
     for key, value in cfg.constants.items():
         assert f"    {key} = {value}\n" in text
     assert "SYMMETRY Symmetry" in text and "VIEW View" in text
@@ -261,7 +261,7 @@ def test_every_witness_and_property_is_defined_in_the_spec():
     for model in MODELS.values():
         module = spec.module_of(model, SETTINGS)
         text = (SETTINGS.spec_dir / f"{module}.tla").read_text()
-        cfg = site_model.read_cfg(model.cfg)
+        cfg = spec_cfg.read_cfg(model.cfg)
         for name in [*cfg.invariants, *cfg.properties] + [
             f"Witness{w}" for w in model.witnesses
         ]:

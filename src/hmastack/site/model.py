@@ -1,6 +1,6 @@
 """Read the TLA+ model for the site: header, constants, variables, actions,
-properties (from ``spec/*.tla``), model configurations (``spec/models/*.cfg``), and
-render a TLC trace as a table of block tables.
+properties (from ``spec/*.tla``; model configurations ``spec/models/*.cfg`` through
+:mod:`hmastack.spec.cfg`), and render a TLC trace as a table of block tables.
 
 The reader only looks at comments and declarations laid out as the spec lays them
 out (tlaplus/Examples style); what it cannot find is left out of the page.
@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from hmastack.spec.cfg import read_cfg
 
 
 @dataclass
@@ -108,68 +110,6 @@ def read_spec(path: Path) -> SpecInfo:
             (prop, kind, comments.get(prop, ""), (t["assume"] or "").strip())
         )
     return info
-
-
-@dataclass
-class ModelConfig:
-    name: str
-    path: Path
-    constants: dict[str, str] = field(default_factory=dict)
-    invariants: list[str] = field(default_factory=list)
-    properties: list[str] = field(default_factory=list)
-    comment: str = ""
-
-    @property
-    def policy(self) -> str:
-        return self.constants.get("Policy", "").strip('"')
-
-    @property
-    def mutation(self) -> str:
-        return self.constants.get("Mutation", "none").strip('"')
-
-
-def read_cfg(path: Path) -> ModelConfig:
-    cfg = ModelConfig(path.stem, path)
-    section = None
-    comments = []
-    for line in path.read_text(errors="replace").splitlines():
-        s = line.strip()
-        if s.startswith("\\*"):
-            if section is None:
-                comments.append(s[2:].strip())
-            continue
-        if not s:
-            continue
-        word = s.split()[0]
-        if word in ("CONSTANT", "CONSTANTS", "INVARIANT", "INVARIANTS", "PROPERTY",
-                    "PROPERTIES", "SPECIFICATION", "SYMMETRY", "INIT", "NEXT",
-                    "CHECK_DEADLOCK", "VIEW", "CONSTRAINT", "CONSTRAINTS"):  # fmt: skip
-            # CONSTANTS -> CONSTANT, PROPERTIES -> PROPERTY, ...
-            section = {"PROPERTIES": "PROPERTY"}.get(word, word.removesuffix("S"))
-            rest = s[len(word) :].strip()
-            if rest:
-                _cfg_item(cfg, section, rest)
-            continue
-        _cfg_item(cfg, section, s)
-    cfg.comment = _comment_text(comments)
-    return cfg
-
-
-def _cfg_item(cfg: ModelConfig, section: str | None, s: str) -> None:
-    if section == "CONSTANT" and "=" in s:
-        key, _, value = s.partition("=")
-        cfg.constants[key.strip()] = value.strip()
-    elif section == "INVARIANT":
-        cfg.invariants += s.split()
-    elif section == "PROPERTY":
-        cfg.properties += s.split()
-
-
-def read_cfgs(spec_dir: Path) -> dict[str, ModelConfig]:
-    folder = spec_dir / "models"
-    if not folder.is_dir():
-        return {}
-    return {p.stem: read_cfg(p) for p in sorted(folder.rglob("*.cfg"))}
 
 
 # --- traces -------------------------------------------------------------------

@@ -27,6 +27,7 @@ from typing import Any
 
 from hmastack.core.errors import HmastackError
 from hmastack.spec import tlc
+from hmastack.spec.cfg import parse_cfg
 
 __all__ = [
     "counterexample",
@@ -67,20 +68,12 @@ def parse_trace_file(text: str) -> list[dict[str, Any]]:
 
 
 def parse_cfg_constants(text: str) -> dict[str, Any]:
-    """``name = value`` lines of a cfg's CONSTANTS section (comments dropped)."""
-    constants: dict[str, Any] = {}
-    section = None
-    for raw in text.splitlines():
-        line = raw.split("\\*", 1)[0].strip()
-        if not line:
-            continue
-        if re.fullmatch(r"[A-Z_]+", line.split()[0]) and " = " not in line:
-            section = line.split()[0]
-            continue
-        if section == "CONSTANTS" and " = " in line:
-            name, _, value = line.partition(" = ")
-            constants[name.strip()] = tlc.to_jsonable(tlc.parse_value(value))
-    return constants
+    """The constants of a cfg (:func:`hmastack.spec.cfg.parse_cfg`), their values
+    parsed (TLC's value syntax) and made JSON."""
+    return {
+        name: tlc.to_jsonable(tlc.parse_value(value))
+        for name, value in parse_cfg(text).constants.items()
+    }
 
 
 def _resolve_cfg(root: Path, settings, name: str) -> tuple[str, Path]:
