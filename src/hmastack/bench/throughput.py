@@ -43,6 +43,7 @@ import statistics
 import time
 from pathlib import Path
 
+from hmastack.bench.plots import tree_color
 from hmastack.bench.trees import round_order
 from hmastack.core.config import Config
 from hmastack.core.errors import HmastackError
@@ -440,7 +441,6 @@ def plot(report: dict, plt):
     rows = report.get("rows", [])
     if not rows:
         return None
-    from hmastack.bench.run import tree_color
 
     cases = list(dict.fromkeys(r["case"] for r in rows))
     trees = list(dict.fromkeys(r["tree"] for r in rows))

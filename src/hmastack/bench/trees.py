@@ -241,6 +241,12 @@ def parse_output(stdout: str) -> dict | None:
     return json.loads(lines[-1][len(MARKER) :]) if lines else None
 
 
+def tree_stage(label: str) -> int | None:
+    """``"stage 5"`` -> 5; the peer -> None."""
+    kind, _, num = label.partition(" ")
+    return int(num) if kind == "stage" and num.isdigit() else None
+
+
 def run_scenario(
     cfg: Config, pyenv: env_mod.Env, tree: BenchTree, name: str, args: dict
 ) -> dict:
