@@ -14,7 +14,7 @@ import pytest
 from hmastack.core import config as config_mod
 from hmastack.core.errors import HmastackError
 from hmastack.core.gitutil import git
-from hmastack.site import docs
+from hmastack.site import docs, pages
 from hmastack.site import hook as site_hook
 from hmastack.site import patches as site_patches
 from hmastack.spec import models as spec
@@ -339,9 +339,9 @@ def documented_commands(text: str) -> list[str]:
 
 
 def test_documented_git_am_commands_apply_the_stack_onto_the_base(series, tmp_path):
-    stages = docs.load_stages(series)
+    stages = pages.load_stages(series)
     for upto in (1, 2):
-        block = docs.apply_block(series, stages, upto)
+        block = pages.apply_block(series, stages, upto)
         (script,) = documented_commands(block)
         # The page shows exactly this block.
         site = docs.generate(series)
@@ -431,7 +431,7 @@ def test_nav_lists_every_page_and_the_model_page_when_written(project, tmp_path)
 
 
 def test_two_space_nested_lists_are_widened_for_python_markdown():
-    from hmastack.site.docs import widen_nested_lists
+    from hmastack.site.pages import widen_nested_lists
 
     text = "- a\n  - b\n    - c\n```\n  - code\n```\n"
     assert widen_nested_lists(text) == "- a\n    - b\n        - c\n```\n  - code\n```"

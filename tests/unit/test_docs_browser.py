@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hmastack.core import config as config_mod
-from hmastack.site import docs
+from hmastack.site import docs, pages
 from hmastack.site import model as site_model
 from tests.site import browser
 
@@ -44,7 +44,7 @@ def heading(visit: browser.Visit) -> str:
 def test_site_renders_in_chromium(built):
     cfg, site = built
     shots = cfg.reports / "site"
-    stages = docs.load_stages(cfg)
+    stages = pages.load_stages(cfg)
     with browser.serve(site) as base, browser.browser() as context:
         overview = browser.visit(context, base, "", shots / "overview.png")
         clean(overview)
