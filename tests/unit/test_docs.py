@@ -17,6 +17,7 @@ from hmastack.core.gitutil import git
 from hmastack.site import docs, pages
 from hmastack.site import hook as site_hook
 from hmastack.site import patches as site_patches
+from hmastack.spec import manifest as spec_manifest
 from hmastack.spec import models as spec
 from hmastack.stack import base, workspace
 
@@ -290,7 +291,7 @@ def test_model_page_lists_every_manifest_model_before_any_run(project):
         "| `WindowCovered` | `Spec => []WindowCovered` | `IsSeries /\\ Unmutated` |"
         in page
     )
-    models = spec.load_manifest(spec.load_settings(project.root))
+    models = spec_manifest.load_manifest(spec_manifest.load_settings(project.root))
     for name in models:
         assert f"| `{name}` |" in page, name
     assert "| `mutations/skip-ceil` | SeriesAsCoded | SkipCeil |" in page
@@ -302,8 +303,8 @@ def test_model_page_shows_the_checks_own_verdict_and_counterexamples(project):
     """Reports written by the real `spec check` (issue 19: the page once showed
     mutations as never run and misread simulation results)."""
     _copy_spec(project)
-    settings = spec.load_settings(project.root)
-    models = spec.load_manifest(settings)
+    settings = spec_manifest.load_settings(project.root)
+    models = spec_manifest.load_manifest(settings)
     chosen = ["series-stall", "mutations/skip-ceil", "series-deep"]
     failed = spec.check_models(
         project.root, project.build, project.reports, settings, models, chosen

@@ -18,11 +18,13 @@ import pytest
 
 from hmastack.core.errors import HmastackError
 from hmastack.spec import cfg as spec_cfg
+from hmastack.spec import install as spec_install
+from hmastack.spec import manifest as spec_manifest
 from hmastack.spec import models as spec
 
 ROOT = Path(__file__).resolve().parents[2]
-SETTINGS = spec.load_settings(ROOT)
-MODELS = spec.load_manifest(SETTINGS)
+SETTINGS = spec_manifest.load_settings(ROOT)
+MODELS = spec_manifest.load_manifest(SETTINGS)
 HAVE_JAVA = shutil.which("java") is not None
 needs_java = pytest.mark.skipif(
     not HAVE_JAVA, reason="Java is not installed (TLC needs it)"
@@ -35,8 +37,8 @@ SAFETY = [
 
 @pytest.fixture(scope="module")
 def tlc_env():
-    java = spec.find_java()
-    jar = spec.resolve_jar(ROOT, SETTINGS)
+    java = spec_install.find_java()
+    jar = spec_install.resolve_jar(ROOT, SETTINGS)
     return java, jar
 
 
@@ -45,7 +47,7 @@ def build(tmp_path_factory):
     return tmp_path_factory.mktemp("spec-build")
 
 
-def constants(model: spec.Model) -> dict[str, str]:
+def constants(model: spec_manifest.Model) -> dict[str, str]:
     return spec_cfg.read_cfg(model.cfg).constants
 
 
@@ -65,7 +67,7 @@ def test_manifest_covers_every_model_file_and_records_results():
             )
         # EagleHits is violated by an initial state (one lookup is one state):
         # TLC prints no numbered trace for it.
-        one_state = spec.module_of(model, SETTINGS) == "EagleHits"
+        one_state = spec_manifest.module_of(model, SETTINGS) == "EagleHits"
         if model.result != "success":
             assert model.trace_length or one_state, f"{model.name} records its trace"
             assert model.workers == 1, "a failure's first trace is stable with 1 worker"
@@ -162,7 +164,7 @@ def test_liveness_models_use_no_symmetry_nor_view():
 
 def test_parse_model_rejects_bad_entries(tmp_path):
     def parse(**entry):
-        return spec.parse_model("m", entry, tmp_path)
+        return spec_manifest.parse_model("m", entry, tmp_path)
 
     assert parse(result="success").mode == "exhaustive"
     for entry, message in [
@@ -187,13 +189,13 @@ def test_parse_model_rejects_bad_entries(tmp_path):
 
 def test_malformed_manifest_names_the_model(tmp_path):
     (tmp_path / "manifest.toml").write_text('[models.x]\nresult = "pass"\n')
-    settings = spec.Settings(**{**SETTINGS.__dict__, "spec_dir": tmp_path})
+    settings = spec_manifest.Settings(**{**SETTINGS.__dict__, "spec_dir": tmp_path})
     with pytest.raises(HmastackError, match="model x: result 'pass'"):
-        spec.load_manifest(settings)
+        spec_manifest.load_manifest(settings)
 
 
 def test_compare_reports_drift_wrong_property_and_wrong_result():
-    model = spec.Model(
+    model = spec_manifest.Model(
         name="m", cfg=Path("m.cfg"), mode="exhaustive", result="success",
         distinct_states=10, generated_states=20, depth=3,
     )  # fmt: skip
@@ -207,7 +209,7 @@ def test_compare_reports_drift_wrong_property_and_wrong_result():
         in spec.compare(model, dict(ok, distinct_states=11))[0]
     )
     assert "depth drifted" in spec.compare(model, dict(ok, depth=4))[0]
-    bad = spec.Model(
+    bad = spec_manifest.Model(
         name="l", cfg=Path("l.cfg"), mode="exhaustive", result="safety failure",
         prop="WindowBound", trace_length=2,
     )  # fmt: skip
@@ -219,7 +221,7 @@ def test_compare_reports_drift_wrong_property_and_wrong_result():
         in spec.compare(bad, dict(other, violated="WindowBound", trace_length=3))[0]
     )
     assert "expected safety failure (WindowBound)" in spec.compare(bad, ok)[0]
-    stall = spec.Model(
+    stall = spec_manifest.Model(
         name="s", cfg=Path("s.cfg"), mode="exhaustive", result="deadlock failure",
         prop="Deadlock", deadlock=True,
     )  # fmt: skip
@@ -245,7 +247,7 @@ def test_deadlock_flag_follows_the_manifest(tmp_path):
 
 def test_witness_run_keeps_the_constants_and_checks_only_the_witness():
     model = MODELS["series-wide"]
-    run = spec.witness_model(model, "Eviction")
+    run = spec_manifest.witness_model(model, "Eviction")
     text = spec.cfg_text(run)
     assert run.name == "series-wide@Eviction" and run.workers == 1
     assert run.result == "safety failure" and run.prop == "WitnessEviction"
@@ -259,7 +261,7 @@ def test_witness_run_keeps_the_constants_and_checks_only_the_witness():
 
 def test_every_witness_and_property_is_defined_in_the_spec():
     for model in MODELS.values():
-        module = spec.module_of(model, SETTINGS)
+        module = spec_manifest.module_of(model, SETTINGS)
         text = (SETTINGS.spec_dir / f"{module}.tla").read_text()
         cfg = spec_cfg.read_cfg(model.cfg)
         for name in [*cfg.invariants, *cfg.properties] + [
@@ -269,12 +271,12 @@ def test_every_witness_and_property_is_defined_in_the_spec():
 
 
 def test_select_runs_ci_models_unless_nightly():
-    ci = spec.select(MODELS, [], nightly=False)
-    everything = spec.select(MODELS, [], nightly=True)
+    ci = spec_manifest.select(MODELS, [], nightly=False)
+    everything = spec_manifest.select(MODELS, [], nightly=True)
     assert "series-three" not in ci and "series-three" in everything
-    assert spec.select(MODELS, ["legacy"], nightly=False) == ["legacy"]
+    assert spec_manifest.select(MODELS, ["legacy"], nightly=False) == ["legacy"]
     with pytest.raises(HmastackError, match="unknown model"):
-        spec.select(MODELS, ["nope"], nightly=False)
+        spec_manifest.select(MODELS, ["nope"], nightly=False)
 
 
 def test_cli_adds_fetch_and_check():
@@ -293,20 +295,20 @@ def test_cli_adds_fetch_and_check():
 
 def test_a_model_may_name_its_module(tmp_path):
     eagle = MODELS["eagle-hits"]
-    assert spec.module_of(eagle, SETTINGS) == "EagleHits"
-    assert spec.module_of(MODELS["series-wide"], SETTINGS) == SETTINGS.module
+    assert spec_manifest.module_of(eagle, SETTINGS) == "EagleHits"
+    assert spec_manifest.module_of(MODELS["series-wide"], SETTINGS) == SETTINGS.module
     cmd = spec.tlc_command("java", Path("t.jar"), SETTINGS, eagle, tmp_path)
     assert cmd[-1] == "EagleHits"
-    assert spec.witness_model(eagle, "EagleHit").module == "EagleHits"
+    assert spec_manifest.witness_model(eagle, "EagleHit").module == "EagleHits"
     with pytest.raises(ValueError, match="module"):
-        spec.parse_model("m", {"result": "success", "module": "a/b"}, tmp_path)
+        spec_manifest.parse_model("m", {"result": "success", "module": "a/b"}, tmp_path)
 
 
 def test_missing_java_is_a_clear_error(monkeypatch):
     monkeypatch.delenv("JAVA_HOME", raising=False)
     monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(HmastackError) as err:
-        spec.find_java()
+        spec_install.find_java()
     assert "openjdk-17-jre-headless" in err.value.hint
 
 
@@ -314,7 +316,7 @@ CI_RUNS = [
     run
     for name in sorted(MODELS)
     if MODELS[name].size == "ci"
-    for run in spec.runs_for(MODELS[name])
+    for run in spec_manifest.runs_for(MODELS[name])
 ]
 
 
@@ -327,7 +329,7 @@ def test_model_matches_manifest(run, tlc_env, build):
     assert report["problems"] == [], f"{run.name}: see {path}"
     if run.result == "safety failure" and not run.is_witness:
         trace = report["trace"]
-        if spec.module_of(run, SETTINGS) == SETTINGS.module:
+        if spec_manifest.module_of(run, SETTINGS) == SETTINGS.module:
             assert trace, "a violation keeps its trace"
             assert trace[0]["event"]["act"] == "Init"
         # EagleHits is violated by an initial state, which TLC reports

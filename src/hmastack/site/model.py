@@ -334,6 +334,7 @@ def _witness_rows(models, reports) -> list[list[str]]:
 def model_page(root: Path, reports_dir: Path, md_table, fence) -> str:
     """The model-results page: what the spec says, and every manifest model
     with the verdict of the last ``hmastack spec check`` (its own ``ok``)."""
+    from hmastack.spec import manifest as spec_manifest
     from hmastack.spec import models as spec_mod
 
     spec_dir = root / "spec"
@@ -343,7 +344,7 @@ def model_page(root: Path, reports_dir: Path, md_table, fence) -> str:
     # The main module (spec/tlc.toml) first; others (EagleHits) are models of
     # their own, listed with the manifest's models.
     try:
-        main = spec_mod.load_settings(root).module
+        main = spec_manifest.load_settings(root).module
     except Exception:  # noqa: BLE001 - no settings: the first module
         main = None
     specs.sort(key=lambda p: p.stem != main)
@@ -383,7 +384,7 @@ def model_page(root: Path, reports_dir: Path, md_table, fence) -> str:
             [[f"`{n}`", "`" + kinds[k].format(n) + "`", f"`{a}`" if a else "always", c]
              for n, k, c, a in info.properties])]  # fmt: skip
     try:
-        models = spec_mod.load_manifest(spec_mod.load_settings(root))
+        models = spec_manifest.load_manifest(spec_manifest.load_settings(root))
     except Exception as exc:  # noqa: BLE001 - the page says why instead
         out.append(f'\n!!! warning "Manifest unreadable"\n    {exc}\n')
         return "\n".join(out)
@@ -460,10 +461,10 @@ def model_page(root: Path, reports_dir: Path, md_table, fence) -> str:
 def manifest_table(root: Path, md_table) -> str:
     """Every manifest model with what the manifest records for it (the run that
     recorded it), for docs/model.md."""
-    from hmastack.spec import models as spec_mod
+    from hmastack.spec import manifest as spec_manifest
 
     try:
-        models = spec_mod.load_manifest(spec_mod.load_settings(root))
+        models = spec_manifest.load_manifest(spec_manifest.load_settings(root))
     except Exception as exc:  # noqa: BLE001 - the page says why instead
         return f"Manifest unreadable: {exc}\n"
     rows = []

@@ -77,7 +77,7 @@ def parse_cfg_constants(text: str) -> dict[str, Any]:
 
 
 def _resolve_cfg(root: Path, settings, name: str) -> tuple[str, Path]:
-    from hmastack.spec import models as spec
+    from hmastack.spec import manifest as spec_manifest
 
     path = Path(name)
     if path.suffix == ".cfg":
@@ -86,7 +86,7 @@ def _resolve_cfg(root: Path, settings, name: str) -> tuple[str, Path]:
         if not path.is_file():
             raise HmastackError(f"{name} does not exist", "pass a model or a .cfg")
         return path.stem, path
-    models = spec.load_manifest(settings)
+    models = spec_manifest.load_manifest(settings)
     if name not in models:
         raise HmastackError(
             f"unknown model {name}", f"known: {', '.join(models)}, or a .cfg path"
@@ -108,12 +108,14 @@ def generate(
 
     Returns a summary (also written as ``out/index.json``).
     """
+    from hmastack.spec import install as spec_install
+    from hmastack.spec import manifest as spec_manifest
     from hmastack.spec import models as spec
 
-    root = root or spec._root()
-    settings = spec.load_settings(root)
-    java = spec.find_java()
-    jar = spec.resolve_jar(root, settings)
+    root = root or spec_manifest.project_root()
+    settings = spec_manifest.load_settings(root)
+    java = spec_install.find_java()
+    jar = spec_install.resolve_jar(root, settings)
     seed = settings.seed if seed is None else seed
     out = out.resolve()
     work = Path(tempfile.mkdtemp(prefix="hmastack-traces-"))
@@ -183,18 +185,20 @@ def counterexample(name: str, out: Path, *, root: Path | None = None) -> dict[st
     """Run TLC on manifest model ``name`` (a failure) and write its
     counterexample as a trace document (the format of :func:`generate`), so
     that the replays can drive vLLM through it. Returns the document."""
+    from hmastack.spec import install as spec_install
+    from hmastack.spec import manifest as spec_manifest
     from hmastack.spec import models as spec
 
-    root = root or spec._root()
-    settings = spec.load_settings(root)
-    model = spec.load_manifest(settings).get(name)
+    root = root or spec_manifest.project_root()
+    settings = spec_manifest.load_settings(root)
+    model = spec_manifest.load_manifest(settings).get(name)
     if model is None or model.result == "success":
         raise HmastackError(
             f"{name} is not a model whose manifest entry expects a failure",
             'pick one with result = "... failure" in spec/manifest.toml',
         )
-    java = spec.find_java()
-    jar = spec.resolve_jar(root, settings)
+    java = spec_install.find_java()
+    jar = spec_install.resolve_jar(root, settings)
     with tempfile.TemporaryDirectory(prefix="hmastack-cex-") as tmp:
         report = spec.run_model(java, jar, settings, model, Path(tmp))
     if not report["ok"]:
@@ -230,10 +234,11 @@ def cmd_traces(
     """``hmastack spec traces``: ``n`` behaviours of ``model`` (or, with
     ``counterexample_only``, its counterexample) as JSON."""
     from hmastack.core.progress import console
+    from hmastack.spec import manifest as spec_manifest
     from hmastack.spec import models as spec
 
-    root, _, reports = spec._paths()
-    settings = spec.load_settings(root)
+    root, _, reports = spec.paths()
+    settings = spec_manifest.load_settings(root)
     if counterexample_only:
         out = Path(out) if out else reports / "spec" / f"{model}.cex.json"
         doc = counterexample(model, out, root=root)
