@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from hmastack.bench import cost as bench_cost
+from hmastack.bench import counts as bench_counts
 from hmastack.bench.trees import (
     PEER_LABEL,
     BenchTree,
@@ -346,7 +347,7 @@ def run_instructions(ctx: Context) -> dict:
         k = int(last.label.split()[1])
         slowed = slowed_tree(ctx.cfg, k, bench_cost.SLOWDOWN)
         witness = bench_cost.Witness(slowed, last)
-    return bench_cost.instruction_counts(
+    return bench_counts.instruction_counts(
         ctx.cfg, ctx.pyenv, trees, plan, cg, server, witness
     )
 

@@ -44,6 +44,7 @@ from pathlib import Path
 
 from hmastack.bench import callgrind
 from hmastack.bench import cost as bench_cost
+from hmastack.bench import counts as bench_counts
 from hmastack.bench import throughput as bench_throughput
 from hmastack.bench.figures import (
     Context,
@@ -322,7 +323,7 @@ def run_bench(
     try:
         if instructions:
             with step("start the instruction counts (marker probe, fork server)"):
-                ctx.counting = bench_cost.start_counting(cfg, pyenv, trees[0])
+                ctx.counting = bench_counts.start_counting(cfg, pyenv, trees[0])
         _run_scenarios(ctx, out, skipped, failures, reports)
     finally:
         if ctx.counting is not None:
