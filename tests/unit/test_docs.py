@@ -443,13 +443,13 @@ def test_two_space_nested_lists_are_widened_for_python_markdown():
 def test_stage_page_lists_every_commit_as_the_per_commit_run_reported_it(series):
     """commits.json written by the real report writer, from the real patch files:
     each commit of the stage gets its row; a commit the run did not reach says so."""
-    from hmastack.matrix import reports
+    from hmastack.matrix import pytest_runs, reports
     from hmastack.matrix import stages as matrix
 
     stage1 = sorted((series.patches / "01-first" / "demo").glob("*.patch"))
     assert len(stage1) == 2
     green = matrix.CommitResult("demo", 1, 1, stage1[0].name, "Make f3 return 33", "h")
-    green.vllm = matrix.PytestResult({"passed": 5}, [], 0)
+    green.vllm = pytest_runs.PytestResult({"passed": 5}, [], 0)
     green.ruff = "ok"
     reports.write_commit_report(series, [green])
     page = docs.generate(series).pages["stages/01-first.md"]
@@ -458,7 +458,7 @@ def test_stage_page_lists_every_commit_as_the_per_commit_run_reported_it(series)
     assert "1/2] Test f3 | not run | - | - |" in page
 
     red = matrix.CommitResult("demo", 2, 1, stage1[1].name, "Test f3", "h2")
-    red.vllm = matrix.PytestResult({"passed": 4, "failed": 1}, ["t.py::x"], 1)
+    red.vllm = pytest_runs.PytestResult({"passed": 4, "failed": 1}, ["t.py::x"], 1)
     red.ruff = "ok"
     reports.write_commit_report(series, [green, red])
     page = docs.generate(series).pages["stages/01-first.md"]

@@ -41,6 +41,7 @@ from hmastack.core import config as config_mod
 from hmastack.core.errors import HmastackError
 from hmastack.core.gitutil import git
 from hmastack.core.progress import console, step
+from hmastack.matrix import pytest_runs
 from hmastack.matrix import stages as matrix
 from hmastack.stack import env as env_mod
 from hmastack.stack.workspace import discover
@@ -226,7 +227,7 @@ class SuiteRun:
         return self.failed == 0 and self.passed > 0
 
 
-def _first_failure(ran: matrix.PytestResult) -> str:
+def _first_failure(ran: pytest_runs.PytestResult) -> str:
     """``test_name: message`` of the first failed test of ``ran`` (its JUnit
     message: the exception that ended it, e.g. the property the random test
     names), at most 300 characters; empty when nothing failed."""
@@ -273,7 +274,7 @@ def run_suites(
         log = out_dir / f"{path.stem}.log"
         start = time.monotonic()
         with step(f"{label}: {suite.name}"):
-            ran = matrix.run_pytest(
+            ran = pytest_runs.run_pytest(
                 cfg,
                 pyenv,
                 (["-x"] if broken else []) + matrix.our_test_args(cfg, [target]),
