@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hmastack.conform.run import BREAKS
+from hmastack.conform.breaks import BREAKS
 from hmastack.core import config
 
 ROOT = Path(__file__).resolve().parents[2]
