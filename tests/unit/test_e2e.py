@@ -13,7 +13,7 @@ from hmastack.core import config
 from hmastack.core.errors import HmastackError
 from hmastack.core.process import CommandError
 from hmastack.e2e import catalogue as cat
-from hmastack.e2e import compare, environment, runner, site
+from hmastack.e2e import compare, engine, environment, runner, site
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -388,7 +388,7 @@ def _launch(tmp_path, sleep: float, exit_code: int = 0, timeout: float = 30.0):
     (support / "standin_engine.py").write_text(ENGINE_STANDIN)
     trees = {"vllm": tmp_path / "vllm", "lmcache": tmp_path / "lmcache"}
     plan = {"sleep": sleep, "value": 7, "exit": exit_code}
-    return runner.run_engine_process(
+    return engine.run_engine_process(
         e2e,
         "standin_engine",
         "p1",

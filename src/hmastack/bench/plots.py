@@ -278,3 +278,87 @@ def plot_eagle(report: dict, plt):
         "Prefix cache hit of a repeated prompt: hit without eagle - hit with eagle"
     )
     return fig
+
+
+def plot_throughput(report: dict, plt):
+    """Left: completed requests per CPU second per tree and case (median,
+    min-max bars).
+    Right: ratio to the base with min-max bars, and the ratio of admitted
+    requests the block counts predict (dashed)."""
+    rows = report.get("rows", [])
+    if not rows:
+        return None
+
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    trees = list(dict.fromkeys(r["tree"] for r in rows))
+    by = {(r["case"], r["tree"]): r for r in rows}
+    width = 0.8 / len(trees)
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 4.2))
+    for j, t in enumerate(trees):
+        xs = [i - 0.4 + width * (j + 0.5) for i in range(len(cases))]
+        pts = [by.get((c, t)) for c in cases]
+        med = [p["req/s median"] if p else 0 for p in pts]
+        err = [
+            [p["req/s median"] - p["req/s min"] if p else 0 for p in pts],
+            [p["req/s max"] - p["req/s median"] if p else 0 for p in pts],
+        ]
+        a1.bar(xs, med, width, yerr=err, capsize=3, label=t, color=tree_color(t))
+        a3.bar(
+            xs,
+            [max(p["max running"]) if p else 0 for p in pts],
+            width,
+            label=t,
+            color=tree_color(t),
+        )
+        if j == 0:
+            continue
+        rat = [p["ratio median"] if p and p["ratio median"] else 0 for p in pts]
+        rerr = [
+            [
+                p["ratio median"] - p["ratio min"] if p and p["ratio min"] else 0
+                for p in pts
+            ],
+            [
+                p["ratio max"] - p["ratio median"] if p and p["ratio max"] else 0
+                for p in pts
+            ],
+        ]
+        a2.bar(xs, rat, width, yerr=rerr, capsize=3, label=t, color=tree_color(t))
+    base = trees[0]
+    labelled = False
+    for i, c in enumerate(cases):
+        b = by.get((c, base))
+        for j, t in enumerate(trees):
+            r = by.get((c, t))
+            if j == 0 or not (b and r):
+                continue
+            x = i - 0.4 + width * (j + 0.5)
+            a2.hlines(
+                r["predicted running"] / max(1, b["predicted running"]),
+                x - width / 2,
+                x + width / 2,
+                colors="k",
+                linestyles="--",
+                label=None if labelled else "admitted ratio predicted by block counts",
+            )
+            labelled = True
+    for ax, title, ylabel in (
+        (a1, "Completed requests per CPU second", "requests / CPU s"),
+        (a2, "Ratio to the base (min-max over rounds)", "tree / base"),
+        (a3, "Most requests running at once", "requests"),
+    ):
+        ax.set_xticks(range(len(cases)))
+        ax.set_xticklabels(
+            [f"{c}\n{report['cases'][c]} layer blocks" for c in cases], fontsize=8
+        )
+        ax.set_title(title)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, axis="y", alpha=0.3)
+    a2.axhline(1.0, color="k", linewidth=0.8)
+    a1.legend(fontsize=7)
+    a2.legend(fontsize=7, loc="center right")
+    fig.suptitle(
+        f"Real engine, {report['batch']['requests']} requests with "
+        f"{report['batch']['prefix']}-token prefixes from a connector"
+    )
+    return fig

