@@ -88,7 +88,7 @@ def with_site_files(cfg):
     text = (REPO / "mkdocs.yml").read_text()
     hook = Path(site_hook.__file__).resolve()
     (cfg.root / "mkdocs.yml").write_text(
-        text.replace("src/hmastack/site_hook.py", str(hook))
+        text.replace("src/hmastack/site/hook.py", str(hook))
     )
     shutil.copytree(REPO / "docs", cfg.root / "docs")
     return cfg
