@@ -294,6 +294,7 @@ def _run(k: int, name: str, args: dict) -> dict:
 PEAK_ARGS = {"lengths": [1024, 131072], "windows": [512, 4096], "block_size": B}
 
 
+@pytest.mark.vllm_tree
 def test_peak_blocks_base_allocates_every_external_token():
     rep = _run(0, "peak_blocks", PEAK_ARGS)
     assert rep["separate_external_arg"] is False
@@ -304,6 +305,7 @@ def test_peak_blocks_base_allocates_every_external_token():
     assert figures.check_peak(rep) == []
 
 
+@pytest.mark.vllm_tree
 def test_peak_blocks_stage3_holds_only_the_window():
     rep = _run(3, "peak_blocks", PEAK_ARGS)
     assert rep["separate_external_arg"] is True  # detected with inspect
@@ -318,6 +320,7 @@ def test_peak_blocks_stage3_holds_only_the_window():
 ADMIT_ARGS = {"windows": [512], "patterns": ["gemma3"], "num_blocks": 4096}
 
 
+@pytest.mark.vllm_tree
 def test_admission_base_gains_nothing_from_hma_for_an_external_hit():
     (r,) = _run(0, "admission", ADMIT_ARGS)["rows"]
     # 6 groups x ceil((L+1)/16) <= 4095 vs one group of 4096 // 6 blocks.
@@ -327,6 +330,7 @@ def test_admission_base_gains_nothing_from_hma_for_an_external_hit():
     assert r["concurrent"] == 1 < r["concurrent_physical"]
 
 
+@pytest.mark.vllm_tree
 def test_admission_stage3_reaches_the_physical_limit():
     (r,) = _run(3, "admission", ADMIT_ARGS)["rows"]
     assert r["longest_hit"] == r["longest_hit_physical"] == 62879
@@ -340,6 +344,7 @@ COST_ARGS = {
 }
 
 
+@pytest.mark.vllm_tree
 def test_scheduler_cost_with_the_scripted_connector_does_the_same_work():
     base = _run(0, "scheduler_cost", COST_ARGS)["rows"]
     stage3 = _run(3, "scheduler_cost", COST_ARGS)["rows"]
@@ -394,6 +399,7 @@ def test_insert_statement_goes_after_the_docstring():
         bench_trees.insert_statement(source, "B.f", "pass")
 
 
+@pytest.mark.vllm_tree
 def test_commit_trees_are_the_proper_prefixes_of_a_stage():
     from hmastack.core.gitutil import git
     from hmastack.stack import workspace
@@ -544,6 +550,7 @@ def test_eagle_check_flags_a_wrong_hit(monkeypatch):
 EAGLE_ARGS = {"patterns": ["gptoss"], "windows": [128], "block_size": B}
 
 
+@pytest.mark.vllm_tree
 def test_eagle_hits_stage5_follows_the_rule_and_the_base_drops_twice():
     kinds = figures.GROUP_KINDS["gptoss"]
     stage5 = _run(5, "eagle_hits", EAGLE_ARGS)["rows"]

@@ -25,10 +25,13 @@ from hmastack.bench import cost as bench_cost
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = ROOT / "bench" / "scenarios"
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("valgrind") is None,
-    reason="valgrind is not installed (apt-get install valgrind; .ci/run does)",
-)
+pytestmark = [
+    pytest.mark.valgrind,
+    pytest.mark.skipif(
+        shutil.which("valgrind") is None,
+        reason="valgrind is not installed (apt-get install valgrind; .ci/run does)",
+    ),
+]
 
 PROGRAM = textwrap.dedent(
     """

@@ -40,6 +40,7 @@ def test_the_known_defects_have_their_counterexample():
     } <= set(MODELS)
 
 
+@pytest.mark.tlc
 @pytest.mark.skipif(shutil.which("java") is None, reason="TLC needs Java")
 @pytest.mark.parametrize("model", MODELS)
 def test_fixture_is_tlcs_counterexample(model, tmp_path):

@@ -153,6 +153,7 @@ def test_stage_page_is_generated_from_readme_commits_and_diff(series):
     assert "02-second/demo" not in page.split("## Apply up to this stage")[1]
 
 
+@pytest.mark.mkdocs
 def test_changing_a_subject_changes_the_stage_page(series, tmp_path):
     """Done-when of the site: copy a patch with an altered Subject into a temp
     project, re-run, the page changes with no manual edit."""
@@ -298,6 +299,7 @@ def test_model_page_lists_every_manifest_model_before_any_run(project):
     assert "Not run yet: `hmastack spec check`" in page
 
 
+@pytest.mark.tlc
 @pytest.mark.skipif(shutil.which("java") is None, reason="TLC needs Java")
 def test_model_page_shows_the_checks_own_verdict_and_counterexamples(project):
     """Reports written by the real `spec check` (issue 19: the page once showed
@@ -381,6 +383,7 @@ def test_documented_git_am_commands_apply_the_stack_onto_the_base(series, tmp_pa
 # --- the real repository ---------------------------------------------------------
 
 
+@pytest.mark.mkdocs
 def test_repository_site_builds_strict_and_offline(tmp_path, monkeypatch):
     monkeypatch.delenv("HMASTACK_BUILD", raising=False)
     monkeypatch.setenv("HMASTACK_ROOT", str(REPO))

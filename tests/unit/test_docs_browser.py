@@ -15,10 +15,13 @@ from tests.site import browser
 
 REPO = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.skipif(
-    browser.unavailable_reason() is not None,
-    reason=f"browser test needs Chromium: {browser.unavailable_reason()}",
-)
+pytestmark = [
+    pytest.mark.mkdocs,
+    pytest.mark.skipif(
+        browser.unavailable_reason() is not None,
+        reason=f"browser test needs Chromium: {browser.unavailable_reason()}",
+    ),
+]
 
 
 @pytest.fixture(scope="module")

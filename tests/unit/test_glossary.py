@@ -63,6 +63,7 @@ def found(name: str, corpus: str) -> bool:
     return re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", corpus) is not None
 
 
+@pytest.mark.vllm_tree
 def test_glossary_tables_name_real_identifiers(corpora):
     doc = tables(GLOSSARY.read_text())
     assert len(doc) >= 4

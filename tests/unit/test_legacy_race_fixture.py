@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "stages" / "s00_base" / "legacy_race_events.json"
 
 
+@pytest.mark.tlc
 @pytest.mark.skipif(shutil.which("java") is None, reason="TLC needs Java")
 def test_fixture_is_the_legacy_race_counterexample():
     cfg = config.load(ROOT)

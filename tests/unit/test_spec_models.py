@@ -320,6 +320,7 @@ CI_RUNS = [
 ]
 
 
+@pytest.mark.tlc
 @needs_java
 @pytest.mark.parametrize("run", CI_RUNS, ids=[r.name for r in CI_RUNS])
 def test_model_matches_manifest(run, tlc_env, build):
