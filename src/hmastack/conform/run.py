@@ -166,7 +166,8 @@ def broken_tree(cfg: config_mod.Config, source: Path, brk: Break) -> Path:
         raise HmastackError(
             f"break {brk.name!r}: {brk.path} of the stage-{STAGE} tree contains "
             f"{count} copies of the line to replace (expected exactly 1):\n  {brk.old}",
-            "the patches changed that code: update BREAKS in src/hmastack/conform/breaks.py",
+            "the patches changed that code: update BREAKS in "
+            "src/hmastack/conform/breaks.py",
         )
     target.write_text(text.replace(brk.old, brk.new))
     return dest
