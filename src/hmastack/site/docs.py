@@ -72,7 +72,8 @@ def model_page(cfg: Config) -> str:
 
 
 def bench_page(cfg: Config, site: Site) -> str:
-    """The Benchmarks page: headline figures and plots first (``site_bench``)."""
+    """The Benchmarks page: headline figures and plots first
+    (:mod:`hmastack.site.bench`)."""
     return site_bench.page(cfg, site)
 
 
