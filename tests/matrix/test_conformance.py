@@ -14,8 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hmastack import config
-from hmastack.conform import BREAKS
+from hmastack.conform.breaks import BREAKS
+from hmastack.core import config
 
 ROOT = Path(__file__).resolve().parents[2]
 

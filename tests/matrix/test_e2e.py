@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hmastack import config
+from hmastack.core import config
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGES = (0, 3)

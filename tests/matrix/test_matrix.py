@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hmastack import config
+from hmastack.core import config
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hmastack import config
+from hmastack.core import config
 
 FILES = {
     "demo/__init__.py": 'VERSION = "1.0"\n',
@@ -74,3 +74,17 @@ def project(tmp_path, monkeypatch):
     monkeypatch.delenv("HMASTACK_BUILD", raising=False)
     monkeypatch.setenv("HMASTACK_CACHE", str(root / ".cache"))
     return config.load(root)
+
+
+# What a test may need that makes it slow or not self-contained (pyproject's markers).
+HEAVY = ("tlc", "mkdocs", "vllm_tree", "valgrind")
+UNIT_DIR = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark ``unit`` every test of tests/unit that carries none of :data:`HEAVY`."""
+    for item in items:
+        if UNIT_DIR in item.path.parents and not any(
+            item.get_closest_marker(name) for name in HEAVY
+        ):
+            item.add_marker(pytest.mark.unit)

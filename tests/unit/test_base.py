@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from hmastack import base, config
-from hmastack import env as env_mod
-from hmastack.errors import HmastackError
-from hmastack.gitutil import git
+from hmastack.core import config
+from hmastack.core.errors import HmastackError
+from hmastack.core.gitutil import git
+from hmastack.stack import base
+from hmastack.stack import env as env_mod
 
 from .conftest import make_sdist, write_project
 

@@ -11,10 +11,16 @@ from pathlib import Path
 import pytest
 from hmastack_testkit.window import window_min_blocks
 
-from hmastack import bench, bench_cost, bench_trees, docs
-from hmastack import config as config_mod
-from hmastack import env as env_mod
-from hmastack.errors import HmastackError
+from hmastack.bench import cost as bench_cost
+from hmastack.bench import figures
+from hmastack.bench import plots as bench_plots
+from hmastack.bench import run as bench
+from hmastack.bench import tables as bench_tables
+from hmastack.bench import trees as bench_trees
+from hmastack.core import config as config_mod
+from hmastack.core.errors import HmastackError
+from hmastack.site import docs
+from hmastack.stack import env as env_mod
 
 ROOT = Path(__file__).resolve().parents[2]
 B = 16
@@ -22,13 +28,13 @@ B = 16
 
 def test_expected_swa_blocks_formulas():
     # Through num_new_tokens: a block for every token.
-    assert bench.expected_swa_blocks(131072, 1, 512, B, separate=False) == 8193
+    assert figures.expected_swa_blocks(131072, 1, 512, B, separate=False) == 8193
     # Separate external tokens: only the window (+ the new token) is real.
-    assert bench.expected_swa_blocks(131072, 1, 512, B, separate=True) == 33
+    assert figures.expected_swa_blocks(131072, 1, 512, B, separate=True) == 33
     assert window_min_blocks(512, B) == 33
-    assert bench.expected_swa_blocks(131072, 1, 4096, B, separate=True) == 257
+    assert figures.expected_swa_blocks(131072, 1, 4096, B, separate=True) == 257
     # A hit shorter than the window keeps every block.
-    assert bench.expected_swa_blocks(1024, 1, 4096, B, separate=True) == 65
+    assert figures.expected_swa_blocks(1024, 1, 4096, B, separate=True) == 65
 
 
 def test_check_peak_reports_a_mismatch():
@@ -36,39 +42,39 @@ def test_check_peak_reports_a_mismatch():
     good = {**row, "full_blocks": 513, "swa_blocks": 33}
     bad = {**row, "full_blocks": 513, "swa_blocks": 513}
     rep = {"block_size": B, "separate_external_arg": True, "rows": [good]}
-    assert bench.check_peak(rep) == []
-    assert bench.check_peak({**rep, "rows": [bad]})
+    assert figures.check_peak(rep) == []
+    assert figures.check_peak({**rep, "rows": [bad]})
 
 
 def test_expected_admission_figures():
     args = {"block_size": B, "new_tokens": 1, "num_blocks": 4096, "shared_prefix": 8192}
-    base = bench.expected_admission(6, False, B, 1, 4096, 8192)
+    base = figures.expected_admission(6, False, B, 1, 4096, 8192)
     assert base == {
         "longest_hit_hma_off": 10895,
         "concurrent_hma_off": 1,
         "longest_hit": 10911,
         "concurrent": 1,
     }
-    assert bench.expected_admission(2, False, B, 1, 4096, 8192)["concurrent"] == 3
+    assert figures.expected_admission(2, False, B, 1, 4096, 8192)["concurrent"] == 3
     row = {"pattern": "gemma3", "window": 512, **base}
     row |= {"longest_hit_physical": 62879, "concurrent_physical": 6}
     rep = {"separate_external_arg": False, "rows": [row]}
-    assert bench.check_admission(rep, args) == []
+    assert figures.check_admission(rep, args) == []
     # With the separate external argument: the physical limits, exactly.
     rep = {"separate_external_arg": True, "rows": [row]}
-    assert len(bench.check_admission(rep, args)) == 2
+    assert len(figures.check_admission(rep, args)) == 2
     row |= {"longest_hit": 62879, "concurrent": 6}
-    assert bench.check_admission(rep, args) == []
+    assert figures.check_admission(rep, args) == []
 
 
 def test_parse_stages():
     cfg = config_mod.load(ROOT)
-    assert bench.parse_stages(None, cfg) == list(range(1, cfg.num_stages + 1))
-    assert bench.parse_stages(None, cfg, quick=True) == [cfg.num_stages]
-    assert bench.parse_stages("0,1-3", cfg) == [1, 2, 3]
+    assert bench_trees.parse_stages(None, cfg) == list(range(1, cfg.num_stages + 1))
+    assert bench_trees.parse_stages(None, cfg, quick=True) == [cfg.num_stages]
+    assert bench_trees.parse_stages("0,1-3", cfg) == [1, 2, 3]
 
 
-def test_register_adds_bench_command():
+def test_cli_adds_bench_command():
     from hmastack.cli import build_parser
 
     args = build_parser().parse_args(["bench", "--quick", "--stages", "3", "--no-peer"])
@@ -122,14 +128,14 @@ def test_ratio_rows_pair_rounds_by_setting():
 
 
 def test_tree_colors_are_stable():
-    assert bench.tree_color("stage 0") == bench.TAB10[0]
-    assert bench.tree_color("stage 4") == bench.TAB10[4]
-    assert bench.tree_color("v0.14.0") == bench.TAB10[9]
+    assert bench_plots.tree_color("stage 0") == bench_plots.TAB10[0]
+    assert bench_plots.tree_color("stage 4") == bench_plots.TAB10[4]
+    assert bench_plots.tree_color("v0.14.0") == bench_plots.TAB10[9]
     # Partial commits: lighter shades of their stage's colour, all distinct.
-    shades = [bench.tree_color(f"stage 3.{j}") for j in (1, 2)]
-    assert len({*shades, bench.tree_color("stage 3")}) == 3
+    shades = [bench_plots.tree_color(f"stage 3.{j}") for j in (1, 2)]
+    assert len({*shades, bench_plots.tree_color("stage 3")}) == 3
     assert all(s.startswith("#") and len(s) == 7 for s in shades)
-    assert bench.tree_color("stage 4 slowed") == "#000000"
+    assert bench_plots.tree_color("stage 4 slowed") == "#000000"
 
 
 def _reports() -> dict[str, dict]:
@@ -208,7 +214,7 @@ def test_every_scenario_has_a_plot_and_the_site_shows_it(project):
         path = bench.plot(name, report, out)
         assert path == out / f"{name}.png"
         assert path.read_bytes().startswith(b"\x89PNG")
-    (out / bench.SUMMARY).write_text(bench.summary_markdown(_reports()))
+    (out / bench.SUMMARY).write_text(bench_tables.summary_markdown(_reports()))
     site = docs.generate(project)
     page = site.pages["benchmarks.md"]
     assert "## Summary of the last run" in page
@@ -236,7 +242,7 @@ def _cells(text: str) -> str:
 
 
 def test_summary_has_the_tables_one_column_per_tree():
-    text = bench.summary_markdown(_reports())
+    text = bench_tables.summary_markdown(_reports())
     # peak, longest hit, concurrency, instructions, CPU time, eagle
     assert text.count("### ") == 6
     peak, hit, conc, counts, cpu, eagle = (_cells(t) for t in text.split("### ")[1:])
@@ -250,14 +256,14 @@ def test_summary_has_the_tables_one_column_per_tree():
     assert "|gemma3|connector|prefill|256|1.900 ms|10.5263%|" in cpu
     # One column per tree, then the rule and the hit without eagle of stage 5.
     assert "|gptoss|128|connector async|4101|4064|0|4064|0|4096|" in eagle
-    assert bench.summary_markdown({}) == ""
+    assert bench_tables.summary_markdown({}) == ""
 
 
 def test_a_ratio_above_the_threshold_is_marked():
     a = ("gptoss", "connector", "decode", 64)
     runs = {"stage 0": [_cost_run({a: 1.0})], "stage 3": [_cost_run({a: 1.02})]}
     report = {"rows": bench_cost.ratio_rows(list(runs), runs, "cpu_ms_per_step")}
-    assert "|**1.020**|" in _cells(bench.ratio_table(report, "x", "{}"))
+    assert "|**1.020**|" in _cells(bench_tables.ratio_table(report, "x", "{}"))
 
 
 def test_no_plot_without_rows(tmp_path):
@@ -271,23 +277,24 @@ def test_no_plot_without_rows(tmp_path):
 # --- the scenarios inside the real trees ----------------------------------------
 
 
-def _tree(k: int) -> bench.BenchTree:
+def _tree(k: int) -> bench_trees.BenchTree:
     cfg = config_mod.load(ROOT)
     pyenv = env_mod.location(cfg)
     if not pyenv.python.exists():
         pytest.skip(f"{pyenv.python} missing: run `hmastack env` first")
-    return bench.BenchTree(f"stage {k}", bench.stage_tree(cfg, k))
+    return bench_trees.BenchTree(f"stage {k}", bench_trees.stage_tree(cfg, k))
 
 
 def _run(k: int, name: str, args: dict) -> dict:
     tree = _tree(k)
     cfg = config_mod.load(ROOT)
-    return bench.run_scenario(cfg, env_mod.location(cfg), tree, name, args)
+    return bench_trees.run_scenario(cfg, env_mod.location(cfg), tree, name, args)
 
 
 PEAK_ARGS = {"lengths": [1024, 131072], "windows": [512, 4096], "block_size": B}
 
 
+@pytest.mark.vllm_tree
 def test_peak_blocks_base_allocates_every_external_token():
     rep = _run(0, "peak_blocks", PEAK_ARGS)
     assert rep["separate_external_arg"] is False
@@ -295,9 +302,10 @@ def test_peak_blocks_base_allocates_every_external_token():
         total = math.ceil((r["external"] + r["new"]) / B)
         assert r["full_blocks"] == total
         assert r["swa_blocks"] == total  # allocate-then-free: no window bound
-    assert bench.check_peak(rep) == []
+    assert figures.check_peak(rep) == []
 
 
+@pytest.mark.vllm_tree
 def test_peak_blocks_stage3_holds_only_the_window():
     rep = _run(3, "peak_blocks", PEAK_ARGS)
     assert rep["separate_external_arg"] is True  # detected with inspect
@@ -306,12 +314,13 @@ def test_peak_blocks_stage3_holds_only_the_window():
         assert r["full_blocks"] == total
         # One new token: the window minimum exactly, or every block if fewer.
         assert r["swa_blocks"] == min(total, r["swa_min"])
-    assert bench.check_peak(rep) == []
+    assert figures.check_peak(rep) == []
 
 
 ADMIT_ARGS = {"windows": [512], "patterns": ["gemma3"], "num_blocks": 4096}
 
 
+@pytest.mark.vllm_tree
 def test_admission_base_gains_nothing_from_hma_for_an_external_hit():
     (r,) = _run(0, "admission", ADMIT_ARGS)["rows"]
     # 6 groups x ceil((L+1)/16) <= 4095 vs one group of 4096 // 6 blocks.
@@ -321,6 +330,7 @@ def test_admission_base_gains_nothing_from_hma_for_an_external_hit():
     assert r["concurrent"] == 1 < r["concurrent_physical"]
 
 
+@pytest.mark.vllm_tree
 def test_admission_stage3_reaches_the_physical_limit():
     (r,) = _run(3, "admission", ADMIT_ARGS)["rows"]
     assert r["longest_hit"] == r["longest_hit_physical"] == 62879
@@ -334,6 +344,7 @@ COST_ARGS = {
 }
 
 
+@pytest.mark.vllm_tree
 def test_scheduler_cost_with_the_scripted_connector_does_the_same_work():
     base = _run(0, "scheduler_cost", COST_ARGS)["rows"]
     stage3 = _run(3, "scheduler_cost", COST_ARGS)["rows"]
@@ -388,9 +399,10 @@ def test_insert_statement_goes_after_the_docstring():
         bench_trees.insert_statement(source, "B.f", "pass")
 
 
+@pytest.mark.vllm_tree
 def test_commit_trees_are_the_proper_prefixes_of_a_stage():
-    from hmastack import workspace
-    from hmastack.gitutil import git
+    from hmastack.core.gitutil import git
+    from hmastack.stack import workspace
 
     cfg = config_mod.load(ROOT)
     if not (cfg.workspace("vllm") / ".git").exists():
@@ -509,7 +521,7 @@ def _eagle_row(case: str, **kw) -> dict:
     ],
 )
 def test_expected_eagle_hit(row, window, want):
-    assert bench.expected_eagle_hit(["full", "swa"], window, 16, row) == want
+    assert figures.expected_eagle_hit(["full", "swa"], window, 16, row) == want
 
 
 def test_eagle_check_flags_a_wrong_hit(monkeypatch):
@@ -518,31 +530,32 @@ def test_eagle_check_flags_a_wrong_hit(monkeypatch):
     row = _eagle_row("fully cached") | {"pattern": "gptoss", "window": 128}
     report = {"rows": [row | {"hit": 4064, "hit_no_eagle": 4096}]}
     monkeypatch.setattr(
-        bench,
+        figures,
         "_run_each",
         lambda cfg, pyenv, trees, name, args: ({t.label: [report] for t in trees}, {}),
     )
-    trees = [bench.BenchTree(label, None) for label in ("stage 4", "v0.14.0")]
-    assert bench.bench_eagle(None, None, trees, bench.QUICK)["checked"] == "exact"
-    trees.append(bench.BenchTree("stage 5", None))
-    out = bench.bench_eagle(None, None, trees, bench.QUICK)
+    trees = [bench_trees.BenchTree(label, None) for label in ("stage 4", "v0.14.0")]
+    assert figures.bench_eagle(None, None, trees, bench.QUICK)["checked"] == "exact"
+    trees.append(bench_trees.BenchTree("stage 5", None))
+    out = figures.bench_eagle(None, None, trees, bench.QUICK)
     assert out["checked"] == "MISMATCH"
     assert out["mismatches"] == [
         "stage 5: gptoss W=128 fully cached: hit 4064 (want 4080)"
     ]
     assert "|gptoss|128|fully cached|4101|4064|4064|4064|4080|4096|" in _cells(
-        bench.eagle_markdown(out["rows"])
+        bench_tables.eagle_markdown(out["rows"])
     )
 
 
 EAGLE_ARGS = {"patterns": ["gptoss"], "windows": [128], "block_size": B}
 
 
+@pytest.mark.vllm_tree
 def test_eagle_hits_stage5_follows_the_rule_and_the_base_drops_twice():
-    kinds = bench.GROUP_KINDS["gptoss"]
+    kinds = figures.GROUP_KINDS["gptoss"]
     stage5 = _run(5, "eagle_hits", EAGLE_ARGS)["rows"]
     for r in stage5:
-        assert r["hit"] == bench.expected_eagle_hit(kinds, 128, B, r), r["case"]
+        assert r["hit"] == figures.expected_eagle_hit(kinds, 128, B, r), r["case"]
     base = {r["case"]: r for r in _run(0, "eagle_hits", EAGLE_ARGS)["rows"]}
     # 0.13.0: full attention and sliding window each drop a block for eagle.
     assert base["fully cached"]["hit"] == base["fully cached"]["hit_no_eagle"] - 2 * B

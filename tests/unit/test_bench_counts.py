@@ -2,7 +2,7 @@
 
 The meters of ``bench/scenarios/_meters.py`` run here exactly as in the
 scheduler-cost scenario, under valgrind started with
-:meth:`hmastack.callgrind.Callgrind.command`, on a toy workload instead of vLLM
+:meth:`hmastack.bench.callgrind.Callgrind.command`, on a toy workload instead of vLLM
 (seconds instead of minutes): counts repeat exactly, a 1% slower function shows
 as a ratio above 1.01, work outside the measured calls is not counted, a nested
 marker is detected, and the profiles name the function that got slower.
@@ -19,15 +19,19 @@ from pathlib import Path
 
 import pytest
 
-from hmastack import bench_cost, callgrind
+from hmastack.bench import callgrind
+from hmastack.bench import cost as bench_cost
 
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = ROOT / "bench" / "scenarios"
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("valgrind") is None,
-    reason="valgrind is not installed (apt-get install valgrind; .ci/run does)",
-)
+pytestmark = [
+    pytest.mark.valgrind,
+    pytest.mark.skipif(
+        shutil.which("valgrind") is None,
+        reason="valgrind is not installed (apt-get install valgrind; .ci/run does)",
+    ),
+]
 
 PROGRAM = textwrap.dedent(
     """

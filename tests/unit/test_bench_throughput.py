@@ -14,9 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from hmastack import bench, docs
-from hmastack import bench_throughput as bt
-from hmastack.errors import HmastackError
+from hmastack.bench import plots as bench_plots
+from hmastack.bench import run as bench
+from hmastack.bench import throughput as bt
+from hmastack.core.errors import HmastackError
+from hmastack.site import docs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -145,7 +147,7 @@ def test_plot_draws_the_three_panels():
         "cases": bt.CASES,
         "batch": bt.BATCH,
     }
-    fig = bt.plot(report, plt)
+    fig = bench_plots.plot_throughput(report, plt)
     assert len(fig.axes) == 3
     plt.close(fig)
 

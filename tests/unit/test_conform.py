@@ -8,9 +8,11 @@ import sys
 
 import pytest
 
-from hmastack import cli, conform, matrix
-from hmastack.errors import HmastackError
-from hmastack.gitutil import git
+from hmastack import cli
+from hmastack.conform import run as conform
+from hmastack.core.errors import HmastackError
+from hmastack.core.gitutil import git
+from hmastack.matrix import pytest_runs
 
 
 def make_tree(path, text: str):
@@ -128,8 +130,8 @@ def test_first_failure_names_the_test(tmp_path):
         capture_output=True,
         check=False,
     )
-    counts, failures = matrix.read_junit(junit)
-    ran = matrix.PytestResult(counts, list(failures), 1, "", failures)
+    counts, failures = pytest_runs.read_junit(junit)
+    ran = pytest_runs.PytestResult(counts, list(failures), 1, "", failures)
     assert conform._first_failure(ran).startswith(
         "test_m.py::test_replay: test_m.Mismatch: trace-0002.json step 4"
     )
@@ -137,7 +139,7 @@ def test_first_failure_names_the_test(tmp_path):
     assert conform._first_failure(ran) == (
         "test_m.py::test_property: AssertionError: NoTransferRace violated: ('r3', 1)"
     )
-    assert conform._first_failure(matrix.PytestResult({"passed": 5})) == ""
+    assert conform._first_failure(pytest_runs.PytestResult({"passed": 5})) == ""
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hmastack import traces
+from hmastack.spec import traces
 
 ROOT = Path(__file__).resolve().parents[2]
 CEX = (
@@ -40,6 +40,7 @@ def test_the_known_defects_have_their_counterexample():
     } <= set(MODELS)
 
 
+@pytest.mark.tlc
 @pytest.mark.skipif(shutil.which("java") is None, reason="TLC needs Java")
 @pytest.mark.parametrize("model", MODELS)
 def test_fixture_is_tlcs_counterexample(model, tmp_path):

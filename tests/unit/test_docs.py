@@ -11,10 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from hmastack import base, docs, site_hook, site_patches, spec, workspace
-from hmastack import config as config_mod
-from hmastack.errors import HmastackError
-from hmastack.gitutil import git
+from hmastack.core import config as config_mod
+from hmastack.core.errors import HmastackError
+from hmastack.core.gitutil import git
+from hmastack.site import docs, pages
+from hmastack.site import hook as site_hook
+from hmastack.site import patches as site_patches
+from hmastack.spec import manifest as spec_manifest
+from hmastack.spec import models as spec
+from hmastack.stack import base, workspace
 
 REPO = Path(__file__).resolve().parents[2]
 AUTHOR = "Ada Lovelace <ada@example.com>"
@@ -83,7 +88,7 @@ def with_site_files(cfg):
     text = (REPO / "mkdocs.yml").read_text()
     hook = Path(site_hook.__file__).resolve()
     (cfg.root / "mkdocs.yml").write_text(
-        text.replace("src/hmastack/site_hook.py", str(hook))
+        text.replace("src/hmastack/site/hook.py", str(hook))
     )
     shutil.copytree(REPO / "docs", cfg.root / "docs")
     return cfg
@@ -148,6 +153,7 @@ def test_stage_page_is_generated_from_readme_commits_and_diff(series):
     assert "02-second/demo" not in page.split("## Apply up to this stage")[1]
 
 
+@pytest.mark.mkdocs
 def test_changing_a_subject_changes_the_stage_page(series, tmp_path):
     """Done-when of the site: copy a patch with an altered Subject into a temp
     project, re-run, the page changes with no manual edit."""
@@ -286,20 +292,21 @@ def test_model_page_lists_every_manifest_model_before_any_run(project):
         "| `WindowCovered` | `Spec => []WindowCovered` | `IsSeries /\\ Unmutated` |"
         in page
     )
-    models = spec.load_manifest(spec.load_settings(project.root))
+    models = spec_manifest.load_manifest(spec_manifest.load_settings(project.root))
     for name in models:
         assert f"| `{name}` |" in page, name
     assert "| `mutations/skip-ceil` | SeriesAsCoded | SkipCeil |" in page
     assert "Not run yet: `hmastack spec check`" in page
 
 
+@pytest.mark.tlc
 @pytest.mark.skipif(shutil.which("java") is None, reason="TLC needs Java")
 def test_model_page_shows_the_checks_own_verdict_and_counterexamples(project):
     """Reports written by the real `spec check` (issue 19: the page once showed
     mutations as never run and misread simulation results)."""
     _copy_spec(project)
-    settings = spec.load_settings(project.root)
-    models = spec.load_manifest(settings)
+    settings = spec_manifest.load_settings(project.root)
+    models = spec_manifest.load_manifest(settings)
     chosen = ["series-stall", "mutations/skip-ceil", "series-deep"]
     failed = spec.check_models(
         project.root, project.build, project.reports, settings, models, chosen
@@ -335,9 +342,9 @@ def documented_commands(text: str) -> list[str]:
 
 
 def test_documented_git_am_commands_apply_the_stack_onto_the_base(series, tmp_path):
-    stages = docs.load_stages(series)
+    stages = pages.load_stages(series)
     for upto in (1, 2):
-        block = docs.apply_block(series, stages, upto)
+        block = pages.apply_block(series, stages, upto)
         (script,) = documented_commands(block)
         # The page shows exactly this block.
         site = docs.generate(series)
@@ -376,6 +383,7 @@ def test_documented_git_am_commands_apply_the_stack_onto_the_base(series, tmp_pa
 # --- the real repository ---------------------------------------------------------
 
 
+@pytest.mark.mkdocs
 def test_repository_site_builds_strict_and_offline(tmp_path, monkeypatch):
     monkeypatch.delenv("HMASTACK_BUILD", raising=False)
     monkeypatch.setenv("HMASTACK_ROOT", str(REPO))
@@ -427,7 +435,7 @@ def test_nav_lists_every_page_and_the_model_page_when_written(project, tmp_path)
 
 
 def test_two_space_nested_lists_are_widened_for_python_markdown():
-    from hmastack.docs import widen_nested_lists
+    from hmastack.site.pages import widen_nested_lists
 
     text = "- a\n  - b\n    - c\n```\n  - code\n```\n"
     assert widen_nested_lists(text) == "- a\n    - b\n        - c\n```\n  - code\n```"
@@ -438,12 +446,13 @@ def test_two_space_nested_lists_are_widened_for_python_markdown():
 def test_stage_page_lists_every_commit_as_the_per_commit_run_reported_it(series):
     """commits.json written by the real report writer, from the real patch files:
     each commit of the stage gets its row; a commit the run did not reach says so."""
-    from hmastack import matrix, reports
+    from hmastack.matrix import pytest_runs, reports
+    from hmastack.matrix import stages as matrix
 
     stage1 = sorted((series.patches / "01-first" / "demo").glob("*.patch"))
     assert len(stage1) == 2
     green = matrix.CommitResult("demo", 1, 1, stage1[0].name, "Make f3 return 33", "h")
-    green.vllm = matrix.PytestResult({"passed": 5}, [], 0)
+    green.vllm = pytest_runs.PytestResult({"passed": 5}, [], 0)
     green.ruff = "ok"
     reports.write_commit_report(series, [green])
     page = docs.generate(series).pages["stages/01-first.md"]
@@ -452,7 +461,7 @@ def test_stage_page_lists_every_commit_as_the_per_commit_run_reported_it(series)
     assert "1/2] Test f3 | not run | - | - |" in page
 
     red = matrix.CommitResult("demo", 2, 1, stage1[1].name, "Test f3", "h2")
-    red.vllm = matrix.PytestResult({"passed": 4, "failed": 1}, ["t.py::x"], 1)
+    red.vllm = pytest_runs.PytestResult({"passed": 4, "failed": 1}, ["t.py::x"], 1)
     red.ruff = "ok"
     reports.write_commit_report(series, [green, red])
     page = docs.generate(series).pages["stages/01-first.md"]

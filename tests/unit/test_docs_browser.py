@@ -8,16 +8,20 @@ from pathlib import Path
 
 import pytest
 
-from hmastack import config as config_mod
-from hmastack import docs, site_model
+from hmastack.core import config as config_mod
+from hmastack.site import docs, pages
+from hmastack.site import model as site_model
 from tests.site import browser
 
 REPO = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.skipif(
-    browser.unavailable_reason() is not None,
-    reason=f"browser test needs Chromium: {browser.unavailable_reason()}",
-)
+pytestmark = [
+    pytest.mark.mkdocs,
+    pytest.mark.skipif(
+        browser.unavailable_reason() is not None,
+        reason=f"browser test needs Chromium: {browser.unavailable_reason()}",
+    ),
+]
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +47,7 @@ def heading(visit: browser.Visit) -> str:
 def test_site_renders_in_chromium(built):
     cfg, site = built
     shots = cfg.reports / "site"
-    stages = docs.load_stages(cfg)
+    stages = pages.load_stages(cfg)
     with browser.serve(site) as base, browser.browser() as context:
         overview = browser.visit(context, base, "", shots / "overview.png")
         clean(overview)

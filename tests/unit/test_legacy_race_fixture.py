@@ -14,17 +14,20 @@ from pathlib import Path
 
 import pytest
 
-from hmastack import config, spec
+from hmastack.core import config
+from hmastack.spec import manifest as spec_manifest
+from hmastack.spec import models as spec
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "stages" / "s00_base" / "legacy_race_events.json"
 
 
+@pytest.mark.tlc
 @pytest.mark.skipif(shutil.which("java") is None, reason="TLC needs Java")
 def test_fixture_is_the_legacy_race_counterexample():
     cfg = config.load(ROOT)
-    settings = spec.load_settings(cfg.root)
-    models = spec.load_manifest(settings)
+    settings = spec_manifest.load_settings(cfg.root)
+    models = spec_manifest.load_manifest(settings)
     failed = spec.check_models(
         cfg.root, cfg.build, cfg.reports, settings, models, ["legacy-race"]
     )

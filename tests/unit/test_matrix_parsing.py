@@ -6,15 +6,16 @@ from pathlib import Path
 
 import pytest
 
-from hmastack import matrix
-from hmastack.errors import HmastackError
+from hmastack.core.errors import HmastackError
+from hmastack.matrix import pytest_runs
+from hmastack.matrix import stages as matrix
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_deselected_count_comes_from_the_closing_line():
     output = "1 failed, 287 passed, 9 deselected, 1 error, 14 warnings in 95.10s"
-    counts = matrix.parse_pytest_output(output)
+    counts = pytest_runs.parse_pytest_output(output)
     assert counts["deselected"] == 9
     assert counts["passed"] == 287
 
@@ -86,7 +87,7 @@ def test_junit_outcomes_of_a_real_pytest_run(tmp_path):
         text=True,
     )
     assert "ERROR 11-30" in proc.stdout
-    counts, failures = matrix.read_junit(junit)
+    counts, failures = pytest_runs.read_junit(junit)
     assert counts["passed"] == 2  # the logging test and TestGroup n=1
     assert counts["failed"] == 3  # test_fail, strict xpass, TestGroup n=2
     assert counts["errors"] == 1
@@ -100,43 +101,43 @@ def test_junit_outcomes_of_a_real_pytest_run(tmp_path):
         "tests/v1/test_sample.py::test_fail",
         "tests/v1/test_sample.py::test_xpass_strict",
     ]
-    assert matrix.parse_pytest_output(proc.stdout)["deselected"] == 1
+    assert pytest_runs.parse_pytest_output(proc.stdout)["deselected"] == 1
 
 
 def test_unreadable_junit_names_the_file(tmp_path):
     bad = tmp_path / "vllm.xml"
     bad.write_text("not xml")
     with pytest.raises(HmastackError, match="vllm.xml: pytest wrote no readable"):
-        matrix.read_junit(bad)
+        pytest_runs.read_junit(bad)
     with pytest.raises(HmastackError, match="missing.xml"):
-        matrix.read_junit(tmp_path / "missing.xml")
+        pytest_runs.read_junit(tmp_path / "missing.xml")
 
 
 def test_result_is_red_on_failures_or_bad_exit():
-    ok = matrix.PytestResult({"passed": 3, "failed": 0}, [], 0)
+    ok = pytest_runs.PytestResult({"passed": 3, "failed": 0}, [], 0)
     assert ok.ok
-    assert not matrix.PytestResult({"passed": 3, "failed": 1}, [], 1).ok
-    assert not matrix.PytestResult({"passed": 3}, [], 2).ok  # interrupted/usage
+    assert not pytest_runs.PytestResult({"passed": 3, "failed": 1}, [], 1).ok
+    assert not pytest_runs.PytestResult({"passed": 3}, [], 2).ok  # interrupted/usage
 
 
 def test_committed_deselect_list_gives_a_known_reason_for_each(tmp_path):
-    entries = matrix.load_deselected(ROOT / "env" / "deselected.toml")
+    entries = pytest_runs.load_deselected(ROOT / "env" / "deselected.toml")
     assert entries, "the committed list is empty"
     for entry in entries:
         assert entry.node.startswith("tests/")
-        assert entry.reason in matrix.DESELECT_REASONS
+        assert entry.reason in pytest_runs.DESELECT_REASONS
 
 
 def test_deselect_entry_without_reason_is_refused(tmp_path):
     path = tmp_path / "d.toml"
     path.write_text('[[deselect]]\nnode = "tests/x.py::t"\nreason = "flaky"\n')
     with pytest.raises(HmastackError, match="needs a node, a reason"):
-        matrix.load_deselected(path)
+        pytest_runs.load_deselected(path)
 
 
 def test_stage_is_red_when_the_lmcache_suite_fails():
-    ok = matrix.PytestResult({"passed": 3}, [], 0)
-    bad = matrix.PytestResult({"passed": 3, "failed": 1}, ["t.py::x"], 1)
+    ok = pytest_runs.PytestResult({"passed": 3}, [], 0)
+    bad = pytest_runs.PytestResult({"passed": 3, "failed": 1}, ["t.py::x"], 1)
     stage = matrix.StageResult(4, "lmcache", {}, {}, vllm=ok, lmcache=ok, ours=ok)
     assert stage.ok
     stage.lmcache = bad
@@ -147,7 +148,7 @@ def test_stage_is_red_when_the_lmcache_suite_fails():
 def test_lmcache_suite_runs_at_the_stages_that_patch_lmcache(monkeypatch, tmp_path):
     """From the LMCache tree (its own pytest configuration), with the patched
     vLLM tree importable; not at stages that leave LMCache at its base."""
-    from hmastack import config
+    from hmastack.core import config
 
     cfg = config.load(ROOT)
     assert "tests/v1/test_vllm_v1_adapter_hma.py" in cfg.lmcache_suite
@@ -155,7 +156,7 @@ def test_lmcache_suite_runs_at_the_stages_that_patch_lmcache(monkeypatch, tmp_pa
 
     def fake_run_pytest(cfg, pyenv, args, cwd, pythonpath, log, extra_env=None):
         calls.append((args, cwd, pythonpath, log.name))
-        return matrix.PytestResult({"passed": 1}, [], 0)
+        return pytest_runs.PytestResult({"passed": 1}, [], 0)
 
     monkeypatch.setattr(matrix, "run_pytest", fake_run_pytest)
     monkeypatch.setattr(matrix, "run_ruff", lambda *args: "n/a")

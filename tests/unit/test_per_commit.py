@@ -4,8 +4,10 @@ import json
 
 import pytest
 
-from hmastack import base, matrix, reports, workspace
-from hmastack.gitutil import git
+from hmastack.core.gitutil import git
+from hmastack.matrix import pytest_runs, reports
+from hmastack.matrix import stages as matrix
+from hmastack.stack import base, workspace
 
 from .test_workspace import commit_change
 
@@ -56,7 +58,7 @@ def test_commit_report_and_table_name_every_commit(three_commits, capsys):
     results = [
         matrix.run_commit(cfg, None, "demo", patches, index, 0, []) for index in (1, 2)
     ]
-    results[1].vllm = matrix.PytestResult({"passed": 3, "failed": 1}, ["t::x"], 1)
+    results[1].vllm = pytest_runs.PytestResult({"passed": 3, "failed": 1}, ["t::x"], 1)
     path = reports.write_commit_report(cfg, results)
     data = json.loads(path.read_text())
     assert [(c["index"], c["ok"]) for c in data["commits"]] == [(1, True), (2, False)]

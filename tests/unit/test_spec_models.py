@@ -16,12 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from hmastack import site_model, spec
-from hmastack.errors import HmastackError
+from hmastack.core.errors import HmastackError
+from hmastack.spec import cfg as spec_cfg
+from hmastack.spec import install as spec_install
+from hmastack.spec import manifest as spec_manifest
+from hmastack.spec import models as spec
 
 ROOT = Path(__file__).resolve().parents[2]
-SETTINGS = spec.load_settings(ROOT)
-MODELS = spec.load_manifest(SETTINGS)
+SETTINGS = spec_manifest.load_settings(ROOT)
+MODELS = spec_manifest.load_manifest(SETTINGS)
 HAVE_JAVA = shutil.which("java") is not None
 needs_java = pytest.mark.skipif(
     not HAVE_JAVA, reason="Java is not installed (TLC needs it)"
@@ -34,8 +37,8 @@ SAFETY = [
 
 @pytest.fixture(scope="module")
 def tlc_env():
-    java = spec.find_java()
-    jar = spec.resolve_jar(ROOT, SETTINGS)
+    java = spec_install.find_java()
+    jar = spec_install.resolve_jar(ROOT, SETTINGS)
     return java, jar
 
 
@@ -44,8 +47,8 @@ def build(tmp_path_factory):
     return tmp_path_factory.mktemp("spec-build")
 
 
-def constants(model: spec.Model) -> dict[str, str]:
-    return site_model.read_cfg(model.cfg).constants
+def constants(model: spec_manifest.Model) -> dict[str, str]:
+    return spec_cfg.read_cfg(model.cfg).constants
 
 
 def test_manifest_covers_every_model_file_and_records_results():
@@ -64,7 +67,7 @@ def test_manifest_covers_every_model_file_and_records_results():
             )
         # EagleHits is violated by an initial state (one lookup is one state):
         # TLC prints no numbered trace for it.
-        one_state = spec.module_of(model, SETTINGS) == "EagleHits"
+        one_state = spec_manifest.module_of(model, SETTINGS) == "EagleHits"
         if model.result != "success":
             assert model.trace_length or one_state, f"{model.name} records its trace"
             assert model.workers == 1, "a failure's first trace is stable with 1 worker"
@@ -115,7 +118,7 @@ def test_exhaustive_series_models_are_big_enough():
 
 def test_passing_series_models_check_every_safety_property_they_claim():
     for name in ("series-wide", "series-decode", "series-saves"):
-        cfg = site_model.read_cfg(MODELS[name].cfg)
+        cfg = spec_cfg.read_cfg(MODELS[name].cfg)
         assert set(cfg.invariants) == set(SAFETY), name
         assert set(cfg.properties) == {"WindowBound", "ExactAdmission"}, name
 
@@ -152,7 +155,7 @@ def test_each_fix_of_stage_03_bites():
 
 def test_liveness_models_use_no_symmetry_nor_view():
     for model in MODELS.values():
-        cfg = site_model.read_cfg(model.cfg)
+        cfg = spec_cfg.read_cfg(model.cfg)
         if "Liveness" in cfg.properties:
             text = "\n".join(
                 line
@@ -165,7 +168,7 @@ def test_liveness_models_use_no_symmetry_nor_view():
 
 def test_parse_model_rejects_bad_entries(tmp_path):
     def parse(**entry):
-        return spec.parse_model("m", entry, tmp_path)
+        return spec_manifest.parse_model("m", entry, tmp_path)
 
     assert parse(result="success").mode == "exhaustive"
     for entry, message in [
@@ -190,13 +193,13 @@ def test_parse_model_rejects_bad_entries(tmp_path):
 
 def test_malformed_manifest_names_the_model(tmp_path):
     (tmp_path / "manifest.toml").write_text('[models.x]\nresult = "pass"\n')
-    settings = spec.Settings(**{**SETTINGS.__dict__, "spec_dir": tmp_path})
+    settings = spec_manifest.Settings(**{**SETTINGS.__dict__, "spec_dir": tmp_path})
     with pytest.raises(HmastackError, match="model x: result 'pass'"):
-        spec.load_manifest(settings)
+        spec_manifest.load_manifest(settings)
 
 
 def test_compare_reports_drift_wrong_property_and_wrong_result():
-    model = spec.Model(
+    model = spec_manifest.Model(
         name="m", cfg=Path("m.cfg"), mode="exhaustive", result="success",
         distinct_states=10, generated_states=20, depth=3,
     )  # fmt: skip
@@ -210,7 +213,7 @@ def test_compare_reports_drift_wrong_property_and_wrong_result():
         in spec.compare(model, dict(ok, distinct_states=11))[0]
     )
     assert "depth drifted" in spec.compare(model, dict(ok, depth=4))[0]
-    bad = spec.Model(
+    bad = spec_manifest.Model(
         name="l", cfg=Path("l.cfg"), mode="exhaustive", result="safety failure",
         prop="WindowBound", trace_length=2,
     )  # fmt: skip
@@ -222,7 +225,7 @@ def test_compare_reports_drift_wrong_property_and_wrong_result():
         in spec.compare(bad, dict(other, violated="WindowBound", trace_length=3))[0]
     )
     assert "expected safety failure (WindowBound)" in spec.compare(bad, ok)[0]
-    stall = spec.Model(
+    stall = spec_manifest.Model(
         name="s", cfg=Path("s.cfg"), mode="exhaustive", result="deadlock failure",
         prop="Deadlock", deadlock=True,
     )  # fmt: skip
@@ -248,11 +251,11 @@ def test_deadlock_flag_follows_the_manifest(tmp_path):
 
 def test_witness_run_keeps_the_constants_and_checks_only_the_witness():
     model = MODELS["series-wide"]
-    run = spec.witness_model(model, "Eviction")
+    run = spec_manifest.witness_model(model, "Eviction")
     text = spec.cfg_text(run)
     assert run.name == "series-wide@Eviction" and run.workers == 1
     assert run.result == "safety failure" and run.prop == "WitnessEviction"
-    cfg = site_model.read_cfg(model.cfg)
+    cfg = spec_cfg.read_cfg(model.cfg)
     for key, value in cfg.constants.items():
         assert f"    {key} = {value}\n" in text
     assert "SYMMETRY Symmetry" in text and "VIEW View" in text
@@ -262,9 +265,9 @@ def test_witness_run_keeps_the_constants_and_checks_only_the_witness():
 
 def test_every_witness_and_property_is_defined_in_the_spec():
     for model in MODELS.values():
-        module = spec.module_of(model, SETTINGS)
+        module = spec_manifest.module_of(model, SETTINGS)
         text = (SETTINGS.spec_dir / f"{module}.tla").read_text()
-        cfg = site_model.read_cfg(model.cfg)
+        cfg = spec_cfg.read_cfg(model.cfg)
         for name in [*cfg.invariants, *cfg.properties] + [
             f"Witness{w}" for w in model.witnesses
         ]:
@@ -272,41 +275,44 @@ def test_every_witness_and_property_is_defined_in_the_spec():
 
 
 def test_select_runs_ci_models_unless_nightly():
-    ci = spec.select(MODELS, [], nightly=False)
-    everything = spec.select(MODELS, [], nightly=True)
+    ci = spec_manifest.select(MODELS, [], nightly=False)
+    everything = spec_manifest.select(MODELS, [], nightly=True)
     assert "series-three" not in ci and "series-three" in everything
-    assert spec.select(MODELS, ["legacy"], nightly=False) == ["legacy"]
+    assert spec_manifest.select(MODELS, ["legacy"], nightly=False) == ["legacy"]
     with pytest.raises(HmastackError, match="unknown model"):
-        spec.select(MODELS, ["nope"], nightly=False)
+        spec_manifest.select(MODELS, ["nope"], nightly=False)
 
 
-def test_register_adds_fetch_and_check():
+def test_cli_adds_fetch_and_check():
+    from hmastack import cli
+
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command")
-    spec.register(sub)
+    cli.add_spec_parser(sub)
     args = parser.parse_args(["spec", "check", "legacy", "series-wide"])
-    assert args.func is spec.cmd_check and args.model == ["legacy", "series-wide"]
+    assert args.func is cli.spec_check_command
+    assert args.model == ["legacy", "series-wide"]
     args = parser.parse_args(["spec", "check", "--nightly", "--no-witnesses"])
     assert args.nightly and args.no_witnesses
-    assert parser.parse_args(["spec", "fetch"]).func is spec.cmd_fetch
+    assert parser.parse_args(["spec", "fetch"]).func is cli.spec_fetch_command
 
 
 def test_a_model_may_name_its_module(tmp_path):
     eagle = MODELS["eagle-hits"]
-    assert spec.module_of(eagle, SETTINGS) == "EagleHits"
-    assert spec.module_of(MODELS["series-wide"], SETTINGS) == SETTINGS.module
+    assert spec_manifest.module_of(eagle, SETTINGS) == "EagleHits"
+    assert spec_manifest.module_of(MODELS["series-wide"], SETTINGS) == SETTINGS.module
     cmd = spec.tlc_command("java", Path("t.jar"), SETTINGS, eagle, tmp_path)
     assert cmd[-1] == "EagleHits"
-    assert spec.witness_model(eagle, "EagleHit").module == "EagleHits"
+    assert spec_manifest.witness_model(eagle, "EagleHit").module == "EagleHits"
     with pytest.raises(ValueError, match="module"):
-        spec.parse_model("m", {"result": "success", "module": "a/b"}, tmp_path)
+        spec_manifest.parse_model("m", {"result": "success", "module": "a/b"}, tmp_path)
 
 
 def test_missing_java_is_a_clear_error(monkeypatch):
     monkeypatch.delenv("JAVA_HOME", raising=False)
     monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(HmastackError) as err:
-        spec.find_java()
+        spec_install.find_java()
     assert "openjdk-17-jre-headless" in err.value.hint
 
 
@@ -314,10 +320,11 @@ CI_RUNS = [
     run
     for name in sorted(MODELS)
     if MODELS[name].size == "ci"
-    for run in spec.runs_for(MODELS[name])
+    for run in spec_manifest.runs_for(MODELS[name])
 ]
 
 
+@pytest.mark.tlc
 @needs_java
 @pytest.mark.parametrize("run", CI_RUNS, ids=[r.name for r in CI_RUNS])
 def test_model_matches_manifest(run, tlc_env, build):
@@ -327,7 +334,7 @@ def test_model_matches_manifest(run, tlc_env, build):
     assert report["problems"] == [], f"{run.name}: see {path}"
     if run.result == "safety failure" and not run.is_witness:
         trace = report["trace"]
-        if spec.module_of(run, SETTINGS) == SETTINGS.module:
+        if spec_manifest.module_of(run, SETTINGS) == SETTINGS.module:
             assert trace, "a violation keeps its trace"
             assert trace[0]["event"]["act"] == "Init"
         # EagleHits is violated by an initial state, which TLC reports

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from hmastack.tlc import ParseError, TlaSet, parse_tool_output
+from hmastack.spec.tlc import ParseError, TlaSet, parse_tool_output
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -1,10 +1,10 @@
-"""The parser for TLC's value syntax (hmastack.tlc.parse_value / parse_state)."""
+"""The parser for TLC's value syntax (hmastack.spec.tlc.parse_value / parse_state)."""
 
 from __future__ import annotations
 
 import pytest
 
-from hmastack.tlc import (
+from hmastack.spec.tlc import (
     ModelValue,
     ParseError,
     TlaSet,

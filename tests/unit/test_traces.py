@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hmastack import tlc, traces
+from hmastack.spec import tlc, traces
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL_CFG = ROOT / "tests/stages/s03_connector_allocate/fixtures/replay-small.cfg"
@@ -63,6 +63,7 @@ def test_parse_cfg_constants():
     assert "TypeOK" not in constants
 
 
+@pytest.mark.tlc
 @pytest.mark.skipif(shutil.which("java") is None, reason="needs Java (TLC)")
 def test_generate_small_model(tmp_path):
     out = tmp_path / "traces"
@@ -86,6 +87,7 @@ def test_generate_small_model(tmp_path):
         assert (again / f.name).read_text() == f.read_text()
 
 
+@pytest.mark.tlc
 @pytest.mark.skipif(shutil.which("java") is None, reason="needs Java (TLC)")
 def test_cli_writes_under_reports(tmp_path):
     out = tmp_path / "cli"

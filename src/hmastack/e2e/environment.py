@@ -13,7 +13,7 @@ What goes in (pinned in ``hmastack.toml`` ``[e2e]`` and the locks under ``env/``
   :func:`place_kernels`. vLLM's Python never comes from that wheel.
 
 Downloads go to the user-level cache (``<cache>/wheels``, see
-:func:`hmastack.config.cache_dir`), so a fresh clone on the same machine finds the
+:func:`hmastack.core.config.cache_dir`), so a fresh clone on the same machine finds the
 ~4 GB again; the environment is installed from there with ``--no-index``. It is
 built in a temporary directory under build/ and renamed into place only when the
 kernels loaded in it, so a failed build leaves nothing half-built behind. Its
@@ -38,10 +38,11 @@ from pathlib import Path
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
-from hmastack.config import Config
-from hmastack.env import sha256_file, update_with_tree
-from hmastack.errors import HmastackError
-from hmastack.progress import CommandError, console, run, step
+from hmastack.core.config import Config
+from hmastack.core.errors import HmastackError
+from hmastack.core.process import CommandError, run
+from hmastack.core.progress import console, step
+from hmastack.stack.env import sha256_file, update_with_tree
 
 ENV_DIR = "e2e-env"
 KEY_FILE = ".hmastack-e2e-key"

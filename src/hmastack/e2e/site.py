@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hmastack.docs import md_table
+from hmastack.core.markdown import md_table
 
 PAGE = "end-to-end.md"
 

@@ -3,10 +3,10 @@
 
 ``support/testkit`` is on ``PYTHONPATH`` wherever that code runs:
 
-* stage tests and benchmark scenarios (``build/env``): ``hmastack.env.Env.
+* stage tests and benchmark scenarios (``build/env``): ``hmastack.stack.env.Env.
   test_environ`` adds it to every run it sets up;
 * engine processes of ``hmastack e2e`` and ``hmastack bench --throughput``
-  (``build/e2e-env``): ``hmastack.e2e.runner.engine_environ`` adds it;
+  (``build/e2e-env``): ``hmastack.e2e.engine.engine_environ`` adds it;
 * the tool (``.venv``): ``pyproject.toml`` installs the package with it.
 
 Modules: :mod:`~hmastack_testkit.window` (pure Python, no vLLM),

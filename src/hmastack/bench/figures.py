@@ -1,0 +1,363 @@
+"""The benchmark scenarios and their expected figures: what each scenario runs in
+the trees (``bench/scenarios/``), the physical limits its deterministic figures
+are checked against, and when a report fails the command.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hmastack.bench import cost as bench_cost
+from hmastack.bench import counts as bench_counts
+from hmastack.bench.trees import (
+    PEER_LABEL,
+    BenchTree,
+    alternate,
+    commit_trees,
+    run_scenario,
+    slowed_tree,
+    tree_stage,
+)
+from hmastack.core.config import Config
+from hmastack.stack import env as env_mod
+
+
+@dataclass
+class Context:
+    """What a scenario runs with: the configuration, the environment, the trees
+    (base first), the plan (:data:`FULL` or :data:`QUICK`)."""
+
+    cfg: Config
+    pyenv: env_mod.Env
+    trees: list[BenchTree]
+    plan: dict
+    quick: bool
+    # The marker and the fork server of the instruction counts (None: skipped).
+    counting: tuple | None = None
+    # The scenarios to run (names); the real-engine throughput only on request.
+    selected: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One benchmark: ``run`` returns its report (a dict with ``title``,
+    ``rows``, ``errors`` and, for deterministic figures, ``checked``); ``plot``
+    draws it (or None); ``failed`` says whether the report fails the command."""
+
+    name: str
+    run: Callable[[Context], dict]
+    plot: Callable | None = None
+    failed: Callable[[dict], list[str]] = lambda report: []
+
+
+def expected_swa_blocks(
+    external: int, new: int, window: int, block_size: int, separate: bool
+) -> int:
+    """Blocks one SWA group holds right after admitting the request.
+
+    Through ``num_new_tokens`` (0.13.0, stages < 3): every token gets a block.
+    With external tokens passed separately: the skipped prefix
+    (max(0, L - W + 1) tokens, L computed before the step) is the null block.
+    """
+    total = math.ceil((external + new) / block_size)
+    if not separate:
+        return total
+    skipped = max(0, min(external, external + new - 1) - window + 1)
+    return total - skipped // block_size
+
+
+def check_peak(report: dict) -> list[str]:
+    """The mismatches between a tree's peak-blocks report and the formulas."""
+    bad = []
+    B, sep = report["block_size"], report["separate_external_arg"]
+    for r in report["rows"]:
+        want_full = math.ceil((r["external"] + r["new"]) / B)
+        want_swa = expected_swa_blocks(r["external"], r["new"], r["window"], B, sep)
+        if (r["full_blocks"], r["swa_blocks"]) != (want_full, want_swa):
+            bad.append(
+                f"{r['pattern']} W={r['window']} L={r['external']}: full "
+                f"{r['full_blocks']} (want {want_full}), swa {r['swa_blocks']} "
+                f"(want {want_swa})"
+            )
+    return bad
+
+
+GROUPS = {"gemma3": 6, "gptoss": 2}  # KV cache groups of each pattern
+
+
+# The group kinds of each pattern, in order (as bench/scenarios/_common.py).
+GROUP_KINDS = {"gemma3": ["full"] + ["swa"] * 5, "gptoss": ["full", "swa"]}
+
+
+def expected_admission(
+    groups: int, separate: bool, B: int, n: int, N: int, prefix: int
+) -> dict[str, int] | None:
+    """Admission figures that follow from the block counts alone (one null
+    block reserved): HMA off is one group of N // groups blocks; HMA on without
+    the separate external argument gives every group a block per token. With it
+    the figures are the physical limits, which the scenario computes (None)."""
+    per_req = math.ceil((prefix + n) / B)
+    off = N // groups - 1
+    out = {
+        "longest_hit_hma_off": off * B - n,
+        "concurrent_hma_off": off // per_req,
+    }
+    if not separate:
+        out["longest_hit"] = ((N - 1) // groups) * B - n
+        out["concurrent"] = (N - 1) // (groups * per_req)
+    return out
+
+
+def check_admission(report: dict, args: dict) -> list[str]:
+    """The mismatches between a tree's admission report and the block counts."""
+    bad = []
+    B, n = args["block_size"], args["new_tokens"]
+    N, prefix = args["num_blocks"], args["shared_prefix"]
+    sep = report["separate_external_arg"]
+    for r in report["rows"]:
+        want = expected_admission(GROUPS[r["pattern"]], sep, B, n, N, prefix)
+        if sep:
+            want["longest_hit"] = r["longest_hit_physical"]
+            want["concurrent"] = r["concurrent_physical"]
+        for key, value in want.items():
+            if r[key] != value:
+                bad.append(
+                    f"{r['pattern']} W={r['window']}: {key} {r[key]} (want {value})"
+                )
+    return bad
+
+
+def _run_each(cfg, pyenv, trees, name, args):
+    return alternate(trees, 1, lambda t, _: run_scenario(cfg, pyenv, t, name, args))
+
+
+# The first stage whose prefix cache hits follow the eagle rule
+# (patches/05-eagle-hits); its hits are checked exactly, earlier trees and the
+# peer are reported.
+EAGLE_RULE_STAGE = 5
+
+
+EAGLE_WINDOWS = [128, 512]
+
+
+def eagle_first_cached_block(kind: str, window: int, B: int, row: dict) -> int:
+    """The first block of the first request's prompt that a group holds in the
+    prefix cache on a tree with the eagle rule: all of them, except after a
+    connector load in a sliding window group, which allocated (and cached)
+    only the window of the first computed token, x = min(external, prompt - 1)
+    (stage 3)."""
+    if kind == "full" or not row.get("load"):
+        return 0
+    x = min(row["external"], row["prompt"] - 1)
+    return max(0, x - window + 1) // B
+
+
+def expected_eagle_hit(kinds: list[str], window: int, B: int, row: dict) -> int:
+    """The longest hit (tokens) of a second request with the same prompt by the
+    rule, trying every length: L + B <= prompt - 1, and every group holds its
+    blocks for L (full attention: 0 ~ L/B - 1; sliding window: the window of
+    token L) and block L/B, which eagle computes again."""
+    max_len = row["prompt"] - 1
+    evicted = {tuple(e) for e in row.get("evict", [])}
+
+    def cached(group: int, kind: str, block: int) -> bool:
+        return (
+            (block + 1) * B <= max_len
+            and block >= eagle_first_cached_block(kind, window, B, row)
+            and (group, block) not in evicted
+        )
+
+    def serves(L: int) -> bool:
+        for group, kind in enumerate(kinds):
+            first = 0 if kind == "full" else max(0, L - window + 1) // B
+            if not all(cached(group, kind, b) for b in range(first, L // B + 1)):
+                return False
+        return True
+
+    return max([0] + [L for L in range(B, max_len + 1, B) if serves(L)])
+
+
+def bench_eagle(cfg, pyenv, trees, plan) -> dict:
+    B = 16
+    args = {"patterns": plan["patterns"], "windows": EAGLE_WINDOWS, "block_size": B}
+    results, errors = _run_each(cfg, pyenv, trees, "eagle_hits", args)
+    rows, mismatches = [], []
+    for label, runs in results.items():
+        stage = tree_stage(label)
+        checked = stage is not None and stage >= EAGLE_RULE_STAGE
+        for r in runs[0]["rows"] if runs else []:
+            kinds = GROUP_KINDS[r["pattern"]]
+            rule = expected_eagle_hit(kinds, r["window"], B, r)
+            if checked and r["hit"] != rule:
+                mismatches.append(
+                    f"{label}: {r['pattern']} W={r['window']} {r['case']}: hit "
+                    f"{r['hit']} (want {rule})"
+                )
+            rows.append(
+                {
+                    "tree": label,
+                    "pattern": r["pattern"],
+                    "W": r["window"],
+                    "case": r["case"],
+                    "prompt": r["prompt"],
+                    "hit (eagle)": r["hit"],
+                    # A connector's cache contents depend on the tree's allocation.
+                    "rule": rule if checked or not r.get("load") else "-",
+                    "hit without eagle": r["hit_no_eagle"],
+                }
+            )
+    return {
+        "title": "Prefix cache hits with eagle (tokens)",
+        "method": "a prompt computed (or loaded by a KV connector first) and "
+        "freed, blocks evicted from one group, then the same prompt's prefix "
+        "cache hit (get_computed_blocks) with eagle on and off; B=16; 'rule': the "
+        f"longest hit by the rule, checked exactly from stage {EAGLE_RULE_STAGE} on",
+        "checked": "exact" if not mismatches else "MISMATCH",
+        "mismatches": mismatches,
+        "errors": errors,
+        "rows": rows,
+    }
+
+
+def bench_peak(cfg, pyenv, trees, plan) -> dict:
+    args = {k: plan[k] for k in ("lengths", "windows", "patterns")} | {
+        "block_size": 16,
+        "new_tokens": 1,
+    }
+    results, errors = _run_each(cfg, pyenv, trees, "peak_blocks", args)
+    rows, mismatches = [], []
+    for label, runs in results.items():
+        if not runs:
+            continue
+        rep = runs[0]
+        mismatches += [f"{label}: {m}" for m in check_peak(rep)]
+        for r in rep["rows"]:
+            rows.append(
+                {
+                    "tree": label,
+                    "pattern": r["pattern"],
+                    "W": r["window"],
+                    "L": r["external"],
+                    "full": r["full_blocks"],
+                    "swa/group": r["swa_blocks"],
+                    "swa groups": r["swa_groups"],
+                    "swa min": r["swa_min"],
+                    "swa/min": round(r["swa_blocks"] / r["swa_min"], 2),
+                    "pool blocks": r["pool_taken"],
+                    "external arg": rep["separate_external_arg"],
+                }
+            )
+    return {
+        "title": "Peak blocks per group for one external hit",
+        "method": "one new request of L+1 tokens, L external; blocks held right "
+        "after allocate_slots (before remove_skipped_blocks); B=16",
+        "block_size": 16,
+        "checked": "exact" if not mismatches else "MISMATCH",
+        "mismatches": mismatches,
+        "errors": errors,
+        "rows": rows,
+    }
+
+
+def bench_admission(cfg, pyenv, trees, plan) -> dict:
+    args = {
+        "windows": plan["windows"],
+        "patterns": plan["patterns"],
+        "block_size": 16,
+        "new_tokens": 1,
+        "num_blocks": 4096,
+        "shared_prefix": 8192,
+    }
+    results, errors = _run_each(cfg, pyenv, trees, "admission", args)
+    rows, mismatches = [], []
+    for label, runs in results.items():
+        if runs:
+            mismatches += [f"{label}: {m}" for m in check_admission(runs[0], args)]
+        for r in runs[0]["rows"] if runs else []:
+            rows.append(
+                {
+                    "tree": label,
+                    "pattern": r["pattern"],
+                    "W": r["window"],
+                    "longest hit": r["longest_hit"],
+                    "HMA off": r["longest_hit_hma_off"],
+                    "physical": r["longest_hit_physical"],
+                    "concurrent@8k": r["concurrent"],
+                    "conc. HMA off": r["concurrent_hma_off"],
+                    "conc. physical": r["concurrent_physical"],
+                }
+            )
+    return {
+        "title": "Admission under a fixed KV budget",
+        "method": "budget 4096 hybrid blocks (B=16); HMA off = one group holding "
+        "every layer (4096 // groups blocks); binary search over L with a fresh "
+        "KVCacheManager per probe; concurrent = requests with an 8k external "
+        "prefix admitted in one step",
+        "budget_blocks": 4096,
+        "checked": "exact" if not mismatches else "MISMATCH",
+        "mismatches": mismatches,
+        "errors": errors,
+        "rows": rows,
+    }
+
+
+def run_cpu_time(ctx: Context) -> dict:
+    trees = ctx.trees
+    if not ctx.plan["peer_cost"]:  # CI time budget: the peer's timings are not quick
+        trees = [t for t in trees if t.label != PEER_LABEL]
+    return bench_cost.cpu_time(ctx.cfg, ctx.pyenv, trees, ctx.plan["cost"])
+
+
+def count_trees(ctx: Context) -> list[BenchTree]:
+    """The trees whose instructions are counted: the base, each stage preceded by
+    its partial commits (full set), the peer (full set)."""
+    stages = [t for t in ctx.trees if t.label != PEER_LABEL]
+    out = [stages[0]]
+    commits = {}
+    if ctx.plan["commits"]:
+        numbers = [int(t.label.split()[1]) for t in stages[1:]]
+        for t in commit_trees(ctx.cfg, numbers):
+            commits.setdefault(t.label.split()[1].split(".")[0], []).append(t)
+    for t in stages[1:]:
+        out += commits.get(t.label.split()[1], [])
+        out.append(t)
+    if ctx.plan["peer_cost"]:
+        out += [t for t in ctx.trees if t.label == PEER_LABEL]
+    return out
+
+
+def run_instructions(ctx: Context) -> dict:
+    if ctx.counting is None:
+        return {
+            "title": "Scheduler instructions per step",
+            "skipped": "--no-instructions",
+            "errors": {},
+            "rows": [],
+        }
+    cg, server = ctx.counting
+    trees = count_trees(ctx)
+    stages = [t for t in ctx.trees if t.label.startswith("stage ")]
+    last = stages[-1]
+    plan = {**ctx.plan["counts"]}
+    plan["repeat"] = [stages[0].label, last.label][: plan.get("repeat_trees", 2)]
+    witness = None
+    if last is not stages[0]:
+        k = int(last.label.split()[1])
+        slowed = slowed_tree(ctx.cfg, k, bench_cost.SLOWDOWN)
+        witness = bench_cost.Witness(slowed, last)
+    return bench_counts.instruction_counts(
+        ctx.cfg, ctx.pyenv, trees, plan, cg, server, witness
+    )
+
+
+def memory_failed(report: dict) -> list[str]:
+    return list(report.get("mismatches", []))
+
+
+def count_failed(report: dict) -> list[str]:
+    w = report.get("witness")
+    if w is not None and not w.get("caught"):
+        return [f"the witness {w['tree']} was not caught: {w.get('why')}"]
+    return []

@@ -1,0 +1,361 @@
+"""Benchmarks: what the series changes in memory, admission and scheduler cost.
+
+``hmastack bench [--quick] [--stages 1-3] [--no-peer] [--no-instructions]`` runs
+the scenarios of :data:`SCENARIOS` (scripts in ``bench/scenarios/``), each INSIDE
+one vLLM tree's process (``trees``), on the base (stage 0), on each
+selected stage and on the vLLM 0.14.0 peer, alternating trees:
+
+1. ``peak_blocks``: peak blocks per KV cache group for one request with an
+   external hit of L tokens, against the physical minimum ceil((W-1)/B)+1 per SWA
+   group. Deterministic: checked exactly (a mismatch fails the command).
+2. ``admission``: the longest external hit admitted and the number of concurrent
+   requests with a long external prefix under a fixed KV budget, with HMA off and
+   on, against the physical limit. Deterministic, checked exactly.
+3. ``scheduler_instructions``: instructions per schedule()+update_from_output()
+   step counted by callgrind, per KV cache layout (full attention, Gemma-3-like,
+   gpt-oss-like), connector, mode and request count, as the ratio stage/base with
+   the run-to-run spread; per commit of a stage with several (full set); the rows
+   above 1.01 get a profile; a slowed copy of the last stage is the witness that
+   it bites (a missed witness fails the command). ``cost``.
+4. ``scheduler_cost``: CPU time of the same calls, noisy, beside the counts.
+5. ``eagle_hits``: the prefix cache hit (tokens) of a request whose prompt was
+   cached (fully, evicted in one group, loaded by a KV connector), with eagle on
+   and off. Checked exactly from stage 5 on against the rule
+   (:func:`expected_eagle_hit`); earlier trees and the peer are reported.
+
+Results: ``build/reports/bench/<scenario>.json``, ``summary.md`` (tables), one
+``<scenario>.png`` plot each and the tables on the terminal; the site's
+Benchmarks page (``hmastack.site.bench``) shows them. Method and limits:
+``bench/README.md``. A further scenario plugs in as one more :class:`Scenario`
+in :data:`SCENARIOS`.
+
+Optional (``--throughput``, ``--only throughput``; in ``hmastack run``, not in
+``make test``): ``throughput``, the real engine (``build/e2e-env``) serving a
+batch whose long prefixes come from a KV connector under a memory-bound and a
+control KV budget, base (HMA off) against stages 3/4 (``throughput``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from pathlib import Path
+
+from hmastack.bench import callgrind
+from hmastack.bench import cost as bench_cost
+from hmastack.bench import counts as bench_counts
+from hmastack.bench import throughput as bench_throughput
+from hmastack.bench.figures import (
+    Context,
+    Scenario,
+    bench_admission,
+    bench_eagle,
+    bench_peak,
+    count_failed,
+    memory_failed,
+    run_cpu_time,
+    run_instructions,
+)
+from hmastack.bench.plots import (
+    plot_admission,
+    plot_eagle,
+    plot_peak,
+    plot_ratios,
+    plot_throughput,
+)
+from hmastack.bench.tables import print_table, summary_markdown
+from hmastack.bench.trees import (
+    PEER_LABEL,
+    BenchTree,
+    parse_stages,
+    peer_tree,
+    stage_tree,
+)
+from hmastack.core import config as config_mod
+from hmastack.core.config import Config
+from hmastack.core.errors import HmastackError
+from hmastack.core.progress import console, step
+from hmastack.stack import env as env_mod
+
+SUMMARY = "summary.md"  # the results as Markdown tables, one column per tree
+
+FULL = {
+    "lengths": [1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072],
+    "windows": [512, 4096],
+    "patterns": ["gemma3", "gptoss"],
+    "cost": {"settings": bench_cost.ALL_SETTINGS, "steps": 30, "reps": 3},
+    "counts": {
+        "settings": bench_cost.ALL_SETTINGS,
+        "steps": 6,
+        "reps": 1,
+        # One more round of the base and the last stage: the spread.
+        "repeat_rounds": 1,
+        "repeat_trees": 2,
+        "witness_settings": [s for s in bench_cost.ALL_SETTINGS if s["requests"] == 64],
+    },
+    "commits": True,
+    "peer_cost": True,
+}
+QUICK = {
+    "lengths": [1024, 8192, 131072],
+    "windows": [512, 4096],
+    "patterns": ["gemma3", "gptoss"],
+    "cost": {"settings": bench_cost.QUICK_SETTINGS, "steps": 10, "reps": 1},
+    "counts": {
+        "settings": bench_cost.QUICK_SETTINGS,
+        "steps": 6,
+        "reps": 1,
+        # One more round of the base: the spread.
+        "repeat_rounds": 1,
+        "repeat_trees": 1,
+        "witness_settings": bench_cost.WITNESS_QUICK,
+    },
+    "commits": False,
+    "peer_cost": False,
+}
+
+
+# --- the expected figures ---------------------------------------------------------
+
+
+# --- prefix cache hits with eagle (stage 5) ---------------------------------------
+
+
+# --- the scenarios ----------------------------------------------------------------
+
+
+# --- output ------------------------------------------------------------------------
+
+
+def plot(report_name: str, report: dict, out: Path) -> Path | None:
+    """A PNG next to the report when matplotlib is importable (else None)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    scenario = next((s for s in SCENARIOS if s.name == report_name), None)
+    if scenario is None or scenario.plot is None or not report.get("rows"):
+        return None
+    fig = scenario.plot(report, plt)
+    if fig is None:
+        return None
+    fig.tight_layout()
+    path = out / f"{report_name}.png"
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+SCENARIOS: list[Scenario] = [
+    Scenario(
+        "peak_blocks",
+        lambda ctx: bench_peak(ctx.cfg, ctx.pyenv, ctx.trees, ctx.plan),
+        plot_peak,
+        memory_failed,
+    ),
+    Scenario(
+        "admission",
+        lambda ctx: bench_admission(ctx.cfg, ctx.pyenv, ctx.trees, ctx.plan),
+        plot_admission,
+        memory_failed,
+    ),
+    # CPU time before the counts: the fork server of the counts imports vLLM's
+    # dependencies under valgrind meanwhile (the timings are noisy anyway).
+    Scenario("scheduler_cost", run_cpu_time, plot_ratios),
+    Scenario("scheduler_instructions", run_instructions, plot_ratios, count_failed),
+    Scenario(
+        "eagle_hits",
+        lambda ctx: bench_eagle(ctx.cfg, ctx.pyenv, ctx.trees, ctx.plan),
+        plot_eagle,
+        memory_failed,
+    ),
+    # The real engine (build/e2e-env): only with --throughput (minutes of engine
+    # processes), in `hmastack run`, not in `make test`.
+    Scenario(
+        "throughput",
+        lambda ctx: bench_throughput.run(ctx.cfg, ctx.quick),
+        plot_throughput,
+        bench_throughput.failed,
+    ),
+]
+OPTIONAL = ("throughput",)  # run only when asked for (--throughput, --only)
+
+
+def selected_scenarios(only: str | None, throughput: bool) -> tuple[str, ...]:
+    """The names of the scenarios to run: ``only`` (comma-separated) or every
+    scenario but the optional ones, plus the throughput when asked for.
+
+    Raises :class:`HmastackError` for an unknown name."""
+    names = [s.name for s in SCENARIOS]
+    if only:
+        chosen = [n.strip() for n in only.split(",") if n.strip()]
+        unknown = [n for n in chosen if n not in names]
+        if unknown:
+            raise HmastackError(
+                f"unknown scenario {', '.join(unknown)}", f"one of {', '.join(names)}"
+            )
+    else:
+        chosen = [n for n in names if n not in OPTIONAL]
+    if throughput and "throughput" not in chosen:
+        chosen.append("throughput")
+    return tuple(n for n in names if n in chosen)
+
+
+def cmd_bench(
+    quick: bool = False,
+    stages: str | None = None,
+    no_peer: bool = False,
+    instructions: bool = True,
+    only: str | None = None,
+    throughput: bool = False,
+    count_settings: str | None = None,
+) -> int:
+    """``hmastack bench``: the scenarios ``only`` names (default: all but the
+    optional ones; ``throughput`` adds that one)."""
+    cfg = config_mod.load()
+    failed = run_bench(
+        cfg,
+        quick,
+        stages,
+        no_peer,
+        instructions,
+        selected_scenarios(only, throughput),
+        count_settings,
+    )
+    return 1 if failed else 0
+
+
+def run_for_pipeline(cfg: Config) -> str:
+    """`hmastack run`'s benchmark step: the quick set (memory figures checked
+    exactly, the witness of the instruction counts must be caught, ratios
+    reported only). Raises :class:`HmastackError` on a failure."""
+    chosen = selected_scenarios(None, throughput=True)
+    if run_bench(cfg, quick=True, stages_text=None, no_peer=False, only=chosen):
+        raise HmastackError(
+            "a benchmark check failed (a memory figure, the witness or a "
+            "cached-token count of the throughput runs)",
+            f"see {cfg.reports / 'bench'} and build/logs/bench/",
+        )
+    return f"quick set, reports in {cfg.reports / 'bench'}"
+
+
+def _run_scenarios(
+    ctx: Context, out: Path, skipped: dict, failures: list, reports: dict
+) -> None:
+    for scenario in SCENARIOS:
+        if scenario.name not in ctx.selected:
+            continue
+        t0 = time.monotonic()
+        with step(f"bench {scenario.name}"):
+            report = scenario.run(ctx)
+        # A tree that cannot run a scenario is skipped with its reason; the peer
+        # may lack what our env provides.
+        for label, why in report.get("errors", {}).items():
+            if label == PEER_LABEL:
+                skipped[label] = why
+            else:
+                failures.append(f"{scenario.name}: {label} failed: {why}")
+        failures += [f"{scenario.name}: {f}" for f in scenario.failed(report)]
+        report["skipped"] = skipped
+        report["quick"] = bool(ctx.quick)
+        report["seconds"] = round(time.monotonic() - t0)
+        report["generated"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        (out / f"{scenario.name}.json").write_text(json.dumps(report, indent=2) + "\n")
+        plot(scenario.name, report, out)
+        print_table(report)
+        reports[scenario.name] = report
+
+
+def run_bench(
+    cfg: Config,
+    quick: bool,
+    stages_text: str | None,
+    no_peer: bool,
+    instructions: bool = True,
+    only: tuple[str, ...] | None = None,
+    count_settings: str | None = None,
+) -> bool:
+    """Run the scenarios ``only`` (default: all but the optional ones) on the
+    trees in alternation; True when a check failed. The summary also holds the
+    last reports of the scenarios not run."""
+    plan = QUICK if quick else FULL
+    if count_settings == "quick" and not quick:
+        # The full set's trees (every stage, its commits, the peer) on the quick
+        # settings: what a loaded machine can count in well under an hour.
+        plan = {
+            **plan,
+            "counts": {
+                **plan["counts"],
+                "settings": bench_cost.QUICK_SETTINGS,
+                "witness_settings": bench_cost.WITNESS_QUICK,
+            },
+        }
+    only = selected_scenarios(None, False) if only is None else only
+    instructions = instructions and "scheduler_instructions" in only
+    selected = parse_stages(stages_text, cfg, quick)  # validate before any work
+    if instructions:
+        callgrind.locate()  # fail before any work when valgrind is missing
+    pyenv = env_mod.ensure(cfg)
+    # The throughput builds its own trees (build/bench/engine, with the compiled
+    # kernels); the others run in build/bench/stages and the peer's tree.
+    if set(only) <= set(OPTIONAL):
+        selected, no_peer = [], True
+    trees = (
+        [BenchTree("stage 0", stage_tree(cfg, 0))] if selected or not no_peer else []
+    )
+    trees += [BenchTree(f"stage {k}", stage_tree(cfg, k)) for k in selected]
+    skipped = {}
+    if not no_peer:
+        path, why = peer_tree(cfg)
+        if path is not None:
+            trees.append(BenchTree(PEER_LABEL, path))
+        else:
+            skipped[PEER_LABEL] = why
+    ctx = Context(cfg, pyenv, trees, plan, quick, selected=only)
+    out = cfg.reports / "bench"
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    failures: list[str] = []
+    reports = {}
+    try:
+        if instructions:
+            with step("start the instruction counts (marker probe, fork server)"):
+                ctx.counting = bench_counts.start_counting(cfg, pyenv, trees[0])
+        _run_scenarios(ctx, out, skipped, failures, reports)
+    finally:
+        if ctx.counting is not None:
+            ctx.counting[1].close()
+    for s in SCENARIOS:  # the last report of a scenario not run this time
+        if s.name not in reports and (out / f"{s.name}.json").is_file():
+            with contextlib.suppress(ValueError):
+                reports[s.name] = json.loads((out / f"{s.name}.json").read_text())
+    (out / SUMMARY).write_text(summary_markdown(reports))
+    for label, why in skipped.items():
+        console.print(f"[yellow]skipped {label}:[/yellow] {why}")
+    for f in failures:
+        console.print(f"[red]{f}[/red]")
+    total = time.time() - started
+    # A run of the optional scenarios alone keeps the last full or quick run's
+    # record (the page's "Last run") and writes its own.
+    run_file = "run-optional.json" if set(only) <= set(OPTIONAL) else "run.json"
+    (out / run_file).write_text(
+        json.dumps(
+            {
+                "quick": bool(quick),
+                "seconds": round(total),
+                "scenarios": list(only),
+                "count_settings": count_settings,
+                "trees": [t.label for t in trees],
+                "failures": failures,
+                "generated": time.strftime("%Y-%m-%d %H:%M:%S"),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    console.print(f"bench reports in {out} ({total:.0f}s)")
+    return bool(failures)

@@ -1,0 +1,293 @@
+"""The vLLM trees the benchmarks run on, and how one scenario runs in one tree.
+
+Trees (each a :class:`BenchTree`):
+
+* ``stage k``: the base (k = 0) and each stage, clones under
+  ``build/bench/stages/k/`` re-applied from ``patches/`` on every run;
+* ``stage k.j``: the first j commits of a stage with several (the last commit is
+  ``stage k`` itself), under ``build/bench/commits/k.j/``;
+* ``v0.14.0``: the peer (``[peers.vllm-0-14]`` in ``hmastack.toml``), unpacked
+  into ``build/bench/vllm-0.14.0``;
+* a *slowed* copy of a stage (:func:`slowed_tree`): the witness that the
+  instruction counts and the profiles bite.
+
+A scenario (``bench/scenarios/<name>.py``) runs INSIDE a tree's process: that
+tree on ``PYTHONPATH``, the interpreter of ``build/env``; it prints its result as
+one JSON line after :data:`MARKER`.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import shutil
+import tarfile
+import tempfile
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from hmastack.core import config as config_mod
+from hmastack.core.config import Config, Tree
+from hmastack.core.errors import HmastackError
+from hmastack.core.gitutil import git
+from hmastack.core.process import CommandError, run
+from hmastack.stack import base as base_mod
+from hmastack.stack import env as env_mod
+
+MARKER = "HMASTACK_BENCH_JSON "
+PEER_KEY = "vllm-0-14"
+PEER_LABEL = "v0.14.0"
+
+
+@dataclass(frozen=True)
+class BenchTree:
+    label: str  # "stage 0", "stage 3", "stage 3.1", "v0.14.0", "stage 4 slowed"
+    path: Path  # the vLLM source tree
+    note: str = ""  # what it is, for the report (a commit subject, a mutation)
+
+    @property
+    def slug(self) -> str:
+        return self.label.replace(" ", "").replace(".", "_")
+
+
+def parse_stages(text: str | None, cfg: Config, quick: bool = False) -> list[int]:
+    """The stages to compare with the base: all by default, the last with --quick."""
+    if not text:
+        return [cfg.num_stages] if quick else list(range(1, cfg.num_stages + 1))
+    out: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        try:
+            ks = range(int(lo), int(hi or lo) + 1)
+        except ValueError:
+            raise HmastackError(
+                f"--stages {text!r}: {part!r} is not a stage number or range",
+                f"e.g. --stages 3 or --stages 1-{cfg.num_stages}",
+            ) from None
+        for k in ks:
+            if not 0 <= k <= cfg.num_stages:
+                raise HmastackError(f"unknown stage {k}", f"0..{cfg.num_stages}")
+            out.add(k)
+    out.discard(0)
+    return sorted(out)
+
+
+def stage_tree(cfg: Config, k: int) -> Path:
+    """The vLLM tree at stage ``k`` under ``build/bench/stages/k/`` (apart from the
+    stage matrix's trees, which may be in use), re-applied from ``patches/`` on
+    every run so it is never stale."""
+    from hmastack.matrix import stages as matrix
+    from hmastack.stack import workspace
+
+    trees = matrix.stage_trees(
+        cfg, workspace.discover(cfg), k, root=cfg.build / "bench" / "stages"
+    )
+    return trees["vllm"]
+
+
+def commit_trees(cfg: Config, stages: list[int]) -> list[BenchTree]:
+    """For each stage in ``stages`` whose vLLM part has several commits, one tree
+    per proper prefix of them (``stage k.j``: stages before k and the first j
+    commits of k), under ``build/bench/commits/k.j/``. Whatever commits the
+    series has: read from ``patches/`` on every run."""
+    from hmastack.stack import workspace
+
+    series = workspace.discover(cfg)
+    tree = cfg.tree("vllm")
+    out = []
+    for k in stages:
+        patches = series[k - 1].patches_for("vllm")
+        for j in range(1, len(patches)):
+            cut = [
+                *series[: k - 1],
+                dataclasses.replace(series[k - 1], patches={"vllm": patches[:j]}),
+            ]
+            dest = cfg.build / "bench" / "commits" / f"{k}.{j}" / "vllm"
+            _clone(cfg, tree, dest)
+            workspace.apply_to(dest, tree, cut, k)
+            git(dest, "clean", "-q", "-fdx")
+            subject = git(dest, "log", "-1", "--format=%s").strip()
+            out.append(BenchTree(f"stage {k}.{j}", dest, subject))
+    return out
+
+
+def _clone(cfg: Config, tree: Tree, dest: Path) -> None:
+    base_mod.materialize(cfg, tree)
+    if not (dest / ".git").exists():
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        git(cfg.root, "clone", "-q", "--no-checkout", cfg.workspace(tree.name), dest)
+        name, _, email = cfg.base_author.partition("<")
+        git(dest, "config", "user.name", name.strip())
+        git(dest, "config", "user.email", email.rstrip(">").strip())
+    git(dest, "fetch", "-q", "--tags", cfg.workspace(tree.name))
+
+
+def insert_statement(source: str, qualname: str, statement: str) -> str:
+    """``source`` with ``statement`` as the first statement of function
+    ``qualname`` (``Class.method`` or ``function``), after its docstring.
+    Raises :class:`HmastackError` if there is no such function."""
+    module = ast.parse(source)
+    *outer, name = qualname.split(".")
+    scope: list[ast.stmt] = module.body
+    for part in outer:
+        cls = next(
+            (n for n in scope if isinstance(n, ast.ClassDef) and n.name == part), None
+        )
+        if cls is None:
+            raise HmastackError(f"no class {part} for {qualname}")
+        scope = cls.body
+    fn = next(
+        (
+            n
+            for n in scope
+            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name == name
+        ),
+        None,
+    )
+    if fn is None:
+        raise HmastackError(f"no function {qualname}")
+    body = fn.body
+    first = body[1] if ast.get_docstring(fn) is not None and len(body) > 1 else body[0]
+    lines = source.splitlines(keepends=True)
+    indent = " " * first.col_offset
+    lines.insert(first.lineno - 1, f"{indent}{statement}\n")
+    return "".join(lines)
+
+
+@dataclass(frozen=True)
+class Slowdown:
+    """A deliberate cost put into one function of a copy of a stage tree."""
+
+    file: str  # relative to the tree
+    qualname: str
+    statement: str
+
+    @property
+    def describe(self) -> str:
+        return f"`{self.statement}` at the start of {self.qualname} ({self.file})"
+
+
+def slowed_tree(cfg: Config, k: int, slowdown: Slowdown) -> BenchTree:
+    """A copy of the stage-``k`` bench tree with ``slowdown`` inserted, under
+    ``build/bench/slowed/``: the instruction count must show it (ratio above the
+    threshold) and the profile must name ``slowdown.qualname``."""
+    src = stage_tree(cfg, k)
+    dest = cfg.build / "bench" / "slowed" / "vllm"
+    if not (dest / ".git").exists():
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        git(cfg.root, "clone", "-q", "--no-checkout", src, dest)
+    git(dest, "fetch", "-q", src, "HEAD")
+    git(dest, "reset", "-q", "--hard", "FETCH_HEAD")
+    git(dest, "clean", "-q", "-fdx")
+    path = dest / slowdown.file
+    path.write_text(
+        insert_statement(path.read_text(), slowdown.qualname, slowdown.statement)
+    )
+    return BenchTree(f"stage {k} slowed", dest, slowdown.describe)
+
+
+def peer_tree(cfg: Config) -> tuple[Path | None, str]:
+    """The vLLM 0.14.0 source tree under ``build/bench/``, or None and why not."""
+    data = tomllib.loads((cfg.root / config_mod.CONFIG_NAME).read_text())
+    raw = data.get("peers", {}).get(PEER_KEY)
+    if not raw:
+        return None, f"no [peers.{PEER_KEY}] in {config_mod.CONFIG_NAME}"
+    tree = Tree(
+        name=PEER_KEY,
+        package=raw["package"],
+        version=raw["version"],
+        sha256=raw["sha256"].lower(),
+        tag=raw.get("tag", f"v{raw['version']}"),
+        pip_env={k: str(v) for k, v in raw.get("pip_env", {}).items()},
+    )
+    dest = cfg.build / "bench" / f"vllm-{tree.version}"
+    if not (dest / "vllm" / "__init__.py").is_file():
+        try:
+            sdist = base_mod.fetch(cfg, tree)
+        except HmastackError as exc:
+            return None, f"could not fetch {tree.sdist_name}: {exc.message}"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+            with tarfile.open(sdist) as tar:
+                tar.extractall(tmp, filter="data")
+            (top,) = list(Path(tmp).iterdir())
+            shutil.move(str(top), dest)
+    return dest, ""
+
+
+# --- running scenarios -------------------------------------------------------------
+
+
+def scenario_environ(cfg: Config, pyenv: env_mod.Env, pythonpath: list[Path]) -> dict:
+    """The variables of every scenario process: vLLM's offline CPU test settings,
+    a fixed hash seed (str/bytes hashes, hence dict and set layouts, are the same
+    in every run) and compiled bytecode cached under ``build/bench/pycache`` (the
+    trees' sources are compiled once, not in every process)."""
+    environ = pyenv.test_environ(pythonpath)
+    environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    environ["PYTHONHASHSEED"] = "0"
+    environ["PYTHONPYCACHEPREFIX"] = str(cfg.build / "bench" / "pycache")
+    return environ
+
+
+def scenario_script(cfg: Config, name: str) -> Path:
+    return cfg.root / "bench" / "scenarios" / f"{name}.py"
+
+
+def parse_output(stdout: str) -> dict | None:
+    lines = [ln for ln in stdout.splitlines() if ln.startswith(MARKER)]
+    return json.loads(lines[-1][len(MARKER) :]) if lines else None
+
+
+def tree_stage(label: str) -> int | None:
+    """``"stage 5"`` -> 5; the peer -> None."""
+    kind, _, num = label.partition(" ")
+    return int(num) if kind == "stage" and num.isdigit() else None
+
+
+def run_scenario(
+    cfg: Config, pyenv: env_mod.Env, tree: BenchTree, name: str, args: dict
+) -> dict:
+    """Run ``bench/scenarios/<name>.py`` in ``tree``'s process; its result.
+    Raises :class:`CommandError` (with the output's tail) if it fails."""
+    script = scenario_script(cfg, name)
+    proc = run(
+        [pyenv.python, script, json.dumps(args)],
+        cwd=tree.path,
+        env=scenario_environ(cfg, pyenv, [tree.path]),
+        log=cfg.build / "logs" / "bench" / f"{name}-{tree.slug}.log",
+        check=False,
+    )
+    result = parse_output(proc.stdout)
+    if proc.returncode != 0 or result is None:
+        tail = "\n".join(proc.stdout.splitlines()[-15:])
+        raise CommandError([str(script), tree.label], proc.returncode, tail)
+    return result
+
+
+def round_order(trees: list, i: int) -> list:
+    """The order of round ``i``: forward on even rounds, backward on odd ones
+    (A B C, C B A, A B C ...), so that no tree always runs first or last in a
+    round (a position effect of the machine then does not bias one ratio)."""
+    return list(trees) if i % 2 == 0 else list(reversed(trees))
+
+
+def alternate(
+    trees: list[BenchTree], reps: int, run_one
+) -> tuple[dict[str, list[dict]], dict[str, str]]:
+    """``run_one(tree, i)`` on every tree in turn, ``reps`` rounds (``i`` the
+    round, see :func:`round_order`); the results per tree label in round order,
+    and the first error of each tree that failed (it is not run again)."""
+    results: dict[str, list[dict]] = {t.label: [] for t in trees}
+    errors: dict[str, str] = {}
+    for i in range(reps):
+        for t in round_order(trees, i):
+            if t.label in errors:
+                continue
+            try:
+                results[t.label].append(run_one(t, i))
+            except CommandError as exc:
+                errors[t.label] = exc.message.splitlines()[-1][:300]
+    return results, errors

@@ -1,0 +1,175 @@
+"""What conformance runs and breaks: the suites run at stage 03 (``SUITES``) and the
+deliberately broken copies (``BREAKS``): each a one-line edit that removes one
+protection of the series, and the suites that must catch it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+STAGE = 3
+
+
+STAGE_TESTS = Path("tests") / "stages"
+
+
+SUITE_DIR = STAGE_TESTS / "s03_connector_allocate"
+
+
+MODEL_CFG = SUITE_DIR / "fixtures" / "replay-saves.cfg"
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    kind: str  # "replay" or "random"
+    file: str  # under tests/stages/s03_connector_allocate/
+    # On a broken tree only this test of the file runs (the file's explicit
+    # regression tests would otherwise catch the break before the random test).
+    broken_only: str = ""
+
+
+SUITES = (
+    Suite("replay through the KVCacheManager", "replay", "test_replay.py"),
+    Suite("replay through the Scheduler", "replay", "test_scheduler_replay.py"),
+    Suite(
+        "random Scheduler state machine",
+        "random",
+        "test_scheduler_state_machine.py",
+        broken_only="test_scheduler_state_machine",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Break:
+    """One protection of the series removed by replacing ``old`` (which must occur
+    exactly once in ``path`` of the stage-03 vLLM tree) with ``new``."""
+
+    name: str
+    protection: str
+    path: str
+    old: str
+    new: str
+    # The kinds of suite that must catch it ("replay", "random").
+    caught_by: tuple[str, ...] = ("replay", "random")
+    # Why a kind of suite is not expected to catch it.
+    not_by_replay: str = ""
+    not_by_random: str = ""
+
+
+BREAKS = {
+    b.name: b
+    for b in (
+        Break(
+            name="allocate-skipped-external",
+            protection=(
+                "external tokens outside the sliding window get the null block "
+                "(broken: every external token gets a real block again, as in "
+                "0.13.0's allocate-then-free)"
+            ),
+            path="vllm/v1/core/kv_cache_manager.py",
+            old=(
+                "num_skipped_computed_tokens = min(num_computed_tokens, "
+                "request.num_tokens - 1)"
+            ),
+            new=(
+                "num_skipped_computed_tokens = "
+                "request.num_computed_tokens + num_new_computed_tokens"
+            ),
+        ),
+        Break(
+            name="free-aborted-load",
+            protection=(
+                "a request aborted while its asynchronous load runs keeps its "
+                "blocks until the connector reports the load finished (broken: "
+                "they are freed at once, while the load still writes them)"
+            ),
+            path="vllm/v1/core/sched/scheduler.py",
+            old="elif request_id not in self.recving_kv_req_ids:",
+            new="else:",
+        ),
+        Break(
+            name="keep-skipped-blocks",
+            protection=(
+                "allocate_slots frees the blocks of skipped tokens (outside the "
+                "window) of a running request before it allocates (broken: "
+                "they are kept)"
+            ),
+            path="vllm/v1/core/kv_cache_manager.py",
+            old="self.coordinator.remove_skipped_blocks(",
+            new="(lambda *args: None)(",
+        ),
+        Break(
+            name="resume-after-table-slots",
+            protection=(
+                "a request resumes after its loaded tokens when an async load "
+                "finished (broken: after every slot of its block tables, as "
+                "in 0.13.0)"
+            ),
+            path="vllm/v1/core/sched/scheduler.py",
+            old="num_computed_tokens = min(num_loaded_tokens, request.num_tokens)",
+            new=(
+                "num_computed_tokens = min(max(map(len, self.kv_cache_manager"
+                ".get_block_ids(request.request_id))) * self.block_size, "
+                "request.num_tokens)"
+            ),
+        ),
+        Break(
+            name="publish-before-load",
+            protection=(
+                "blocks an asynchronous load writes are not put in the prefix "
+                "cache before the load finished (broken: delay_cache_blocks is "
+                "ignored)"
+            ),
+            path="vllm/v1/core/kv_cache_manager.py",
+            old="if not self.enable_caching or delay_cache_blocks:",
+            new="if not self.enable_caching:",
+        ),
+        Break(
+            name="free-in-flight",
+            protection=(
+                "skipped blocks are freed only after the steps that read or "
+                "write them returned (broken: the tokens of the steps in flight "
+                "count, as in 0.13.0)"
+            ),
+            path="vllm/v1/core/kv_cache_manager.py",
+            old="request.num_computed_tokens - request.num_in_flight_tokens",
+            new="request.num_computed_tokens",
+            caught_by=("random",),
+            not_by_replay=(
+                "the model never schedules a request's next step while its "
+                "current one is in flight (no asynchronous scheduling), so no "
+                "replayed state has tokens in flight at an allocation"
+            ),
+        ),
+        Break(
+            name="reload-after-failed-load",
+            protection=(
+                "a request whose KV load failed and left it no valid token takes "
+                "no external tokens any more (broken: it loads again, and a "
+                "connector whose loads keep failing keeps it loading for ever)"
+            ),
+            path="vllm/v1/core/sched/scheduler.py",
+            old="                            ext_tokens, load_kv_async = 0, False\n",
+            new="                            pass\n",
+            caught_by=("replay",),
+            not_by_random=(
+                "no property of the random state machine says that a request "
+                "is not loaded again after a failure (its connector's loads do "
+                "not fail at every attempt)"
+            ),
+        ),
+        Break(
+            name="free-held-blocks",
+            protection=(
+                "blocks that a connector's store still reads are held when they "
+                "leave a block table (broken: freed at once)"
+            ),
+            path="vllm/v1/core/kv_cache_manager.py",
+            old="        if read_block_ids:\n",
+            new="        if False:\n",
+        ),
+    )
+}

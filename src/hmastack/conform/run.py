@@ -1,0 +1,358 @@
+"""``hmastack conform``: the model's behaviours and random schedules against the
+patched vLLM (stage 03), and the same checks against deliberately broken copies.
+
+1. TLC simulates ``--traces`` behaviours of stage 03 as coded
+   (``tests/stages/s03_connector_allocate/fixtures/replay-saves.cfg``: stores that
+   outlive the step; a seed other than the committed fixtures') into
+   ``build/reports/conformance/traces/``.
+2. At stage 03 three suites run on them (see ``SUITES``): the replay through the
+   ``KVCacheManager``, the replay through the ``Scheduler`` with a scripted
+   ``SupportsHMA`` connector, and the random state machine on the ``Scheduler``
+   (its fixed CI set, or ``--examples`` schedules with a fresh seed). All must
+   pass.
+3. Each ``--break`` (default: every entry of ``BREAKS``) copies the stage-03 vLLM
+   tree under ``build/conformance/broken-<name>/``, removes one protection of the
+   series with a one-line edit and runs the same suites with ``-x`` (the random
+   suite: only the state machine, without shrinking). A break counts as caught
+   when each kind of suite it names (``Break.caught_by``: a replay suite and
+   the random test, unless the model has no state that shows it) fails; the
+   report gives the first failing test and the seconds until the suite
+   stopped.
+
+Report: ``build/reports/conformance.json`` and a table. Exit status 1 when the
+series fails a suite or a break escapes the replayer or the random test (a
+break counts as caught only by a ``Mismatch`` of a replay or a property
+"violated" by the random test, not by a crash). Needs Java (TLC) and the
+pinned environment (``hmastack env``); about 3 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from rich.markup import escape
+from rich.table import Table
+
+from hmastack.conform.breaks import (
+    BREAKS,
+    MODEL_CFG,
+    STAGE,
+    STAGE_TESTS,
+    SUITE_DIR,
+    SUITES,
+    Break,
+)
+from hmastack.core import config as config_mod
+from hmastack.core.errors import HmastackError
+from hmastack.core.gitutil import git
+from hmastack.core.progress import console, step
+from hmastack.matrix import pytest_runs
+from hmastack.matrix import stages as matrix
+from hmastack.stack import env as env_mod
+from hmastack.stack.workspace import discover
+
+# The committed fixtures use spec/tlc.toml's seed; CI draws other behaviours.
+DEFAULT_SEED = 20261130
+DEFAULT_TRACES = 200  # TLC behaviours (the CLI's default and `hmastack run`'s)
+DEFAULT_DEPTH = 60  # states per behaviour
+
+
+@dataclass
+class SuiteRun:
+    suite: str
+    kind: str
+    passed: int = 0
+    failed: int = 0
+    seconds: float = 0.0
+    first_failure: str = ""
+    summary: dict = field(default_factory=dict)
+    log: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.failed == 0 and self.passed > 0
+
+
+def _first_failure(ran: pytest_runs.PytestResult) -> str:
+    """``test_name: message`` of the first failed test of ``ran`` (its JUnit
+    message: the exception that ended it, e.g. the property the random test
+    names), at most 300 characters; empty when nothing failed."""
+    if not ran.failures:
+        return ""
+    node = ran.failures[0]
+    message = ran.messages.get(node, "").splitlines()
+    test = node.rpartition("/")[2]
+    return f"{test}: {message[0] if message else ''}".strip()[:300]
+
+
+def run_suites(
+    cfg: config_mod.Config,
+    pyenv: env_mod.Env,
+    trees: list[Path],
+    traces: Path,
+    examples: int | None,
+    label: str,
+    broken: bool,
+) -> list[SuiteRun]:
+    out_dir = cfg.reports / "conformance" / label
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = []
+    for suite in SUITES:
+        path = cfg.root / SUITE_DIR / suite.file
+        if not path.is_file():
+            raise HmastackError(
+                f"conformance suite {suite.file} is missing from {SUITE_DIR}",
+                "check out the whole repository (tests/stages is part of it)",
+            )
+        summary_file = out_dir / f"{path.stem}.summary.json"
+        summary_file.unlink(missing_ok=True)
+        extra_env = {
+            "HMASTACK_REPLAY_TRACES": str(traces),
+            "HMASTACK_CONFORM_SUMMARY": str(summary_file),
+        }
+        if examples is not None:
+            extra_env["HMASTACK_RANDOM_EXAMPLES"] = str(examples)
+        target = str(path)
+        if broken:
+            extra_env["HMASTACK_RANDOM_NO_SHRINK"] = "1"
+            if suite.broken_only:
+                target = f"{path}::{suite.broken_only}"
+        log = out_dir / f"{path.stem}.log"
+        start = time.monotonic()
+        with step(f"{label}: {suite.name}"):
+            ran = pytest_runs.run_pytest(
+                cfg,
+                pyenv,
+                (["-x"] if broken else []) + matrix.our_test_args(cfg, [target]),
+                cfg.root,
+                [*trees, cfg.root / STAGE_TESTS],
+                log,
+                extra_env,
+            )
+        result = SuiteRun(
+            suite.name,
+            suite.kind,
+            passed=ran.counts.get("passed", 0),
+            failed=ran.counts.get("failed", 0) + ran.counts.get("errors", 0),
+            seconds=round(time.monotonic() - start, 1),
+            first_failure=_first_failure(ran),
+            log=str(log),
+        )
+        if ran.returncode not in (0, 1) and result.failed == 0:
+            result.failed = 1  # collection error, crash: never a pass
+            result.first_failure = f"pytest exited with {ran.returncode}"
+        if summary_file.is_file():
+            result.summary = json.loads(summary_file.read_text())
+        results.append(result)
+    return results
+
+
+def broken_tree(cfg: config_mod.Config, source: Path, brk: Break) -> Path:
+    """A clone of the stage-03 vLLM tree with ``brk`` applied (the source tree is
+    left untouched)."""
+    dest = cfg.build / "conformance" / f"broken-{brk.name}" / "vllm"
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    git(cfg.root, "clone", "-q", "--shared", str(source), str(dest))
+    target = dest / brk.path
+    text = target.read_text()
+    count = text.count(brk.old)
+    if count != 1:
+        raise HmastackError(
+            f"break {brk.name!r}: {brk.path} of the stage-{STAGE} tree contains "
+            f"{count} copies of the line to replace (expected exactly 1):\n  {brk.old}",
+            "the patches changed that code: update BREAKS in "
+            "src/hmastack/conform/breaks.py",
+        )
+    target.write_text(text.replace(brk.old, brk.new))
+    return dest
+
+
+# A broken tree counts as caught only by a check's own verdict, not by a crash
+# or a collection error of the suite.
+VERDICTS = ("Mismatch", " violated: ")
+
+
+def caught(
+    runs: list[SuiteRun], kinds: tuple[str, ...] = ("replay", "random")
+) -> dict[str, bool]:
+    return {
+        kind: any(
+            not r.ok and any(v in r.first_failure for v in VERDICTS)
+            for r in runs
+            if r.kind == kind
+        )
+        for kind in kinds
+    }
+
+
+def conform(
+    cfg: config_mod.Config,
+    num_traces: int,
+    depth: int,
+    seed: int,
+    examples: int | None,
+    breaks: list[Break],
+) -> dict:
+    from hmastack.spec import traces as traces_mod
+
+    pyenv = env_mod.ensure(cfg)
+    traces_dir = cfg.reports / "conformance" / "traces"
+    with step(f"TLC: {num_traces} behaviours of the Series (seed {seed})"):
+        index = traces_mod.generate(
+            cfg.root / MODEL_CFG,
+            MODEL_CFG.stem,
+            num_traces,
+            depth,
+            traces_dir,
+            seed=seed,
+            root=cfg.root,
+        )
+    with step(f"stage {STAGE}: apply stages 1..{STAGE} with git am"):
+        trees = matrix.stage_trees(cfg, discover(cfg), STAGE)
+    report: dict = {
+        "stage": STAGE,
+        "traces": {
+            "model": str(MODEL_CFG),
+            "count": len(index["traces"]),
+            "steps": sum(t["states"] - 1 for t in index["traces"]),
+            "depth": depth,
+            "seed": seed,
+        },
+        "examples": examples,
+    }
+    series = run_suites(
+        cfg, pyenv, list(trees.values()), traces_dir, examples, "series", False
+    )
+    report["series"] = [asdict(r) | {"ok": r.ok} for r in series]
+    report["breaks"] = []
+    for brk in breaks:
+        vllm_tree = broken_tree(cfg, trees["vllm"], brk)
+        others = [p for name, p in trees.items() if name != "vllm"]
+        runs = run_suites(
+            cfg,
+            pyenv,
+            [vllm_tree, *others],
+            traces_dir,
+            examples,
+            f"broken-{brk.name}",
+            True,
+        )
+        report["breaks"].append(
+            {
+                **asdict(brk),
+                "caught": caught(runs, brk.caught_by),
+                "runs": [asdict(r) | {"ok": r.ok} for r in runs],
+            }
+        )
+    report["ok"] = all(r.ok for r in series) and all(
+        all(b["caught"].values()) for b in report["breaks"]
+    )
+    path = cfg.reports / "conformance.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    report["path"] = str(path)
+    return report
+
+
+def print_report(report: dict) -> None:
+    t = report["traces"]
+    console.print(
+        f"{t['count']} TLC behaviours ({t['steps']} steps, seed {t['seed']}), "
+        f"random schedules: {report['examples'] or 'the fixed CI set'}, "
+        f"stage {report['stage']}"
+    )
+    table = Table(title="conformance")
+    for column in ("tree", "suite", "passed", "failed", "seconds", "first failure"):
+        table.add_column(column)
+    for r in report["series"]:
+        table.add_row(
+            "series",
+            r["suite"],
+            str(r["passed"]),
+            str(r["failed"]),
+            f"{r['seconds']:.0f}",
+            escape(r["first_failure"][:120]),
+        )
+    for b in report["breaks"]:
+        for r in b["runs"]:
+            table.add_row(
+                f"broken: {b['name']}",
+                r["suite"],
+                str(r["passed"]),
+                str(r["failed"]),
+                f"{r['seconds']:.0f}",
+                escape(r["first_failure"][:120]),
+            )
+    console.print(table)
+    for r in report["series"]:
+        if r["summary"]:
+            console.print(f"  {r['suite']}: {escape(json.dumps(r['summary']))}")
+    for b in report["breaks"]:
+        verdict = ", ".join(
+            f"{kind} {'caught it' if hit else 'MISSED it'}"
+            for kind, hit in b["caught"].items()
+        )
+        if b["not_by_replay"]:
+            verdict += f"; no replay expected: {b['not_by_replay']}"
+        if b["not_by_random"]:
+            verdict += f"; the random test is not expected to: {b['not_by_random']}"
+        console.print(f"  break {b['name']} ({escape(b['protection'])}): {verdict}")
+    console.print(f"report: {report['path']}")
+
+
+def cmd_conform(
+    traces: int | None = DEFAULT_TRACES,
+    depth: int | None = DEFAULT_DEPTH,
+    seed: int = DEFAULT_SEED,
+    examples: int | None = None,
+    break_names: list[str] | None = None,
+    no_break: bool = False,
+) -> int:
+    """``hmastack conform``: the series and the breaks ``break_names`` (default:
+    every break; none with ``no_break``)."""
+    cfg = config_mod.load()
+    if no_break:
+        breaks = []
+    elif break_names:
+        unknown = [name for name in break_names if name not in BREAKS]
+        if unknown:
+            raise HmastackError(
+                f"unknown break {', '.join(unknown)}",
+                f"choose from: {', '.join(BREAKS)}",
+            )
+        breaks = [BREAKS[name] for name in break_names]
+    else:
+        breaks = list(BREAKS.values())
+    for flag, value in (
+        ("--traces", traces),
+        ("--depth", depth),
+        ("--examples", examples),
+    ):
+        if value is not None and value < (2 if flag == "--depth" else 1):
+            raise HmastackError(
+                f"{flag} {value} is too small",
+                "--traces and --examples take 1 or more, --depth 2 or more "
+                "(states per behaviour); see hmastack conform --help",
+            )
+    report = conform(cfg, traces, depth, seed, examples, breaks)
+    print_report(report)
+    return 0 if report["ok"] else 1
+
+
+def run_for_pipeline(cfg: config_mod.Config) -> str:
+    """`hmastack run`'s conformance step: the CI-sized set with every break."""
+    report = conform(
+        cfg, DEFAULT_TRACES, DEFAULT_DEPTH, DEFAULT_SEED, None, list(BREAKS.values())
+    )
+    print_report(report)
+    if not report["ok"]:
+        raise HmastackError(f"conformance failed, see {report['path']}")
+    return (
+        f"{report['traces']['count']} behaviours, the random test's CI set, "
+        f"{len(report['breaks'])} breaks caught"
+    )

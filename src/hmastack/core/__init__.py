@@ -1,0 +1,4 @@
+"""Shared ground of every step: the configuration (``config``), errors,
+the process runner (``process``), console and step progress (``progress``), git
+(``gitutil``) and Markdown helpers (``markdown``). Imports nothing else of hmastack.
+"""

@@ -1,0 +1,390 @@
+"""The stage matrix: for k = 0..N, apply stages 1..k and run every check.
+
+Each stage k gets its own clones of the trees under ``build/stages/k/`` (the
+workspaces in ``build/<tree>`` are never touched), and runs:
+
+* the selected vLLM suite of the patched vLLM tree (``[suite] vllm`` in
+  ``hmastack.toml``) minus the entries of ``env/deselected.toml``;
+* at the stages that patch LMCache, LMCache's own tests (``[suite] lmcache``)
+  from the patched LMCache tree, with LMCache's own pytest configuration;
+* our own stage tests ``tests/stages/sNN_*`` for every NN <= k;
+* ``ruff check`` and ``ruff format --check`` with each tree's own configuration and
+  pinned ruff, on the Python files the stages touch.
+
+Results go to ``build/reports/stages.json`` and a table on the terminal.
+
+``--per-commit`` instead applies the series one commit at a time (plain
+``git am`` of the patch files in order, in clones under ``build/commits/``) and
+runs, at every commit, the selected vLLM suite (for commits of the vLLM tree)
+and ruff with the tree's own configuration on the files touched so far:
+``build/reports/commits.json`` and a table. Our stage tests are not run there:
+they test whole stages (the stage matrix runs them). About 7 minutes per vLLM
+commit on 2 cores, so ``hmastack run`` runs it and ``make test`` does not.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from hmastack.core import config as config_mod
+from hmastack.core.config import Config
+from hmastack.core.gitutil import git, is_repo
+from hmastack.core.process import run
+from hmastack.core.progress import console, step
+from hmastack.matrix import reports
+from hmastack.matrix.pytest_runs import (
+    Deselected,
+    PytestResult,
+    load_deselected,
+    run_pytest,
+)
+from hmastack.stack import base as base_mod
+from hmastack.stack import env as env_mod
+from hmastack.stack.workspace import (
+    Stage,
+    apply_patches,
+    apply_to,
+    check_stage_number,
+    discover,
+    series_patches,
+)
+
+DEFAULT_JOBS = 2  # stages (or commits) tested at once
+
+
+@dataclass
+class StageResult:
+    stage: int
+    name: str
+    patches: dict[str, int]
+    heads: dict[str, str]
+    vllm: PytestResult | None = None
+    lmcache: PytestResult | None = None
+    ours: PytestResult | None = None
+    ruff: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        parts = [r for r in (self.vllm, self.lmcache, self.ours) if r is not None]
+        return all(r.ok for r in parts) and all(
+            v in ("ok", "n/a") for v in self.ruff.values()
+        )
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data["ok"] = self.ok
+        return data
+
+
+def stage_trees(
+    cfg: Config, stages: list[Stage], k: int, root: Path | None = None
+) -> dict[str, Path]:
+    """Clones of every tree at stage ``k`` under ``root/k/`` (``build/stages``),
+    reset to the base and brought to stage ``k`` with ``git am`` on every call."""
+    trees = {}
+    for tree in cfg.trees.values():
+        base_mod.materialize(cfg, tree)
+        dest = (root or cfg.build / "stages") / str(k) / tree.name
+        if not is_repo(dest):
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            git(
+                cfg.root, "clone", "-q", "--no-checkout", cfg.workspace(tree.name), dest
+            )
+            name, _, email = cfg.base_author.partition("<")
+            git(dest, "config", "user.name", name.strip())
+            git(dest, "config", "user.email", email.rstrip(">").strip())
+        git(dest, "fetch", "-q", "--tags", cfg.workspace(tree.name))
+        apply_to(dest, tree, stages, k)
+        git(dest, "clean", "-q", "-fdx")
+        trees[tree.name] = dest
+    return trees
+
+
+def touched_python_files(repo: Path, tag: str) -> list[str]:
+    out = git(repo, "diff", "--name-only", "--diff-filter=ACMR", tag, "HEAD")
+    return [line for line in out.splitlines() if line.endswith(".py")]
+
+
+def run_ruff(cfg: Config, tree_name: str, repo: Path, label: str = "") -> str:
+    tree = cfg.tree(tree_name)
+    files = touched_python_files(repo, f"refs/tags/{tree.tag}")
+    if not files or not tree.ruff:
+        return "n/a"
+    binary = env_mod.ruff(cfg, tree.ruff)
+    check = run([binary, "check", "--no-cache", *files], cwd=repo, check=False)
+    fmt = run(
+        [binary, "format", "--check", "--no-cache", *files], cwd=repo, check=False
+    )
+    if check.returncode == 0 and fmt.returncode == 0:
+        return "ok"
+    log = cfg.reports / "logs" / f"ruff-{tree_name}-{label or repo.parent.name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(check.stdout + "\n" + fmt.stdout)
+    return f"FAIL ({log})"
+
+
+def vllm_suite_args(cfg: Config, deselected: list[Deselected]) -> list[str]:
+    """pytest arguments of the selected vLLM suite (``[suite] vllm``) minus
+    ``env/deselected.toml``: ``--ignore`` for a whole file, ``--deselect`` for
+    a test."""
+    args = list(cfg.vllm_suite)
+    for entry in deselected:
+        if entry.is_file:
+            args.append(f"--ignore={entry.node}")
+        else:
+            args += ["--deselect", entry.node]
+    return args
+
+
+def our_test_args(cfg: Config, targets: list[str]) -> list[str]:
+    """pytest arguments that run our stage tests ``targets`` with their own
+    pytest.ini (not vLLM's) and ``tests/stages`` as the rootdir."""
+    stage_tests = cfg.root / "tests" / "stages"
+    return ["-c", str(stage_tests / "pytest.ini"), "--rootdir", str(stage_tests)] + [
+        str(t) for t in targets
+    ]
+
+
+def our_stage_tests(cfg: Config, k: int) -> list[Path]:
+    root = cfg.root / "tests" / "stages"
+    dirs = []
+    for path in sorted(root.glob("s[0-9][0-9]_*")):
+        if path.is_dir() and int(path.name[1:3]) <= k and any(path.glob("test_*.py")):
+            dirs.append(path)
+    return dirs
+
+
+def run_stage(
+    cfg: Config,
+    pyenv: env_mod.Env,
+    stage: int,
+    name: str,
+    trees: dict[str, Path],
+    patches: dict[str, int],
+    deselected: list[Deselected],
+    vllm_suite: bool = True,
+) -> StageResult:
+    start = time.monotonic()
+    logs = cfg.reports / "logs"
+    heads = {t: git(p, "rev-parse", "HEAD") for t, p in trees.items()}
+    result = StageResult(stage, name, patches, heads)
+    vllm_tree = trees["vllm"]
+    with step(f"stage {stage} ({name}): tests", live=False):
+        if vllm_suite:
+            result.vllm = run_pytest(
+                cfg,
+                pyenv,
+                vllm_suite_args(cfg, deselected),
+                vllm_tree,
+                [vllm_tree],
+                logs / f"stage-{stage}-vllm.log",
+            )
+        if patches.get("lmcache") and cfg.lmcache_suite:
+            # From the LMCache tree: pytest finds LMCache's tests/pytest.ini
+            # and tests/conftest.py (its own configuration), and imports the
+            # patched vLLM tree.
+            result.lmcache = run_pytest(
+                cfg,
+                pyenv,
+                list(cfg.lmcache_suite),
+                trees["lmcache"],
+                [vllm_tree, trees["lmcache"]],
+                logs / f"stage-{stage}-lmcache.log",
+            )
+        ours = our_stage_tests(cfg, stage)
+        if ours:
+            result.ours = run_pytest(
+                cfg,
+                pyenv,
+                our_test_args(cfg, [str(p) for p in ours]),
+                cfg.root,
+                [*trees.values(), cfg.root / "tests" / "stages"],
+                logs / f"stage-{stage}-ours.log",
+            )
+        for tree_name, repo in trees.items():
+            result.ruff[tree_name] = run_ruff(cfg, tree_name, repo)
+    result.seconds = round(time.monotonic() - start, 1)
+    return result
+
+
+def run_matrix(
+    cfg: Config, selected: list[int], jobs: int = DEFAULT_JOBS, vllm_suite: bool = True
+) -> list[StageResult]:
+    stages = discover(cfg)
+    pyenv = env_mod.ensure(cfg)
+    deselected = load_deselected(cfg.deselected)
+    names = {0: "base"} | {s.number: s.name for s in stages}
+    prepared = []
+    for k in selected:
+        with step(f"stage {k} ({names[k]}): apply stages 1..{k} with git am"):
+            trees = stage_trees(cfg, stages, k)
+        patches = {t: sum(len(s.patches_for(t)) for s in stages[:k]) for t in cfg.trees}
+        prepared.append((k, trees, patches))
+    for tree in cfg.trees.values():  # install both ruff versions before threads start
+        if tree.ruff:
+            env_mod.ruff(cfg, tree.ruff)
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        futures = [
+            pool.submit(
+                run_stage,
+                cfg,
+                pyenv,
+                k,
+                names[k],
+                trees,
+                patches,
+                deselected,
+                vllm_suite,
+            )
+            for k, trees, patches in prepared
+        ]
+        results = [f.result() for f in futures]
+    return results
+
+
+# --- per commit ------------------------------------------------------------------
+
+
+@dataclass
+class CommitResult:
+    """One commit of the series, applied with the ones before it."""
+
+    tree: str
+    index: int  # 1-based position among the tree's commits
+    stage: int
+    patch: str
+    subject: str
+    head: str
+    vllm: PytestResult | None = None
+    ruff: str = ""
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return (self.vllm is None or self.vllm.ok) and self.ruff in ("ok", "n/a")
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data["ok"] = self.ok
+        return data
+
+
+def _commit_clone(cfg: Config, tree_name: str, slot: int) -> Path:
+    """A clone of the workspace of ``tree_name`` for per-commit job ``slot``."""
+    dest = cfg.build / "commits" / str(slot) / tree_name
+    if not is_repo(dest):
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        git(cfg.root, "clone", "-q", "--no-checkout", cfg.workspace(tree_name), dest)
+        name, _, email = cfg.base_author.partition("<")
+        git(dest, "config", "user.name", name.strip())
+        git(dest, "config", "user.email", email.rstrip(">").strip())
+    git(dest, "fetch", "-q", "--tags", cfg.workspace(tree_name))
+    return dest
+
+
+def run_commit(
+    cfg: Config,
+    pyenv: env_mod.Env,
+    tree_name: str,
+    patches: list[tuple[Stage, Path]],
+    index: int,
+    slot: int,
+    deselected: list[Deselected],
+) -> CommitResult:
+    """Apply the first ``index`` of ``patches`` in clone ``slot`` and check."""
+    start = time.monotonic()
+    tree = cfg.tree(tree_name)
+    repo = _commit_clone(cfg, tree_name, slot)
+    apply_patches(repo, tree, patches[:index])
+    git(repo, "clean", "-q", "-fdx")
+    stage, patch = patches[index - 1]
+    result = CommitResult(
+        tree_name,
+        index,
+        stage.number,
+        patch.name,
+        git(repo, "log", "-1", "--format=%s"),
+        git(repo, "rev-parse", "HEAD"),
+    )
+    label = f"commit-{tree_name}-{index:02d}"
+    with step(f"{label}: {result.subject[:70]}", live=False):
+        if tree_name == "vllm":
+            result.vllm = run_pytest(
+                cfg,
+                pyenv,
+                vllm_suite_args(cfg, deselected),
+                repo,
+                [repo],
+                cfg.reports / "logs" / f"{label}.log",
+            )
+        result.ruff = run_ruff(cfg, tree_name, repo, label)
+    result.seconds = round(time.monotonic() - start, 1)
+    return result
+
+
+def run_per_commit(cfg: Config, jobs: int = DEFAULT_JOBS) -> list[CommitResult]:
+    """Every commit of every tree, each with the commits before it."""
+    stages = discover(cfg)
+    pyenv = env_mod.ensure(cfg)
+    deselected = load_deselected(cfg.deselected)
+    for tree in cfg.trees.values():
+        base_mod.materialize(cfg, tree)
+        if tree.ruff:
+            env_mod.ruff(cfg, tree.ruff)
+    tasks = [
+        (tree_name, patches, index)
+        for tree_name in cfg.trees
+        if (patches := series_patches(stages, tree_name))
+        for index in range(1, len(patches) + 1)
+    ]
+    jobs = max(1, jobs)
+
+    def worker(slot: int) -> list[CommitResult]:
+        return [
+            run_commit(cfg, pyenv, tree_name, patches, index, slot, deselected)
+            for tree_name, patches, index in tasks[slot::jobs]
+        ]
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        results = [r for part in pool.map(worker, range(jobs)) for r in part]
+    return sorted(results, key=lambda r: (r.tree != "vllm", r.tree, r.index))
+
+
+def cmd_test(
+    stage: int | None = None,
+    per_commit: bool = False,
+    jobs: int = DEFAULT_JOBS,
+    ours_only: bool = False,
+) -> int:
+    """``hmastack test``: every stage, one ``stage``, or every commit."""
+    cfg = config_mod.load()
+    if per_commit:
+        commits = run_per_commit(cfg, jobs=jobs)
+        path = reports.write_commit_report(cfg, commits)
+        reports.print_commit_table(commits)
+        console.print(f"report: {path}")
+        for c in commits:
+            if c.vllm is not None and not c.vllm.ok:
+                console.print(f"{c.tree} {c.index}: see {c.vllm.log}", highlight=False)
+                for failure in c.vllm.failures[:20]:
+                    console.print(f"  {failure}", highlight=False)
+        return 0 if all(c.ok for c in commits) else 1
+    if stage is not None:
+        selected = [check_stage_number(cfg, stage)]
+    else:
+        selected = list(range(cfg.num_stages + 1))
+    results = run_matrix(cfg, selected, jobs=jobs, vllm_suite=not ours_only)
+    path = reports.write_stage_report(cfg, results)
+    reports.print_stage_table(results)
+    console.print(f"report: {path}")
+    for r in results:
+        for part in (r.vllm, r.lmcache, r.ours):
+            if part is not None and not part.ok:
+                console.print(f"stage {r.stage}: see {part.log}", highlight=False)
+                for failure in part.failures[:20]:
+                    console.print(f"  {failure}", highlight=False)
+    return 0 if all(r.ok for r in results) else 1

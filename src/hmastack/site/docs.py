@@ -1,0 +1,228 @@
+"""The design site: pages generated from ``patches/``, ``spec/`` and the reports.
+
+Nothing the site shows about the series is written twice. The hand-written pages
+in ``docs/`` carry prose and markers (``<!-- hmastack:NAME -->``) that are replaced
+by generated blocks; the pages for each stage, the model results and the
+benchmarks are generated whole. Generation happens inside ``mkdocs build``
+itself, through the hook :mod:`hmastack.site.hook` named in ``mkdocs.yml``, so a
+plain ``mkdocs build --strict`` is as fresh as ``hmastack docs build``; no
+generated file is written into the source tree.
+
+``hmastack docs build`` = ``mkdocs build --strict`` into ``build/site/``.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hmastack.core import config as config_mod
+from hmastack.core.config import Config
+from hmastack.core.errors import HmastackError
+from hmastack.core.markdown import fence, md_table
+from hmastack.core.process import CommandError, run
+from hmastack.core.progress import console, step
+from hmastack.site import bench as site_bench
+from hmastack.site import model as site_model
+from hmastack.site import reports as site_reports
+from hmastack.site import svg as site_svg
+from hmastack.site.overview import (
+    base_row,
+    checklist_block,
+    conformance_block,
+    problem_numbers,
+    regions_block,
+    series_table,
+)
+from hmastack.site.pages import apply_page_block, load_stages, stage_page
+
+MARKER = re.compile(r"<!--\s*hmastack:([\w-]+)\s*-->")
+
+
+@dataclass
+class Site:
+    """What the hook adds to mkdocs: generated pages, assets, marker blocks, nav."""
+
+    pages: dict[str, str] = field(default_factory=dict)
+    assets: dict[str, bytes] = field(default_factory=dict)
+    blocks: dict[str, str] = field(default_factory=dict)
+    nav: list = field(default_factory=list)
+
+
+# --- small markdown helpers --------------------------------------------------------
+
+
+# --- apply the stack ---------------------------------------------------------------
+
+
+# --- stage pages -------------------------------------------------------------------
+
+
+# --- overview, checklist, problem blocks -------------------------------------------
+
+
+# --- model and benchmarks pages ----------------------------------------------------
+
+
+def model_page(cfg: Config) -> str:
+    return site_model.model_page(cfg.root, cfg.reports, md_table, fence)
+
+
+def bench_page(cfg: Config, site: Site) -> str:
+    """The Benchmarks page: headline figures and plots first
+    (:mod:`hmastack.site.bench`)."""
+    return site_bench.page(cfg, site)
+
+
+# --- the site ----------------------------------------------------------------------
+
+
+def generate(cfg: Config, docs_dir: Path | None = None) -> Site:
+    """Every generated page, asset and marker block, and the nav."""
+    from hmastack.e2e import site as e2e_site  # it uses md_table from here
+
+    docs_dir = docs_dir or cfg.root / "docs"
+    stages = load_stages(cfg)
+    report = site_reports.load_stage_report(cfg)
+    commits = site_reports.load_commit_report(cfg)
+    site = Site()
+    for s in stages:
+        site.pages[s.page] = stage_page(cfg, s, stages, report, commits)
+    site.pages["model-results.md"] = model_page(cfg)
+    site.pages["benchmarks.md"] = bench_page(cfg, site)
+    site.pages[e2e_site.PAGE] = e2e_site.page(cfg.reports / "e2e.json")
+    site.assets["assets/regions.svg"] = site_svg.regions_svg().encode()
+    site.blocks = {
+        "series-table": series_table(stages, report),
+        "base-results": base_row(report),
+        "problem-numbers": problem_numbers(),
+        "regions-diagram": regions_block(),
+        "apply-commands": apply_page_block(cfg, stages),
+        "checklist-status": checklist_block(cfg, stages, report),
+        "conformance-results": conformance_block(cfg),
+        "model-manifest": site_model.manifest_table(cfg.root, md_table),
+        "generated-from": (
+            f"Generated from `patches/` ({len(stages)} stages, "
+            f"{sum(len(s.patches) for s in stages)} patches), `spec/` and "
+            + (
+                f"the stage table of {report.generated}"
+                if report
+                else "no stage table yet"
+            )
+            + ".\n"
+        ),
+    }
+    model_nav: list = []
+    if (docs_dir / "model.md").is_file():
+        model_nav.append({"The model": "model.md"})
+    model_nav.append({"Properties and results": "model-results.md"})
+    if (docs_dir / "conformance.md").is_file():
+        model_nav.append({"Conformance": "conformance.md"})
+    nav: list = [{"Overview": "index.md"}]
+    for title, page in (("The problem", "problem.md"), ("Token regions", "regions.md")):
+        if (docs_dir / page).is_file():
+            nav.append({title: page})
+    nav.append({"The model": model_nav})
+    nav.append(
+        {"Stages": [{f"{s.stage.number:02d} {s.stage.slug}": s.page} for s in stages]}
+    )
+    nav.append({"Benchmarks": "benchmarks.md"})
+    nav.append({"End to end": e2e_site.PAGE})
+    for title, page in (
+        ("Apply the stack", "apply.md"),
+        ("Reviewer checklist", "checklist.md"),
+        ("Glossary", "glossary.md"),
+    ):
+        if (docs_dir / page).is_file():
+            nav.append({title: page})
+    site.nav = nav
+    return site
+
+
+def fill_markers(markdown: str, blocks: dict[str, str], where: str) -> str:
+    """Replace ``<!-- hmastack:NAME -->`` markers; an unknown name is an error."""
+
+    def repl(m: re.Match) -> str:
+        if m.group(1) not in blocks:
+            raise HmastackError(
+                f"{where}: unknown marker <!-- hmastack:{m.group(1)} -->",
+                f"known markers: {', '.join(sorted(blocks))}",
+            )
+        return blocks[m.group(1)]
+
+    return MARKER.sub(repl, markdown)
+
+
+def build(cfg: Config, site_dir: Path | None = None) -> tuple[Path, int]:
+    """``mkdocs build --strict`` (the hook generates the pages); returns the
+    site's index and its page count."""
+    site_dir = site_dir or cfg.build / "site"
+    config_file = cfg.root / "mkdocs.yml"
+    if not config_file.is_file():
+        raise HmastackError(
+            f"no {config_file}", "the site's configuration is mkdocs.yml"
+        )
+    try:
+        import material  # noqa: F401
+        import mkdocs  # noqa: F401
+    except ImportError:
+        raise HmastackError(
+            "mkdocs or mkdocs-material is not installed in this environment",
+            "reinstall the tool: `make .venv/bin/hmastack` (pyproject pins them)",
+        ) from None
+    # Generate once up front so a broken patch or report is reported with its
+    # hint, not as a mkdocs traceback.
+    generate(cfg)
+    cmd = [
+        sys.executable,
+        "-m",
+        "mkdocs",
+        "build",
+        "--strict",
+        "--clean",
+        "-f",
+        config_file,
+        "-d",
+        site_dir,
+    ]
+    try:
+        run(
+            cmd,
+            cwd=cfg.root,
+            env={"NO_MKDOCS_2_WARNING": "1"},
+            log=cfg.reports / "logs" / "site.log",
+            hint="see the warnings above; mkdocs --strict fails on every one",
+        )
+    except CommandError as exc:
+        raise HmastackError(exc.message, exc.hint) from None
+    pages = [p for p in site_dir.rglob("index.html")]
+    return site_dir / "index.html", len(pages)
+
+
+def _shown(path: Path, cfg: Config) -> str:
+    try:
+        return path.relative_to(cfg.root).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def build_for_pipeline(cfg: Config) -> str:
+    with step("site: mkdocs build --strict"):
+        index, pages = build(cfg)
+    return f"site at {_shown(index, cfg)} ({pages} pages)"
+
+
+def cmd_build(site_dir: str | None = None) -> int:
+    """``hmastack docs build``: into ``site_dir`` (default build/site)."""
+    cfg = config_mod.load()
+    start = time.monotonic()
+    with step("site: generate pages, mkdocs build --strict"):
+        index, pages = build(cfg, Path(site_dir).resolve() if site_dir else None)
+    console.print(
+        f"site at {_shown(index, cfg)} ({pages} pages, "
+        f"{time.monotonic() - start:.1f} s)"
+    )
+    return 0

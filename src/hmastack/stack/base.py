@@ -1,0 +1,174 @@
+"""Fetch, verify and unpack the pinned source releases into git repositories.
+
+Each release named in ``hmastack.toml`` is downloaded through pip from the
+configured package index into ``.cache/sdist/``, checked against its sha256, and
+unpacked into ``build/<tree>`` as a git repository with exactly one commit, made
+with a fixed identity and date, so the base commit id is the same on every
+machine. The commit is tagged with the release tag (``v0.13.0``, ``v0.3.11``).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+from hmastack.core import config as config_mod
+from hmastack.core.config import Config, Tree
+from hmastack.core.errors import HmastackError
+from hmastack.core.gitutil import git, identity_env, is_repo
+from hmastack.core.process import CommandError, run
+from hmastack.core.progress import step
+from hmastack.stack import env as env_mod
+from hmastack.stack.env import sha256_file  # hmastack.spec imports it from here
+
+
+def sdist_path(cfg: Config, tree: Tree) -> Path:
+    return cfg.cache / "sdist" / tree.sdist_name
+
+
+def verify(cfg: Config, tree: Tree, path: Path) -> None:
+    """Check ``path`` against the pinned sha256.
+
+    On a mismatch the file is moved aside to ``.cache/sdist/rejected/`` (kept for
+    inspection, never used) and :class:`HmastackError` is raised.
+    """
+    actual = sha256_file(path)
+    if actual == tree.sha256:
+        return
+    rejected = cfg.cache / "sdist" / "rejected"
+    rejected.mkdir(parents=True, exist_ok=True)
+    kept = rejected / f"{path.name}.{actual[:12]}.{int(time.time())}"
+    shutil.move(path, kept)
+    raise HmastackError(
+        f"checksum mismatch for {tree.sdist_name}: expected sha256 {tree.sha256}, "
+        f"got {actual}. The file was moved aside to {kept} and will not be used.",
+        "if the package index serves a different file for the same version, find out "
+        "why before trusting it; to pin a new release, update sha256 in hmastack.toml",
+    )
+
+
+def fetch(cfg: Config, tree: Tree) -> Path:
+    """The verified source release of ``tree``, downloaded only when not cached."""
+    target = sdist_path(cfg, tree)
+    if target.exists():
+        verify(cfg, tree, target)
+        return target
+    pyenv = env_mod.bootstrap(cfg)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with (
+        step(f"download {tree.package}=={tree.version} (source release)"),
+        tempfile.TemporaryDirectory(dir=target.parent) as tmp,
+    ):
+        try:
+            run(
+                [
+                    *pyenv.pip,
+                    "download",
+                    "--no-deps",
+                    "--no-binary",
+                    ":all:",
+                    "--no-build-isolation",
+                    "--progress-bar",
+                    "off",
+                    "-d",
+                    tmp,
+                    f"{tree.package}=={tree.version}",
+                ],
+                env={**tree.pip_env, "PIP_CACHE_DIR": str(cfg.cache / "pip")},
+                log=cfg.build / "logs" / f"download-{tree.name}.log",
+            )
+        except CommandError as exc:
+            raise HmastackError(
+                f"could not download {tree.package}=={tree.version} from the package "
+                f"index, and {target} is not cached.\n{exc.message}",
+                "check the network (the package index must be reachable), or place "
+                f"the file {tree.sdist_name} with sha256 {tree.sha256} at {target}",
+            ) from exc
+        got = Path(tmp) / tree.sdist_name
+        if not got.exists():
+            found = ", ".join(p.name for p in Path(tmp).iterdir()) or "nothing"
+            raise HmastackError(
+                f"pip downloaded {found}, not {tree.sdist_name}",
+                "the index may not have a source release of this version",
+            )
+        shutil.move(got, target)
+    verify(cfg, tree, target)
+    return target
+
+
+def _unpack(sdist: Path, parent: Path) -> Path:
+    """Extract ``sdist`` under ``parent``; returns its single top-level directory."""
+    extract = parent / "extract"
+    with tarfile.open(sdist) as tar:
+        tar.extractall(extract, filter="data")
+    entries = list(extract.iterdir())
+    if len(entries) != 1 or not entries[0].is_dir():
+        raise HmastackError(f"{sdist.name} does not hold one top-level directory")
+    return entries[0]
+
+
+def base_commit(cfg: Config, tree: Tree) -> str | None:
+    """The id of the tagged base commit of ``build/<tree>``, or None if absent."""
+    repo = cfg.workspace(tree.name)
+    if not is_repo(repo):
+        return None
+    return git(repo, "rev-parse", "--verify", f"refs/tags/{tree.tag}^{{commit}}")
+
+
+def materialize(cfg: Config, tree: Tree) -> str:
+    """Make ``build/<tree>`` a git repository whose tagged base is the release.
+
+    An existing workspace is kept as it is (it may hold work in progress); only a
+    missing one is created. Returns the base commit id.
+    """
+    existing = base_commit(cfg, tree)
+    if existing:
+        return existing
+    repo = cfg.workspace(tree.name)
+    if repo.exists():
+        raise HmastackError(
+            f"{repo} exists but is not a git repository with tag {tree.tag}",
+            "move it away (it is not ours to delete), then rerun `hmastack base`",
+        )
+    sdist = fetch(cfg, tree)
+    repo.parent.mkdir(parents=True, exist_ok=True)
+    with (
+        step(f"unpack {tree.sdist_name} into {repo} as commit {tree.tag}"),
+        tempfile.TemporaryDirectory(dir=repo.parent, prefix=f".{tree.name}-") as tmp,
+    ):
+        work = _unpack(sdist, Path(tmp))
+        ident = identity_env(cfg.base_author, cfg.base_date)
+        git(work, "init", "-q")
+        # -f: the release's own .gitignore must not drop files it ships.
+        git(work, "add", "-A", "-f")
+        git(
+            work,
+            "commit",
+            "-q",
+            "--no-verify",
+            "-m",
+            f"{tree.package} {tree.version}\n\nSource release from the Python package "
+            f"index, sha256 {tree.sha256}.",
+            env=ident,
+        )
+        git(work, "tag", tree.tag)
+        # The identity used for commits made by `git am` in this workspace.
+        name, _, email = cfg.base_author.partition("<")
+        git(work, "config", "user.name", name.strip())
+        git(work, "config", "user.email", email.rstrip(">").strip())
+        work.rename(repo)
+    return base_commit(cfg, tree) or ""
+
+
+def cmd_base(trees: list[str] | None = None) -> int:
+    """``hmastack base``: ``trees`` (default: every tree)."""
+    cfg = config_mod.load()
+    names = trees or sorted(cfg.trees)
+    for name in names:
+        tree = cfg.tree(name)
+        commit = materialize(cfg, tree)
+        print(f"{tree.name} {tree.package}=={tree.version} {tree.tag} {commit}")
+    return 0
