@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import unidiff
+
 from hmastack.core.errors import HmastackError
 
 # git am --keep-non-patch strips only the leading "[PATCH ...]" bracket.
@@ -82,41 +84,41 @@ def _strip_signature(diff: str) -> str:
 
 
 def parse_diff(diff: str) -> tuple[list[FileChange], dict[str, list[str]]]:
-    """Files with added/removed line counts, and test functions added per file."""
+    """Files with added/removed line counts, and test functions added per file
+    (``def test_*`` and ``class Test*`` on added lines of test files).
+
+    Parsed by unidiff; raises :class:`unidiff.UnidiffParseError` on a diff it
+    cannot read."""
     files: list[FileChange] = []
     tests: dict[str, list[str]] = {}
-    current: FileChange | None = None
-    in_hunk = False
-    for line in diff.splitlines():
-        if line.startswith("diff --git "):
-            m = re.match(r"diff --git a/(.*) b/(.*)$", line)
-            old, new = (m.group(1), m.group(2)) if m else (line, line)
-            current = FileChange(new)
-            if old != new:
-                current.status, current.old_path = "renamed", old
-            files.append(current)
-            in_hunk = False
-        elif current is None:
-            continue
-        elif line.startswith("@@"):
-            in_hunk = True
-        elif not in_hunk:
-            if line.startswith("new file mode"):
-                current.status = "added"
-            elif line.startswith("deleted file mode"):
-                current.status = "deleted"
-            elif line.startswith("Binary files"):
-                current.status += " (binary)"
-        elif line.startswith("+"):
-            current.added += 1
-            if current.is_test and (
-                t := TEST_DEF.match(line) or TEST_CLASS.match(line)
-            ):
-                name = t.group(t.lastindex or 1)
-                tests.setdefault(current.path, []).append(name)
-        elif line.startswith("-"):
-            current.removed += 1
+    for pf in unidiff.PatchSet(diff):
+        old, new = _strip_prefix(pf.source_file), _strip_prefix(pf.target_file)
+        change = FileChange(new if not pf.is_removed_file else old)
+        if pf.is_added_file:
+            change.status = "added"
+        elif pf.is_removed_file:
+            change.status = "deleted"
+        elif pf.is_rename or old != new:
+            change.status, change.old_path = "renamed", old
+        if pf.is_binary_file:
+            change.status += " (binary)"
+        change.added, change.removed = pf.added, pf.removed
+        if change.is_test:
+            for hunk in pf:
+                for line in hunk:
+                    text = "+" + line.value.rstrip("\n")
+                    if line.is_added and (
+                        t := TEST_DEF.match(text) or TEST_CLASS.match(text)
+                    ):
+                        name = t.group(t.lastindex or 1)
+                        tests.setdefault(change.path, []).append(name)
+        files.append(change)
     return files, tests
+
+
+def _strip_prefix(path: str) -> str:
+    """``a/x`` or ``b/x`` -> ``x`` (``/dev/null`` stays)."""
+    return path[2:] if path[:2] in ("a/", "b/") else path
 
 
 def parse_patch(path: Path, tree: str) -> Patch:
