@@ -24,7 +24,6 @@ import json
 import shutil
 import tarfile
 import tempfile
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -190,18 +189,9 @@ def slowed_tree(cfg: Config, k: int, slowdown: Slowdown) -> BenchTree:
 
 def peer_tree(cfg: Config) -> tuple[Path | None, str]:
     """The vLLM 0.14.0 source tree under ``build/bench/``, or None and why not."""
-    data = tomllib.loads((cfg.root / config_mod.CONFIG_NAME).read_text())
-    raw = data.get("peers", {}).get(PEER_KEY)
-    if not raw:
+    tree = cfg.peers.get(PEER_KEY)
+    if tree is None:
         return None, f"no [peers.{PEER_KEY}] in {config_mod.CONFIG_NAME}"
-    tree = Tree(
-        name=PEER_KEY,
-        package=raw["package"],
-        version=raw["version"],
-        sha256=raw["sha256"].lower(),
-        tag=raw.get("tag", f"v{raw['version']}"),
-        pip_env={k: str(v) for k, v in raw.get("pip_env", {}).items()},
-    )
     dest = cfg.build / "bench" / f"vllm-{tree.version}"
     if not (dest / "vllm" / "__init__.py").is_file():
         try:

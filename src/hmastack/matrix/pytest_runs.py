@@ -6,19 +6,23 @@ suite (``tests/deselected.txt``) with their reasons.
 from __future__ import annotations
 
 import re
-import tomllib
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated, Literal
 
 import junitparser
+import msgspec
 
+from hmastack.core import tomlfile
 from hmastack.core.config import Config
 from hmastack.core.errors import HmastackError
 from hmastack.core.process import run
 from hmastack.matrix import reports
 from hmastack.stack import env as env_mod
 
-DESELECT_REASONS = ("needs weights", "needs GPU", "needs torchvision", "needs ray")
+DeselectReason = Literal["needs weights", "needs GPU", "needs torchvision", "needs ray"]
+DESELECT_REASONS: tuple[str, ...] = typing.get_args(DeselectReason)
 
 
 OUTCOMES = ("passed", "failed", "errors", "skipped", "deselected", "xfailed", "xpassed")
@@ -35,24 +39,31 @@ class Deselected:
         return "::" not in self.node
 
 
+NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
+
+
+class DeselectEntry(msgspec.Struct):
+    """One ``[[deselect]]`` of ``env/deselected.toml``."""
+
+    node: NonEmpty
+    reason: DeselectReason
+    why: NonEmpty
+
+
+class DeselectFile(msgspec.Struct):
+    deselect: list[DeselectEntry] = []
+
+
 def load_deselected(path: Path) -> list[Deselected]:
     """The committed list of vLLM tests that cannot run here, each with a reason.
 
     Raises :class:`HmastackError` for an entry without a known reason or ``why``.
     """
-    data = tomllib.loads(path.read_text())
-    entries = []
-    for item in data.get("deselect", []):
-        entry = Deselected(
-            item.get("node", ""), item.get("reason", ""), item.get("why", "")
-        )
-        if not entry.node or entry.reason not in DESELECT_REASONS or not entry.why:
-            raise HmastackError(
-                f"{path}: entry {item!r} needs a node, a reason among "
-                f"{DESELECT_REASONS} and a 'why'",
-            )
-        entries.append(entry)
-    return entries
+    hint = (
+        f"each [[deselect]] needs a node, a reason among {DESELECT_REASONS} and a 'why'"
+    )
+    data = tomlfile.load(path, DeselectFile, hint)
+    return [Deselected(e.node, e.reason, e.why) for e in data.deselect]
 
 
 @dataclass

