@@ -104,6 +104,7 @@ def bench_command(args: argparse.Namespace) -> int:
         only=args.only,
         throughput=args.throughput,
         count_settings=args.count_settings,
+        commits=not args.no_commits,
     )
 
 
@@ -357,6 +358,12 @@ def add_bench_parser(subparsers: Subparsers) -> None:
         choices=("quick", "full"),
         help="the instruction counts' settings: the quick set's 4 on the full "
         "set's trees (quick), or all 16 (full, the default without --quick)",
+    )
+    parser.add_argument(
+        "--no-commits",
+        action="store_true",
+        help="no tree per commit of a stage with several (the full set builds one "
+        "per commit prefix): the stages and the peer only",
     )
     parser.add_argument(
         "--only",

@@ -213,9 +213,11 @@ def cmd_bench(
     only: str | None = None,
     throughput: bool = False,
     count_settings: str | None = None,
+    commits: bool = True,
 ) -> int:
     """``hmastack bench``: the scenarios ``only`` names (default: all but the
-    optional ones; ``throughput`` adds that one)."""
+    optional ones; ``throughput`` adds that one); ``commits=False`` leaves out
+    the per-commit trees of the full set."""
     cfg = config_mod.load()
     failed = run_bench(
         cfg,
@@ -225,6 +227,7 @@ def cmd_bench(
         instructions,
         selected_scenarios(only, throughput),
         count_settings,
+        commits,
     )
     return 1 if failed else 0
 
@@ -278,6 +281,7 @@ def run_bench(
     instructions: bool = True,
     only: tuple[str, ...] | None = None,
     count_settings: str | None = None,
+    commits: bool = True,
 ) -> bool:
     """Run the scenarios ``only`` (default: all but the optional ones) on the
     trees in alternation; True when a check failed. The summary also holds the
@@ -294,6 +298,8 @@ def run_bench(
                 "witness_settings": bench_cost.WITNESS_QUICK,
             },
         }
+    if not commits:
+        plan = {**plan, "commits": False}
     only = selected_scenarios(None, False) if only is None else only
     instructions = instructions and "scheduler_instructions" in only
     selected = parse_stages(stages_text, cfg, quick)  # validate before any work
