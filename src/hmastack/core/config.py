@@ -81,8 +81,10 @@ class SuiteTable(msgspec.Struct):
     lmcache: list[str] = []
 
 
-class KernelsTable(msgspec.Struct):
-    """``[e2e.kernels]``: the wheel the compiled CPU kernels come from."""
+class Kernels(msgspec.Struct, frozen=True):
+    """``[e2e.kernels]``: the wheel the compiled CPU kernels come from, and the
+    member used (checksums as written; :mod:`hmastack.e2e.environment` lowers
+    them)."""
 
     package: str
     version: str
@@ -97,7 +99,7 @@ class E2ETable(msgspec.Struct):
 
     torch: str
     lock: str
-    kernels: KernelsTable
+    kernels: Kernels
 
 
 class ConfigFile(msgspec.Struct):

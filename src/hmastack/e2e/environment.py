@@ -34,10 +34,11 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
-from hmastack.core.config import Config
+from hmastack.core.config import Config, Kernels
 from hmastack.core.errors import HmastackError
 from hmastack.core.process import CommandError, run
 from hmastack.core.progress import console, step
@@ -45,18 +46,6 @@ from hmastack.stack.env import sha256_file, update_with_tree
 
 ENV_DIR = "e2e-env"
 KEY_FILE = ".hmastack-e2e-key"
-
-
-@dataclass(frozen=True)
-class Kernels:
-    """The wheel the compiled CPU kernels come from, and the member used."""
-
-    package: str
-    version: str
-    wheel: str
-    sha256: str
-    member: str
-    member_sha256: str
 
 
 @dataclass(frozen=True)
@@ -105,13 +94,8 @@ def load_config(cfg: Config) -> E2EConfig:
         base_lock=cfg.lock,
         no_deps=tuple(cfg.no_deps),
         plugin=cfg.plugin,
-        kernels=Kernels(
-            package=k.package,
-            version=k.version,
-            wheel=k.wheel,
-            sha256=k.sha256.lower(),
-            member=k.member,
-            member_sha256=k.member_sha256.lower(),
+        kernels=msgspec.structs.replace(
+            k, sha256=k.sha256.lower(), member_sha256=k.member_sha256.lower()
         ),
         wheelhouse=cfg.cache / "wheels",
         build=cfg.build,
