@@ -302,6 +302,14 @@ def commits_block(info: StageInfo, commits: site_reports.CommitReport | None) ->
     )
 
 
+def tests_by_file(tests: dict[str, list[str]]) -> str:
+    """A bullet per file: ``- `file`: `test_a`, `test_b```."""
+    return "".join(
+        f"- {code(k)}: " + ", ".join(code(n) for n in v) + "\n"
+        for k, v in tests.items()
+    )
+
+
 def stage_page(
     cfg: Config,
     info: StageInfo,
@@ -397,23 +405,13 @@ def stage_page(
             "In the patches (they run in the tree's own suite at this stage and "
             "every later one):\n"
         )
-        out.append(
-            "".join(
-                f"- {code(k)}: " + ", ".join(code(n) for n in v) + "\n"
-                for k, v in added.items()
-            )
-        )
+        out.append(tests_by_file(added))
     if ours:
         out.append(
             "\nStage tests (`tests/stages/`, run by the stage matrix from this "
             "stage on):\n"
         )
-        out.append(
-            "".join(
-                f"- {code(k)}: " + ", ".join(code(n) for n in v) + "\n"
-                for k, v in ours.items()
-            )
-        )
+        out.append(tests_by_file(ours))
     if not added and not ours:
         out.append("No tests added yet.\n")
     if not filled:
