@@ -1,16 +1,15 @@
-"""Read the reports the site shows: stage matrix, model check, benchmarks.
+"""Read the reports the site shows: the stage matrix, every commit, the
+benchmarks. (The model check's reports and the manifest are read by
+:mod:`hmastack.site.model` through :mod:`hmastack.spec.manifest`, their one
+reader.)
 
-Every reader tolerates a missing report (the page then says "not run yet") and a
-report written by an older or newer version of its producer: the field names are
-looked up in one place per report (:func:`normalize_model` for the model check),
-so adjusting to a renamed field is a one-line change.
+Every reader tolerates a missing report (the page then says "not run yet").
 """
 
 from __future__ import annotations
 
 import json
-import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -97,152 +96,8 @@ def new_failures(entry: dict, base: dict | None) -> list[str]:
     return sorted(f for f in mine - theirs if "::" in f or f.endswith(".py"))
 
 
-# --- model check (spec/manifest.*, build/reports/spec/<model>.json) --------------
-
-
-@dataclass
-class ModelResult:
-    name: str
-    result: str = "not run yet"  # "ok" | "violated" | "error" | ...
-    violated: str | None = None
-    distinct: int | None = None
-    generated: int | None = None
-    depth: int | None = None
-    seconds: float | None = None
-    expected: dict[str, Any] = field(default_factory=dict)
-    config: str | None = None
-    trace: list[dict] = field(default_factory=list)
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def matches_manifest(self) -> bool | None:
-        """Whether the last run agrees with the manifest (None: nothing to compare)."""
-        if not self.expected or self.result == "not run yet":
-            return None
-        want = self.expected
-        checks = [
-            ("result", self.result),
-            ("violated", self.violated),
-            ("distinct", self.distinct),
-        ]
-        compared = [(k, v) for k, v in checks if want.get(k) is not None]
-        return all(want[k] == v for k, v in compared) if compared else None
-
-
-def _first(raw: dict, *names: str) -> Any:
-    for name in names:
-        if name in raw and raw[name] is not None:
-            return raw[name]
-    return None
-
-
-def _int(value: Any) -> int | None:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return None
-
-
-def normalize_model(name: str, raw: dict) -> ModelResult:
-    """One model's result from a report or manifest entry, whatever its field
-    names (the only place that knows them)."""
-    violated = _first(
-        raw, "violated", "violated_property", "property", "invariant", "violation"
-    )
-    if isinstance(violated, list):
-        violated = ", ".join(map(str, violated)) or None
-    result = _first(raw, "result", "status", "outcome", "expect", "expected_result")
-    seconds = _first(raw, "seconds", "time", "wall_seconds", "duration")
-    trace = _first(raw, "trace", "counterexample", "error_trace") or []
-    known = {
-        "result", "status", "outcome", "expect", "expected_result", "violated",
-        "violated_property", "property", "invariant", "violation", "distinct_states",
-        "distinct", "states_distinct", "states_generated", "generated", "depth",
-        "diameter", "seconds", "time", "wall_seconds", "duration", "trace",
-        "counterexample", "error_trace", "cfg", "config", "name", "model",
-    }  # fmt: skip
-    return ModelResult(
-        name=name,
-        result=str(result) if result is not None else "not run yet",
-        violated=str(violated) if violated else None,
-        distinct=_int(_first(raw, "distinct_states", "distinct", "states_distinct")),
-        generated=_int(_first(raw, "states_generated", "generated")),
-        depth=_int(_first(raw, "depth", "diameter")),
-        seconds=float(seconds) if isinstance(seconds, int | float) else None,
-        config=_first(raw, "cfg", "config"),
-        trace=trace if isinstance(trace, list) else [],
-        extra={k: v for k, v in raw.items() if k not in known and _scalar(v)},
-    )
-
-
 def _scalar(value: Any) -> bool:
     return isinstance(value, str | int | float | bool)
-
-
-def _manifest_entries(data: Any) -> dict[str, dict]:
-    """Model name -> its manifest entry, for the layouts a manifest may use."""
-    if isinstance(data, dict) and "models" in data:
-        data = data["models"]
-    if isinstance(data, dict) and "model" in data and isinstance(data["model"], list):
-        data = data["model"]
-    if isinstance(data, list):
-        out = {}
-        for item in data:
-            if isinstance(item, dict):
-                key = _first(item, "name", "model", "cfg", "config")
-                if key:
-                    out[Path(str(key)).stem] = item
-        return out
-    if isinstance(data, dict):
-        return {k: v for k, v in data.items() if isinstance(v, dict)}
-    return {}
-
-
-def load_manifest(cfg: Config) -> dict[str, dict]:
-    spec = cfg.root / "spec"
-    for name in ("manifest.toml", "manifest.json"):
-        path = spec / name
-        if path.is_file():
-            try:
-                text = path.read_text()
-                data = (
-                    tomllib.loads(text) if name.endswith(".toml") else json.loads(text)
-                )
-            except (ValueError, OSError):
-                return {}
-            return _manifest_entries(data)
-    return {}
-
-
-def load_models(cfg: Config) -> list[ModelResult]:
-    """Every model the manifest names or a .cfg or report exists for, with its
-    last result when a report exists."""
-    manifest = load_manifest(cfg)
-    names = set(manifest)
-    names |= {p.stem for p in (cfg.root / "spec" / "models").glob("*.cfg")}
-    reports_dir = cfg.reports / "spec"
-    reports = {}
-    for path in sorted(reports_dir.glob("*.json")) if reports_dir.is_dir() else []:
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(data, dict):
-            reports[path.stem] = data
-    names |= set(reports)
-    models = []
-    for name in sorted(names):
-        result = normalize_model(name, reports.get(name, {}))
-        if name in manifest:
-            result.expected = {
-                k: v
-                for k, v in vars(normalize_model(name, manifest[name])).items()
-                if k in ("result", "violated", "distinct", "depth")
-                and v not in (None, "not run yet")
-            }
-            result.config = result.config or _first(manifest[name], "cfg", "config")
-        models.append(result)
-    return models
 
 
 # --- benchmarks (build/reports/bench/) -------------------------------------------
