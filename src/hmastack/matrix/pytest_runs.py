@@ -18,7 +18,6 @@ from hmastack.core import tomlfile
 from hmastack.core.config import Config
 from hmastack.core.errors import HmastackError
 from hmastack.core.process import run
-from hmastack.matrix import reports
 from hmastack.stack import env as env_mod
 
 DeselectReason = Literal["needs weights", "needs GPU", "needs torchvision", "needs ray"]
@@ -80,7 +79,7 @@ class PytestResult:
         return self.returncode in (0, 5) and bad == 0
 
     def summary(self) -> str:
-        return reports.pytest_counts_summary(self.counts)
+        return pytest_counts_summary(self.counts)
 
 
 def parse_pytest_output(output: str) -> dict[str, int]:
@@ -189,3 +188,14 @@ def run_pytest(
         counts, failures = read_junit(junit)
     counts["deselected"] = parse_pytest_output(proc.stdout)["deselected"]
     return PytestResult(counts, list(failures), proc.returncode, str(log), failures)
+
+
+def pytest_counts_summary(counts: dict[str, int]) -> str:
+    """``"292 passed / 15 failed / 2 errors"``: passed and failed always, then
+    errors, skipped and deselected when not 0 (``counts``: pytest outcome ->
+    tests). The one text of the stage table, on the terminal and the site."""
+    text = f"{counts.get('passed', 0)} passed / {counts.get('failed', 0)} failed"
+    for key in ("errors", "skipped", "deselected"):
+        if counts.get(key):
+            text += f" / {counts[key]} {key}"
+    return text

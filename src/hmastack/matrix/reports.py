@@ -6,16 +6,64 @@ import json
 import platform
 import time
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from rich.table import Table
 
 from hmastack.core.config import Config
 from hmastack.core.progress import console
+from hmastack.matrix.pytest_runs import PytestResult
 
-if TYPE_CHECKING:
-    from hmastack.matrix.stages import CommitResult, StageResult
+
+@dataclass
+class StageResult:
+    stage: int
+    name: str
+    patches: dict[str, int]
+    heads: dict[str, str]
+    vllm: PytestResult | None = None
+    lmcache: PytestResult | None = None
+    ours: PytestResult | None = None
+    ruff: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        parts = [r for r in (self.vllm, self.lmcache, self.ours) if r is not None]
+        return all(r.ok for r in parts) and all(
+            v in ("ok", "n/a") for v in self.ruff.values()
+        )
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data["ok"] = self.ok
+        return data
+
+
+@dataclass
+class CommitResult:
+    """One commit of the series, applied with the ones before it."""
+
+    tree: str
+    index: int  # 1-based position among the tree's commits
+    stage: int
+    patch: str
+    subject: str
+    head: str
+    vllm: PytestResult | None = None
+    ruff: str = ""
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return (self.vllm is None or self.vllm.ok) and self.ruff in ("ok", "n/a")
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data["ok"] = self.ok
+        return data
+
 
 STAGE_REPORT = "stages.json"
 COMMIT_REPORT = "commits.json"
@@ -40,17 +88,6 @@ def write_stage_report(cfg: Config, results: Sequence[StageResult]) -> Path:
     }
     path.write_text(json.dumps(data, indent=2) + "\n")
     return path
-
-
-def pytest_counts_summary(counts: dict[str, int]) -> str:
-    """``"292 passed / 15 failed / 2 errors"``: passed and failed always, then
-    errors, skipped and deselected when not 0 (``counts``: pytest outcome ->
-    tests). The one text of the stage table, on the terminal and the site."""
-    text = f"{counts.get('passed', 0)} passed / {counts.get('failed', 0)} failed"
-    for key in ("errors", "skipped", "deselected"):
-        if counts.get(key):
-            text += f" / {counts[key]} {key}"
-    return text
 
 
 def stage_table_rows(results: Sequence[StageResult]) -> list[list[str]]:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hmastack.core import config as config_mod
@@ -37,10 +36,10 @@ from hmastack.core.progress import console, step
 from hmastack.matrix import reports
 from hmastack.matrix.pytest_runs import (
     Deselected,
-    PytestResult,
     load_deselected,
     run_pytest,
 )
+from hmastack.matrix.reports import CommitResult, StageResult
 from hmastack.stack import base as base_mod
 from hmastack.stack import env as env_mod
 from hmastack.stack.workspace import (
@@ -53,31 +52,6 @@ from hmastack.stack.workspace import (
 )
 
 DEFAULT_JOBS = 2  # stages (or commits) tested at once
-
-
-@dataclass
-class StageResult:
-    stage: int
-    name: str
-    patches: dict[str, int]
-    heads: dict[str, str]
-    vllm: PytestResult | None = None
-    lmcache: PytestResult | None = None
-    ours: PytestResult | None = None
-    ruff: dict[str, str] = field(default_factory=dict)
-    seconds: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        parts = [r for r in (self.vllm, self.lmcache, self.ours) if r is not None]
-        return all(r.ok for r in parts) and all(
-            v in ("ok", "n/a") for v in self.ruff.values()
-        )
-
-    def to_json(self) -> dict:
-        data = asdict(self)
-        data["ok"] = self.ok
-        return data
 
 
 def stage_trees(
@@ -247,30 +221,6 @@ def run_matrix(
 
 
 # --- per commit ------------------------------------------------------------------
-
-
-@dataclass
-class CommitResult:
-    """One commit of the series, applied with the ones before it."""
-
-    tree: str
-    index: int  # 1-based position among the tree's commits
-    stage: int
-    patch: str
-    subject: str
-    head: str
-    vllm: PytestResult | None = None
-    ruff: str = ""
-    seconds: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        return (self.vllm is None or self.vllm.ok) and self.ruff in ("ok", "n/a")
-
-    def to_json(self) -> dict:
-        data = asdict(self)
-        data["ok"] = self.ok
-        return data
 
 
 def _commit_clone(cfg: Config, tree_name: str, slot: int) -> Path:

@@ -14,12 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from hmastack.core.config import Config
-from hmastack.matrix.reports import (
-    COMMIT_REPORT,
-    HEADERS,
-    STAGE_REPORT,
-    pytest_counts_summary,
-)
+from hmastack.matrix.pytest_runs import pytest_counts_summary
+from hmastack.matrix.reports import COMMIT_REPORT, HEADERS, STAGE_REPORT
 
 # --- stage matrix (build/reports/stages.json, written by `hmastack test`) --------
 
