@@ -560,3 +560,42 @@ def test_eagle_hits_stage5_follows_the_rule_and_the_base_drops_twice():
     # 0.13.0: full attention and sliding window each drop a block for eagle.
     assert base["fully cached"]["hit"] == base["fully cached"]["hit_no_eagle"] - 2 * B
     assert base["short prompt"]["hit"] == 0
+
+
+@pytest.mark.parametrize("commits", [True, False])
+def test_no_commits_leaves_out_the_trees_per_commit_prefix(monkeypatch, commits):
+    """`hmastack bench --no-commits` counts the base, the stages and the peer;
+    without it each stage is preceded by its commit prefixes."""
+    from hmastack.cli import build_parser
+
+    args = build_parser().parse_args(["bench"] + ([] if commits else ["--no-commits"]))
+    plan = bench.bench_plan(args.quick, args.count_settings, not args.no_commits)
+    assert plan["commits"] is commits
+    assert bench.bench_plan(False, "quick", commits)["commits"] is commits
+
+    asked = []
+
+    def commit_trees(cfg, numbers):
+        asked.append(numbers)
+        return [bench_trees.BenchTree(f"stage {k}.1", Path(f"/{k}.1")) for k in numbers]
+
+    monkeypatch.setattr(figures, "commit_trees", commit_trees)
+    trees = [
+        bench_trees.BenchTree(label, Path(f"/{label}"))
+        for label in ("stage 0", "stage 3", "stage 5", bench_trees.PEER_LABEL)
+    ]
+    ctx = figures.Context(cfg=None, pyenv=None, trees=trees, plan=plan, quick=False)
+    labels = [t.label for t in figures.count_trees(ctx)]
+    if commits:
+        assert asked == [[3, 5]]
+        assert labels == [
+            "stage 0",
+            "stage 3.1",
+            "stage 3",
+            "stage 5.1",
+            "stage 5",
+            "v0.14.0",
+        ]
+    else:
+        assert asked == []
+        assert labels == ["stage 0", "stage 3", "stage 5", "v0.14.0"]

@@ -1,6 +1,8 @@
-"""The stage READMEs (the PR descriptions) carry no figure the workbench
-generates: the test counts of a stage come from `hmastack test` into the site,
-where the README's stage-table comment stands."""
+"""The stage READMEs and the commit messages (the PR descriptions) carry no
+figure the workbench generates: the selected suite's counts of a stage or a
+commit come from `hmastack test` into the site, where the README's stage-table
+comment stands, and go stale in hand-typed text. Counts of a patch's own new
+tests ("18 passed") are the patch's claims and stay."""
 
 from __future__ import annotations
 
@@ -9,8 +11,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 READMES = sorted((ROOT / "patches").glob("0*/README.md"))
-# A row of the stage table ("292 passed / 0 failed / 17 deselected").
-COUNTS = re.compile(r"\d+ passed / \d+ failed")
+PATCHES = sorted((ROOT / "patches").glob("0*/*/*.patch"))
+# A suite count: a row of the stage table ("292 passed / 0 failed / 17
+# deselected"), a Test Result's "307 passed, 0 failed" or "315 passed (307
+# before this patch)".
+COUNTS = re.compile(r"\d+ passed\s*(?:[,/;]\s*\d+ failed|\(\d+ before)")
 
 
 def typed_counts(text: str) -> list[str]:
@@ -20,6 +25,17 @@ def typed_counts(text: str) -> list[str]:
 def test_no_readme_types_the_stage_table():
     assert len(READMES) >= 5
     typed = {p.parent.name: typed_counts(p.read_text()) for p in READMES}
+    assert {name: lines for name, lines in typed.items() if lines} == {}
+
+
+def commit_message(patch: Path) -> str:
+    """The message of a `git format-patch` file: up to its diffstat's `---`."""
+    return patch.read_text().split("\n---\n", 1)[0]
+
+
+def test_no_commit_message_types_the_suite_counts():
+    assert len(PATCHES) >= 25
+    typed = {p.name: typed_counts(commit_message(p)) for p in PATCHES}
     assert {name: lines for name, lines in typed.items() if lines} == {}
 
 
@@ -34,3 +50,9 @@ def test_the_check_bites():
     row = "| 1 01-skipped-tokens | 1 vllm | 307 passed / 0 failed / 17 deselected |"
     assert typed_counts(f"intro\n{row}\n") == [row]
     assert typed_counts("13 passed: exactly the external slots written") == []
+    for typed in (
+        "307 passed, 0 failed (292 before this patch)",
+        "315 passed (307 before",
+    ):
+        assert typed_counts(typed) == [typed]
+    assert typed_counts("18 passed. Disabling the rule fails 13 of them") == []

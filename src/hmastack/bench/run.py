@@ -273,19 +273,13 @@ def _run_scenarios(
         reports[scenario.name] = report
 
 
-def run_bench(
-    cfg: Config,
-    quick: bool,
-    stages_text: str | None,
-    no_peer: bool,
-    instructions: bool = True,
-    only: tuple[str, ...] | None = None,
-    count_settings: str | None = None,
-    commits: bool = True,
-) -> bool:
-    """Run the scenarios ``only`` (default: all but the optional ones) on the
-    trees in alternation; True when a check failed. The summary also holds the
-    last reports of the scenarios not run."""
+def bench_plan(
+    quick: bool, count_settings: str | None = None, commits: bool = True
+) -> dict:
+    """The plan of a run: :data:`QUICK` or :data:`FULL`; ``count_settings ==
+    "quick"`` counts instructions on the quick set's settings (with the full
+    set's trees); ``commits=False`` leaves out the trees per commit prefix of a
+    stage with several commits (``--no-commits``)."""
     plan = QUICK if quick else FULL
     if count_settings == "quick" and not quick:
         # The full set's trees (every stage, its commits, the peer) on the quick
@@ -300,6 +294,23 @@ def run_bench(
         }
     if not commits:
         plan = {**plan, "commits": False}
+    return plan
+
+
+def run_bench(
+    cfg: Config,
+    quick: bool,
+    stages_text: str | None,
+    no_peer: bool,
+    instructions: bool = True,
+    only: tuple[str, ...] | None = None,
+    count_settings: str | None = None,
+    commits: bool = True,
+) -> bool:
+    """Run the scenarios ``only`` (default: all but the optional ones) on the
+    trees in alternation; True when a check failed. The summary also holds the
+    last reports of the scenarios not run."""
+    plan = bench_plan(quick, count_settings, commits)
     only = selected_scenarios(None, False) if only is None else only
     instructions = instructions and "scheduler_instructions" in only
     selected = parse_stages(stages_text, cfg, quick)  # validate before any work
