@@ -80,7 +80,8 @@ ASSUME /\ N \in Nat \ {0} /\ B \in Nat \ {0} /\ W \in Nat \ {0, 1}
        /\ Mutation \in {"none", "EarlyPublish", "PublishDraft", "LateClaim",
                         "FreeInFlight", "EagerFree", "AllocSkipped", "PadFull",
                         "UnderCount", "SkipTouch", "LeakSkipped", "SkipCeil",
-                        "RangeByCached", "IgnoreZeroedLoad"}
+                        "RangeByCached", "IgnoreZeroedLoad",
+                        "KeepLoadFailedMark"}
 
 -----------------------------------------------------------------------------
 (***************************************************************************)
@@ -651,8 +652,10 @@ Execute(r) ==
              /\ UNCHANGED <<ref, freeQ, table, ncached, held>>
         ELSE /\ event' = Ev("Execute", r, NoBlocks, [acceptedTokens |-> a])
              /\ UNCHANGED <<ref, freeQ, table, ncached, held, status, running>>
-     \* Scheduler._free_request (called when the request finishes) forgets it.
-     /\ noLoad' = IF fin THEN noLoad \ {r} ELSE noLoad
+     \* Scheduler._free_request (called when the request finishes) forgets it
+     \* (mutation KeepLoadFailedMark: it does not).
+     /\ noLoad' = IF fin /\ Mutation # "KeepLoadFailedMark" THEN noLoad \ {r}
+                  ELSE noLoad
   /\ UNCHANGED <<hash, loads, failures, cachedTok, order, stallHead>>
 
 \* Scheduler.update_from_output with invalid_block_ids: request r's
@@ -881,7 +884,7 @@ Abort(r) ==
      ELSE /\ FreeFinished(r)
           /\ event' = Ev("Abort", r, table[r], [none |-> 0])
   /\ stallHead' = IF stallHead # NoHead /\ stallHead.h = r THEN NoHead ELSE stallHead
-  /\ noLoad' = noLoad \ {r}
+  /\ noLoad' = IF Mutation = "KeepLoadFailedMark" THEN noLoad ELSE noLoad \ {r}
   /\ UNCHANGED <<hash, len, computed, step, loads, saves, failures, bad, cachedTok,
                  order>>
 
