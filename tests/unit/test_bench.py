@@ -599,3 +599,10 @@ def test_no_commits_leaves_out_the_trees_per_commit_prefix(monkeypatch, commits)
     else:
         assert asked == []
         assert labels == ["stage 0", "stage 3", "stage 5", "v0.14.0"]
+
+
+def test_quick_with_the_full_count_settings_is_refused():
+    with pytest.raises(HmastackError, match="drop --quick"):
+        bench.bench_plan(True, "full")
+    assert bench.bench_plan(True, None) is bench.QUICK
+    assert bench.bench_plan(True, "quick") is bench.QUICK

@@ -1,6 +1,7 @@
 """Benchmarks: what the series changes in memory, admission and scheduler cost.
 
-``hmastack bench [--quick] [--stages 1-3] [--no-peer] [--no-instructions]`` runs
+``hmastack bench [--quick] [--stages 1-3] [--no-peer] [--no-instructions]
+[--count-settings quick|full] [--no-commits] [--throughput] [--only NAMES]`` runs
 the scenarios of :data:`SCENARIOS` (scripts in ``bench/scenarios/``), each INSIDE
 one vLLM tree's process (``trees``), on the base (stage 0), on each
 selected stage and on the vLLM 0.14.0 peer, alternating trees:
@@ -279,7 +280,16 @@ def bench_plan(
     """The plan of a run: :data:`QUICK` or :data:`FULL`; ``count_settings ==
     "quick"`` counts instructions on the quick set's settings (with the full
     set's trees); ``commits=False`` leaves out the trees per commit prefix of a
-    stage with several commits (``--no-commits``)."""
+    stage with several commits (``--no-commits``).
+
+    Raises :class:`HmastackError` for ``quick`` with ``count_settings ==
+    "full"``, which the quick set cannot honour."""
+    if quick and count_settings == "full":
+        raise HmastackError(
+            "--count-settings full counts the full set's 16 settings, --quick "
+            "the quick set's 4",
+            "drop --quick (and add --no-commits to leave out the per-commit trees)",
+        )
     plan = QUICK if quick else FULL
     if count_settings == "quick" and not quick:
         # The full set's trees (every stage, its commits, the peer) on the quick

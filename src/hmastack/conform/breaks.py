@@ -70,10 +70,7 @@ BREAKS = {
                 "0.13.0's allocate-then-free)"
             ),
             path="vllm/v1/core/kv_cache_manager.py",
-            old=(
-                "num_skipped_computed_tokens = min(num_computed_tokens, "
-                "request.num_tokens - 1)"
-            ),
+            old="num_skipped_computed_tokens = num_computed_tokens",
             new=(
                 "num_skipped_computed_tokens = "
                 "request.num_computed_tokens + num_new_computed_tokens"
