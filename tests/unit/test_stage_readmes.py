@@ -56,3 +56,50 @@ def test_the_check_bites():
     ):
         assert typed_counts(typed) == [typed]
     assert typed_counts("18 passed. Disabling the rule fails 13 of them") == []
+
+
+# vLLM's DCO check: a commit's author signs it off.
+AUTHOR = re.compile(r"^From: (.+)$", re.MULTILINE)
+SIGNED_OFF = re.compile(r"^Signed-off-by: (.+)$", re.MULTILINE)
+# vLLM's PR template: every message is a PR description with these headings.
+HEADINGS = ("## Purpose", "## Test Plan", "## Test Result")
+
+
+def dco_problem(message: str) -> str | None:
+    """Why vLLM's DCO check fails a commit message, or None if it passes."""
+    author = AUTHOR.search(message)
+    signed = SIGNED_OFF.findall(message)
+    if author is None:
+        return "no author"
+    if author.group(1).strip() not in (s.strip() for s in signed):
+        return f"author {author.group(1)!r} has no Signed-off-by (has {signed})"
+    return None
+
+
+def missing_headings(message: str) -> list[str]:
+    lines = message.splitlines()
+    return [h for h in HEADINGS if h not in lines]
+
+
+def test_every_commit_is_signed_off_by_its_author():
+    problems = {p.name: dco_problem(commit_message(p)) for p in PATCHES}
+    assert {name: why for name, why in problems.items() if why} == {}
+
+
+def test_every_commit_message_has_the_pr_template_headings():
+    missing = {p.name: missing_headings(commit_message(p)) for p in PATCHES}
+    assert {name: m for name, m in missing.items() if m} == {}
+
+
+def test_the_message_checks_bite():
+    good = (
+        "From: A <a@x>\nSubject: s\n\n## Purpose\n\nwhy\n\n## Test Plan\n\nt\n\n"
+        "## Test Result\n\nr\n\nSigned-off-by: A <a@x>\n"
+    )
+    assert dco_problem(good) is None
+    assert missing_headings(good) == []
+    assert dco_problem(good.replace("From: A <a@x>", "From: B <b@x>")) is not None
+    assert dco_problem(good.replace("Signed-off-by: A <a@x>\n", "")) is not None
+    assert missing_headings(good.replace("## Test Plan", "Test plan")) == [
+        "## Test Plan"
+    ]
