@@ -168,3 +168,23 @@ def test_breaks_name_their_protection():
     for brk in conform.BREAKS.values():
         assert brk.old != brk.new and brk.protection
         assert brk.path.startswith("vllm/")
+
+
+def test_a_break_of_a_later_stage_runs_that_stages_suites():
+    """A break of a later stage's code runs the suites of its own stage
+    (``STAGE_SUITES``), whose files exist; the stage-03 breaks run ``SUITES``."""
+    from pathlib import Path
+
+    from hmastack.conform import breaks
+
+    root = Path(__file__).resolve().parents[2]
+    later = [b for b in breaks.BREAKS.values() if b.stage != breaks.STAGE]
+    assert later, "no break of a later stage"
+    for brk in breaks.BREAKS.values():
+        suites = breaks.suites_of(brk.stage)
+        assert suites, brk.name
+        if brk.stage == breaks.STAGE:
+            assert suites == breaks.SUITES
+        assert any(s.kind in brk.caught_by for s in suites), brk.name
+        for suite in suites:
+            assert (root / breaks.STAGE_TESTS / suite.directory / suite.file).is_file()

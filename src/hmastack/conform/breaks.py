@@ -1,6 +1,7 @@
-"""What conformance runs and breaks: the suites run at stage 03 (``SUITES``) and the
-deliberately broken copies (``BREAKS``): each a one-line edit that removes one
-protection of the series, and the suites that must catch it.
+"""What conformance runs and breaks: the suites run at stage 03 (``SUITES``), the
+suites of a later stage (``STAGE_SUITES``) and the deliberately broken copies
+(``BREAKS``): each a one-line edit that removes one protection of the series,
+in the tree of the stage that adds it, and the suites that must catch it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ class Suite:
     # On a broken tree only this test of the file runs (the file's explicit
     # regression tests would otherwise catch the break before the random test).
     broken_only: str = ""
+    # The directory of ``file``, under tests/stages/.
+    directory: str = SUITE_DIR.name
 
 
 SUITES = (
@@ -42,10 +45,29 @@ SUITES = (
 )
 
 
+# The suites of the stages after 03 that conformance runs, per stage: on that
+# stage's tree, and on the broken copies of the breaks of that stage.
+STAGE_SUITES = {
+    4: (
+        Suite(
+            "random MultiConnector hold state machine",
+            "random",
+            "test_multi_connector_holds.py",
+            broken_only="test_multi_connector_hold_machine",
+            directory="s04_lmcache",
+        ),
+    ),
+}
+
+
+def suites_of(stage: int) -> tuple[Suite, ...]:
+    return SUITES if stage == STAGE else STAGE_SUITES[stage]
+
+
 @dataclass(frozen=True)
 class Break:
     """One protection of the series removed by replacing ``old`` (which must occur
-    exactly once in ``path`` of the stage-03 vLLM tree) with ``new``."""
+    exactly once in ``path`` of the vLLM tree at ``stage``) with ``new``."""
 
     name: str
     protection: str
@@ -57,6 +79,8 @@ class Break:
     # Why a kind of suite is not expected to catch it.
     not_by_replay: str = ""
     not_by_random: str = ""
+    # The stage whose tree is broken and whose suites run (``suites_of``).
+    stage: int = STAGE
 
 
 BREAKS = {
@@ -167,6 +191,25 @@ BREAKS = {
             path="vllm/v1/core/kv_cache_manager.py",
             old="        if read_block_ids:\n",
             new="        if False:\n",
+        ),
+        Break(
+            name="multi-report-early",
+            protection=(
+                "MultiConnector reports a request in finished_sending once every "
+                "connector that has to (it saves the finished request "
+                "asynchronously, or the scheduler holds blocks for its stores) "
+                "reported it (broken: at the first connector's report, which "
+                "ends the other connectors' holds and saves)"
+            ),
+            path="vllm/distributed/kv_transfer/kv_connector/v1/multi_connector.py",
+            old="                pending = self._pending_sends.get(req_id)\n",
+            new="                pending = None\n",
+            caught_by=("random",),
+            not_by_replay=(
+                "the model has one connector: no replayed behaviour runs a "
+                "MultiConnector"
+            ),
+            stage=4,
         ),
     )
 }

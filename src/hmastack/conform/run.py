@@ -9,15 +9,17 @@ patched vLLM (stage 03), and the same checks against deliberately broken copies.
    ``KVCacheManager``, the replay through the ``Scheduler`` with a scripted
    ``SupportsHMA`` connector, and the random state machine on the ``Scheduler``
    (its fixed CI set, or ``--examples`` schedules with a fresh seed). All must
-   pass.
-3. Each ``--break`` (default: every entry of ``BREAKS``) copies the stage-03 vLLM
-   tree under ``build/conformance/broken-<name>/``, removes one protection of the
-   series with a one-line edit and runs the same suites with ``-x`` (the random
-   suite: only the state machine, without shrinking). A break counts as caught
-   when each kind of suite it names (``Break.caught_by``: a replay suite and
-   the random test, unless the model has no state that shows it) fails; the
-   report gives the first failing test and the seconds until the suite
-   stopped.
+   pass. A selected break of a later stage's code (``Break.stage``) adds that
+   stage's suites (``STAGE_SUITES``, e.g. the random MultiConnector hold
+   machine at stage 04), run on that stage's tree.
+3. Each ``--break`` (default: every entry of ``BREAKS``) copies the vLLM tree of
+   its stage under ``build/conformance/broken-<name>/``, removes one protection
+   of the series with a one-line edit and runs that stage's suites with ``-x``
+   (the random suite: only the state machine, without shrinking). A break
+   counts as caught when each kind of suite it names (``Break.caught_by``: a
+   replay suite and the random test, unless the model has no state that shows
+   it) fails; the report gives the first failing test and the seconds until the
+   suite stopped.
 
 Report: ``build/reports/conformance.json`` and a table. Exit status 1 when the
 series fails a suite or a break escapes the replayer or the random test (a
@@ -42,9 +44,8 @@ from hmastack.conform.breaks import (
     MODEL_CFG,
     STAGE,
     STAGE_TESTS,
-    SUITE_DIR,
-    SUITES,
     Break,
+    suites_of,
 )
 from hmastack.core import config as config_mod
 from hmastack.core.errors import HmastackError
@@ -97,15 +98,17 @@ def run_suites(
     examples: int | None,
     label: str,
     broken: bool,
+    stage: int = STAGE,
 ) -> list[SuiteRun]:
     out_dir = cfg.reports / "conformance" / label
     out_dir.mkdir(parents=True, exist_ok=True)
     results = []
-    for suite in SUITES:
-        path = cfg.root / SUITE_DIR / suite.file
+    for suite in suites_of(stage):
+        path = cfg.root / STAGE_TESTS / suite.directory / suite.file
         if not path.is_file():
             raise HmastackError(
-                f"conformance suite {suite.file} is missing from {SUITE_DIR}",
+                f"conformance suite {suite.file} is missing from "
+                f"{STAGE_TESTS / suite.directory}",
                 "check out the whole repository (tests/stages is part of it)",
             )
         summary_file = out_dir / f"{path.stem}.summary.json"
@@ -152,8 +155,8 @@ def run_suites(
 
 
 def broken_tree(cfg: config_mod.Config, source: Path, brk: Break) -> Path:
-    """A clone of the stage-03 vLLM tree with ``brk`` applied (the source tree is
-    left untouched)."""
+    """A clone of the vLLM tree at ``brk.stage`` with ``brk`` applied (the source
+    tree is left untouched)."""
     dest = cfg.build / "conformance" / f"broken-{brk.name}" / "vllm"
     if dest.exists():
         shutil.rmtree(dest)
@@ -164,7 +167,7 @@ def broken_tree(cfg: config_mod.Config, source: Path, brk: Break) -> Path:
     count = text.count(brk.old)
     if count != 1:
         raise HmastackError(
-            f"break {brk.name!r}: {brk.path} of the stage-{STAGE} tree contains "
+            f"break {brk.name!r}: {brk.path} of the stage-{brk.stage} tree contains "
             f"{count} copies of the line to replace (expected exactly 1):\n  {brk.old}",
             "the patches changed that code: update BREAKS in "
             "src/hmastack/conform/breaks.py",
@@ -229,11 +232,27 @@ def conform(
     series = run_suites(
         cfg, pyenv, list(trees.values()), traces_dir, examples, "series", False
     )
+    # The later stages of the selected breaks: their suites on their trees.
+    trees_at = {STAGE: trees}
+    for stage in sorted({b.stage for b in breaks} - {STAGE}):
+        with step(f"stage {stage}: apply stages 1..{stage} with git am"):
+            trees_at[stage] = matrix.stage_trees(cfg, discover(cfg), stage)
+        series += run_suites(
+            cfg,
+            pyenv,
+            list(trees_at[stage].values()),
+            traces_dir,
+            examples,
+            f"series-stage{stage}",
+            False,
+            stage,
+        )
     report["series"] = [asdict(r) | {"ok": r.ok} for r in series]
     report["breaks"] = []
     for brk in breaks:
-        vllm_tree = broken_tree(cfg, trees["vllm"], brk)
-        others = [p for name, p in trees.items() if name != "vllm"]
+        stage_trees = trees_at[brk.stage]
+        vllm_tree = broken_tree(cfg, stage_trees["vllm"], brk)
+        others = [p for name, p in stage_trees.items() if name != "vllm"]
         runs = run_suites(
             cfg,
             pyenv,
@@ -242,6 +261,7 @@ def conform(
             examples,
             f"broken-{brk.name}",
             True,
+            brk.stage,
         )
         report["breaks"].append(
             {
