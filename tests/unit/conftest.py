@@ -39,6 +39,7 @@ def write_project(root: Path, sha256: str) -> None:
 [series]
 title_tag = "Demo series"
 stages = 2
+author = "Demo Series <demo@example.com>"
 base_author = "hmastack base <hmastack@localhost>"
 base_date = "2025-12-18T00:00:00+00:00"
 

@@ -114,6 +114,9 @@ def test_manifest_errors_name_the_file_the_model_and_the_key(tmp_path, table, ex
 def test_manifest_without_models_table(tmp_path):
     settings = _settings(tmp_path)
     (tmp_path / "manifest.toml").write_text("[model.x]\n")
+    with pytest.raises(HmastackError, match=r"manifest.toml: unknown key model \("):
+        spec_manifest.load_manifest(settings)
+    (tmp_path / "manifest.toml").write_text("")
     with pytest.raises(HmastackError, match=r"manifest.toml: no models \(a required"):
         spec_manifest.load_manifest(settings)
 

@@ -22,7 +22,7 @@ def commit_change(cfg, stage: int, path: str, old: str, new: str, title: str):
         "commit",
         "-q",
         "-m",
-        f"[Core][Demo series {stage}/2] {title}\n\nWhy.\n\nSigned-off-by: A <a@b.c>",
+        f"[Core][Demo series {stage}/2] {title}\n\nWhy.\n\nSigned-off-by: {cfg.series_author}",
         env={"GIT_AUTHOR_DATE": "2025-12-20T10:00:00+00:00"},
     )
 
@@ -222,7 +222,7 @@ def test_follow_up_stage_exports_into_its_directory(project):
     repo = cfg.workspace("demo")
     commit_change(cfg, 1, "demo/core.py", "return 3", "return 33", "Change f3")
     (repo / "README").write_text("follow-up\n")
-    git(repo, "commit", "-qam", "[Core][Demo series follow-up 1] Change README")
+    git(repo, "commit", "-sqam", "[Core][Demo series follow-up 1] Change README")
     workspace.export(cfg, check=False)
     files = sorted(
         p.relative_to(cfg.patches).as_posix() for p in cfg.patches.rglob("*.patch")
@@ -233,6 +233,6 @@ def test_follow_up_stage_exports_into_its_directory(project):
     ]
     assert workspace.export(cfg, check=True) == []
     (repo / "README").write_text("again\n")
-    git(repo, "commit", "-qam", "[Core][Demo series 3/2] Not a stage")
+    git(repo, "commit", "-sqam", "[Core][Demo series 3/2] Not a stage")
     with pytest.raises(HmastackError, match="follow-up 1"):
         workspace.export(cfg, check=True)

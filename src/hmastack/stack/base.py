@@ -18,7 +18,7 @@ from pathlib import Path
 from hmastack.core import config as config_mod
 from hmastack.core.config import Config, Tree
 from hmastack.core.errors import HmastackError
-from hmastack.core.gitutil import git, identity_env, is_repo
+from hmastack.core.gitutil import git, identity_env, is_repo, set_identity
 from hmastack.core.process import CommandError, run
 from hmastack.core.progress import step
 from hmastack.stack import env as env_mod
@@ -155,10 +155,9 @@ def materialize(cfg: Config, tree: Tree) -> str:
             env=ident,
         )
         git(work, "tag", tree.tag)
-        # The identity used for commits made by `git am` in this workspace.
-        name, _, email = cfg.base_author.partition("<")
-        git(work, "config", "user.name", name.strip())
-        git(work, "config", "user.email", email.rstrip(">").strip())
+        # Commits made in the workspace (git am, git commit -s) carry the series'
+        # author, which signs them off.
+        set_identity(work, cfg.series_author)
         work.rename(repo)
     return base_commit(cfg, tree) or ""
 
