@@ -12,7 +12,6 @@ from __future__ import annotations
 import shutil
 import tarfile
 import tempfile
-import time
 from pathlib import Path
 
 from hmastack.core import config as config_mod
@@ -22,7 +21,6 @@ from hmastack.core.gitutil import git, identity_env, is_repo, set_identity
 from hmastack.core.process import CommandError, run
 from hmastack.core.progress import step
 from hmastack.stack import env as env_mod
-from hmastack.stack.env import sha256_file  # hmastack.spec imports it from here
 
 
 def sdist_path(cfg: Config, tree: Tree) -> Path:
@@ -30,21 +28,12 @@ def sdist_path(cfg: Config, tree: Tree) -> Path:
 
 
 def verify(cfg: Config, tree: Tree, path: Path) -> None:
-    """Check ``path`` against the pinned sha256.
-
-    On a mismatch the file is moved aside to ``.cache/sdist/rejected/`` (kept for
-    inspection, never used) and :class:`HmastackError` is raised.
-    """
-    actual = sha256_file(path)
-    if actual == tree.sha256:
-        return
-    rejected = cfg.cache / "sdist" / "rejected"
-    rejected.mkdir(parents=True, exist_ok=True)
-    kept = rejected / f"{path.name}.{actual[:12]}.{int(time.time())}"
-    shutil.move(path, kept)
-    raise HmastackError(
-        f"checksum mismatch for {tree.sdist_name}: expected sha256 {tree.sha256}, "
-        f"got {actual}. The file was moved aside to {kept} and will not be used.",
+    """Check ``path`` against the pinned sha256 (:func:`env.check_cached`: on a
+    mismatch the cached file stays for the other clones, unless it is corrupt)."""
+    env_mod.check_cached(
+        path,
+        tree.sha256,
+        f"{config_mod.CONFIG_NAME} [trees.{tree.name}]",
         "if the package index serves a different file for the same version, find out "
         "why before trusting it; to pin a new release, update sha256 in hmastack.toml",
     )
@@ -95,6 +84,7 @@ def fetch(cfg: Config, tree: Tree) -> Path:
                 "the index may not have a source release of this version",
             )
         shutil.move(got, target)
+        env_mod.record_download(target)
     verify(cfg, tree, target)
     return target
 

@@ -206,9 +206,11 @@ def apply_to(repo: Path, tree: Tree, stages: list[Stage], upto: int) -> int:
     except ApplyError as exc:
         write_state(repo, "failed", upto, message=exc.message)
         raise
+    # Every patch file of the tree as apply found it (the stages after upto too:
+    # export compares them when commits of those stages are `git am`ed on top).
     recorded = {
         patch_key(stage, tree.name, patch.name): _digest(patch.read_bytes())
-        for stage, patch in patches
+        for stage, patch in series_patches(stages, tree.name)
     }
     write_state(repo, "applied", upto, patches=recorded)
     return count
@@ -272,14 +274,11 @@ def ensure_safe_to_reset(cfg: Config, tree: Tree, repo: Path, stages: list[Stage
             f"refs/tags/{tree.tag}..HEAD`), or `hmastack apply --force` to discard "
             "them (git reflog still finds discarded commits)",
         )
-    drift = [
-        d
-        for d in export_tree(cfg, tree, stages, check=True, for_apply=True)
-        if d.workspace_has_more
-    ]
+    compared = export_tree(cfg, tree, stages, check=True, for_apply=True)
+    drift = [d for d in compared if d.workspace_has_more]
     if not drift:
         return
-    edited = [d for d in drift if d.patches_edited]
+    edited = [d for d in compared if d.patches_edited]
     if state is None or "patches" not in state:
         # No record of what apply left: either side may hold the newer version.
         hint = (
@@ -641,6 +640,9 @@ def export_tree(
             )
         for folder, want, have in writes:
             _write(folder, want, have)
+    for stage in stages[upto:]:
+        for patch in stage.patches_for(tree.name):
+            after[patch_key(stage, tree.name, patch.name)] = _digest(patch.read_bytes())
     write_state(repo, "applied", upto, patches=after)
     return drift
 
