@@ -12,7 +12,7 @@ from hmastack.core.gitutil import git
 from hmastack.stack import base
 from hmastack.stack import env as env_mod
 
-from .conftest import make_sdist, write_project
+from .conftest import make_sdist, record_download, write_project
 
 
 def test_base_commit_is_one_fixed_commit(project):
@@ -66,7 +66,7 @@ def test_one_clones_wrong_pin_leaves_the_shared_cache_to_the_others(
 ):
     """Two clones share the per-user cache; one pins a wrong sha256."""
     sdist = base.sdist_path(project, project.tree("demo"))
-    env_mod.record_download(sdist)
+    record_download(sdist)
     good = sdist.read_bytes()
 
     def no_download(cfg):
@@ -88,7 +88,7 @@ def test_one_clones_wrong_pin_leaves_the_shared_cache_to_the_others(
 
 def test_a_cached_file_corrupt_since_its_download_is_moved_aside(project):
     sdist = base.sdist_path(project, project.tree("demo"))
-    env_mod.record_download(sdist)
+    record_download(sdist)
     make_sdist(sdist, {"demo/__init__.py": "bit rot\n"})
     with pytest.raises(HmastackError, match="is corrupt") as err:
         base.materialize(project, project.tree("demo"))

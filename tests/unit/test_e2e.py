@@ -15,6 +15,8 @@ from hmastack.core.process import CommandError
 from hmastack.e2e import catalogue as cat
 from hmastack.e2e import compare, engine, environment, runner, site
 
+from .conftest import record_download
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -128,7 +130,7 @@ def test_kernels_wheel_with_a_wrong_checksum_stays_for_the_other_clones(tmp_path
     e2e = _e2e(tmp_path)
     wheel = e2e.wheelhouse / e2e.kernels.wheel
     _wheel(wheel, "vllm/_C.abi3.so", b"so")
-    environment.record_download(wheel)
+    record_download(wheel)
     with pytest.raises(HmastackError, match="checksum mismatch") as exc:
         environment.verify_kernels_wheel(e2e)
     assert "stays in the cache" in exc.value.message

@@ -11,7 +11,7 @@ from hmastack.core.errors import HmastackError
 from hmastack.core.gitutil import git, git_proc, identity_env
 from hmastack.stack import base, workspace
 
-from .conftest import make_sdist
+from .conftest import SERIES_AUTHOR, make_sdist
 
 
 def commit_change(cfg, stage: int, path: str, old: str, new: str, title: str):
@@ -25,7 +25,7 @@ def commit_change(cfg, stage: int, path: str, old: str, new: str, title: str):
         "-q",
         "-m",
         f"[Core][Demo series {stage}/2] {title}\n\nWhy.\n\n"
-        f"Signed-off-by: {cfg.series_author}",
+        f"Signed-off-by: {SERIES_AUTHOR}",
         env={"GIT_AUTHOR_DATE": "2025-12-20T10:00:00+00:00"},
     )
 
@@ -275,16 +275,17 @@ def test_export_after_a_failed_apply_refuses_and_deletes_nothing(project):
     break_stage_2(project)
     with pytest.raises(workspace.ApplyError) as err:
         workspace.apply(project, 2)
-    assert "every tree was reset to its base" in err.value.hint
-    assert "hmastack apply --upto 1" in err.value.hint
     before = snapshot(project)
+    proc = run_cli("export")
+    assert snapshot(project) == before, proc.stdout
+    assert proc.returncode == 2, proc.stdout
+    assert "not an applied series" in proc.stderr and "exported" not in proc.stdout
     for check in (False, True):
         with pytest.raises(HmastackError, match="the last `hmastack apply` failed"):
             workspace.export(project, check=check)
-    proc = run_cli("export")
-    assert proc.returncode == 2, proc.stdout
-    assert "not an applied series" in proc.stderr and "exported" not in proc.stdout
     assert snapshot(project) == before
+    assert "every tree was reset to its base" in err.value.hint
+    assert "hmastack apply --upto 1" in err.value.hint
 
 
 def test_export_of_an_interrupted_or_never_applied_workspace_refuses(
@@ -395,6 +396,8 @@ def test_a_failed_apply_leaves_every_tree_at_its_base(project, failing):
     with pytest.raises(workspace.ApplyError) as err:
         workspace.apply(cfg, 2)
     assert f"does not apply to {failing}" in err.value.message
+    at = {n: git(cfg.workspace(n), "rev-list", "--count", "HEAD") for n in cfg.trees}
+    assert at == {"demo": "1", "other": "1"}  # the base commit only
     assert "demo at v1.0, other at v2.0" in err.value.hint
     for name, tree in cfg.trees.items():
         repo = cfg.workspace(name)
@@ -418,8 +421,7 @@ def test_export_refuses_a_commit_whose_author_is_not_its_sign_off(project):
         repo,
         "commit",
         "-qam",
-        "[Core][Demo series 2/2] Wrong author\n\n"
-        f"Signed-off-by: {project.series_author}",
+        f"[Core][Demo series 2/2] Wrong author\n\nSigned-off-by: {SERIES_AUTHOR}",
         env=identity_env(project.base_author),
     )
     bad = git(repo, "rev-parse", "HEAD")
@@ -447,7 +449,6 @@ def test_rebase_after_a_failed_apply_as_its_hint_says(project):
     workspace.render_stage(repo, [git(repo, "rev-parse", "HEAD")], stage1)
     with pytest.raises(workspace.ApplyError) as err:
         workspace.apply(project, 2, force=True)
-    assert "hmastack apply --upto 1" in err.value.hint
     workspace.apply(project, 1)
     (stage2,) = (project.patches / "02-second" / "demo").glob("*.patch")
     proc = git_proc(repo, "am", "-3", "--keep-non-patch", stage2)
@@ -465,3 +466,4 @@ def test_rebase_after_a_failed_apply_as_its_hint_says(project):
     assert workspace.export(project, check=True) == []
     workspace.apply(project, 2)
     assert "return 77" in core.read_text()
+    assert "hmastack apply --upto 1" in err.value.hint
