@@ -37,7 +37,7 @@ def commit(cfg, stage: int, changes: dict[str, str], title: str, body: str = "Wh
         "commit",
         "-q",
         "-m",
-        f"[Core][Demo series {stage}/2] {title}\n\n{body}\n\nSigned-off-by: A <a@b.c>",
+        f"[Core][Demo series {stage}/2] {title}\n\n{body}\n\nSigned-off-by: {AUTHOR}",
         env={
             "GIT_AUTHOR_DATE": "2025-12-20T10:00:00+00:00",
             "GIT_AUTHOR_NAME": "Ada Lovelace",
@@ -105,7 +105,7 @@ def test_parse_patch_reads_headers_message_diffstat_and_tests(series):
     assert first.body.startswith(
         "f3 must return 33 because the brief says so.\n\nIt is"
     )
-    assert "Signed-off-by: A <a@b.c>" in first.body
+    assert f"Signed-off-by: {AUTHOR}" in first.body
     assert [(f.path, f.added, f.removed, f.status) for f in first.files] == [
         ("demo/core.py", 1, 1, "modified")
     ]
