@@ -1,7 +1,10 @@
 """Fetch, verify and unpack the pinned source releases into git repositories.
 
 Each release named in ``hmastack.toml`` is downloaded through pip from the
-configured package index into ``.cache/sdist/``, checked against its sha256, and
+configured package index into the per-user cache ``~/.cache/hmastack/sdist/``
+(``$XDG_CACHE_HOME/hmastack`` or ``$HMASTACK_CACHE`` instead, shared by every
+clone on the machine; a wrong pin refuses the file and leaves it there), checked
+against its sha256, and
 unpacked into ``build/<tree>`` as a git repository with exactly one commit, made
 with a fixed identity and date, so the base commit id is the same on every
 machine. The commit is tagged with the release tag (``v0.13.0``, ``v0.3.11``).
