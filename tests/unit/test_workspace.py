@@ -467,3 +467,18 @@ def test_rebase_after_a_failed_apply_as_its_hint_says(project):
     workspace.apply(project, 2)
     assert "return 77" in core.read_text()
     assert "hmastack apply --upto 1" in err.value.hint
+
+
+def test_export_names_every_refused_commit_of_every_tree(project):
+    cfg = two_trees(project)
+    for name in cfg.trees:
+        repo = cfg.workspace(name)
+        for i in (1, 2):
+            (repo / "README").write_text(f"unsigned {i}\n")
+            git(repo, "commit", "-qam", f"[Core][Demo series 2/2] Unsigned {i}")
+    with pytest.raises(HmastackError, match="DCO") as err:
+        workspace.export(cfg, check=True)
+    message = err.value.message
+    assert "2 commits in" in message and message.count("signed off by nobody") == 4
+    assert str(cfg.workspace("demo")) in message
+    assert str(cfg.workspace("other")) in message

@@ -489,8 +489,10 @@ def _ident(value: str) -> str:
 
 
 def check_sign_off(repo: Path, tag: str, commits: list[str]) -> None:
-    """Refuse a commit whose author is not among its ``Signed-off-by:`` lines
-    (vLLM's DCO check refuses such a pull request)."""
+    """Refuse commits whose author is not among their ``Signed-off-by:`` lines
+    (vLLM's DCO check refuses such a pull request); names every one."""
+    bad = []
+    sign_offs: set[str] = set()
     for commit in commits:
         author = _ident(git(repo, "log", "-1", "--format=%an <%ae>", commit))
         signed = [
@@ -507,24 +509,31 @@ def check_sign_off(repo: Path, tag: str, commits: list[str]) -> None:
         if author in signed:
             continue
         subject = git(repo, "log", "-1", "--format=%s", commit)
-        if signed:
-            fix = (
-                f"set its author to its sign-off: `git -C {repo} rebase "
-                f"refs/tags/{tag} --exec 'git commit --amend --no-edit "
-                f'--author="{signed[0]}"\'` (every commit), then `hmastack export`'
-            )
-        else:
-            fix = (
-                f"sign it off as its author: `git -C {repo} rebase refs/tags/{tag} "
-                "--exec 'git commit --amend --no-edit -s'` (the sign-off is the "
-                "workspace's user.name and user.email), then `hmastack export`"
-            )
-        raise HmastackError(
-            f"commit {commit[:12]} ({subject!r}) in {repo} is authored by "
-            f"{author} but signed off by {', '.join(signed) or 'nobody'}; vLLM's "
-            "DCO check refuses it, so export does not write it",
-            fix,
+        bad.append(
+            f"{commit[:12]} ({subject!r}): authored by {author}, signed off by "
+            f"{', '.join(signed) or 'nobody'}"
         )
+        sign_offs.update(signed[:1])
+    if not bad:
+        return
+    if len(sign_offs) == 1:
+        (who,) = sign_offs
+        fix = (
+            f"set their author to the sign-off: `git -C {repo} rebase "
+            f"refs/tags/{tag} --exec 'git commit --amend --no-edit "
+            f'--author="{who}"\'` (every commit), then `hmastack export`'
+        )
+    else:
+        fix = (
+            f"amend each one (`git -C {repo} rebase -i refs/tags/{tag}`, `edit`, "
+            '`git commit --amend --no-edit --author="<its sign-off>"`, or `-s` to '
+            "sign off as the workspace's identity), then `hmastack export`"
+        )
+    raise HmastackError(
+        f"{len(bad)} commits in {repo} are not signed off by their author; vLLM's "
+        "DCO check refuses them, so nothing was exported:\n  " + "\n  ".join(bad),
+        fix,
+    )
 
 
 def _refuse_unless_applied(cfg: Config, tree: Tree, repo: Path, stages) -> dict:
@@ -652,8 +661,19 @@ def export(cfg: Config, check: bool) -> list[Drift]:
     patches/ is written, so a refusal leaves patches/ as it was."""
     stages = discover(cfg)
     drift = []
+    refused: list[HmastackError] = []
     for tree in cfg.trees.values():
-        drift += export_tree(cfg, tree, stages, check=True)
+        try:
+            drift += export_tree(cfg, tree, stages, check=True)
+        except HmastackError as exc:
+            refused.append(exc)
+    if len(refused) == 1:
+        raise refused[0]
+    if refused:  # every tree's refusal at once
+        raise HmastackError(
+            "\n".join(e.message for e in refused),
+            "; ".join(e.hint for e in refused if e.hint),
+        )
     if check:
         return drift
     drift = []
