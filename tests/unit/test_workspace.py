@@ -284,6 +284,7 @@ def test_export_after_a_failed_apply_refuses_and_deletes_nothing(project):
         with pytest.raises(HmastackError, match="the last `hmastack apply` failed"):
             workspace.export(project, check=check)
     assert snapshot(project) == before
+    assert "`hmastack apply --upto 1` brings every tree" in proc.stderr
     assert "every tree was reset to its base" in err.value.hint
     assert "hmastack apply --upto 1" in err.value.hint
 

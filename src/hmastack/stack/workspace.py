@@ -56,7 +56,10 @@ class Stage:
 
 
 class ApplyError(HmastackError):
-    """A patch did not apply; the tree was reset to its base."""
+    """A patch did not apply; the tree was reset to its base. ``stage``: the
+    number of the stage whose patch failed."""
+
+    stage: int = 0
 
 
 def discover(cfg: Config) -> list[Stage]:
@@ -204,7 +207,7 @@ def apply_to(repo: Path, tree: Tree, stages: list[Stage], upto: int) -> int:
     try:
         count = apply_patches(repo, tree, patches)
     except ApplyError as exc:
-        write_state(repo, "failed", upto, message=exc.message)
+        write_state(repo, "failed", upto, message=exc.message, stage=exc.stage)
         raise
     # Every patch file of the tree as apply found it (the stages after upto too:
     # export compares them when commits of those stages are `git am`ed on top).
@@ -239,7 +242,7 @@ def apply_patches(repo: Path, tree: Tree, patches: list[tuple[Stage, Path]]) -> 
         if proc.returncode != 0:
             where = _first_failed_hunk(proc.stdout, patch)
             reset_to_base(repo, tree)
-            raise ApplyError(
+            error = ApplyError(
                 f"stage {stage.name}: {patch.name} does not apply to {tree.name}: "
                 f"{where}",
                 f"{repo} was reset to {tree.tag}; to rebase the patch, run "
@@ -247,6 +250,8 @@ def apply_patches(repo: Path, tree: Tree, patches: list[tuple[Stage, Path]]) -> 
                 "-3 --keep-non-patch` this patch and the ones after it, resolve, "
                 "`git am --continue`, and `hmastack export`",
             )
+            error.stage = stage.number
+            raise error
     return len(patches)
 
 
@@ -335,13 +340,17 @@ def apply(cfg: Config, upto: int, force: bool = False) -> dict[str, int]:
                 if other is not tree:
                     repo = cfg.workspace(other.name)
                     reset_to_base(repo, other)
-                    write_state(repo, "failed", upto, message=exc.message)
+                    write_state(
+                        repo, "failed", upto, message=exc.message, stage=exc.stage
+                    )
             at_base = ", ".join(f"{t.name} at {t.tag}" for t in trees)
-            raise ApplyError(
+            error = ApplyError(
                 exc.message,
                 f"every tree was reset to its base ({at_base}); `hmastack export` "
                 f"refuses until an apply succeeds. {exc.hint}",
-            ) from None
+            )
+            error.stage = exc.stage
+            raise error from None
     return applied
 
 
@@ -556,6 +565,13 @@ def _refuse_unless_applied(cfg: Config, tree: Tree, repo: Path, stages) -> dict:
             )
         return {"status": "applied", "upto": cfg.num_stages}
     if state["status"] == "failed":
+        if state.get("stage"):
+            how = (
+                "nothing in patches/ was changed; `hmastack apply --upto "
+                f"{state['stage'] - 1}` brings every tree to the last stage that "
+                "applies (then rebase the patch as apply's hint says), or fix "
+                "patches/ and `hmastack apply`"
+            )
         raise HmastackError(
             f"{repo} is not an applied series: the last `hmastack apply` failed "
             f"({state.get('message', 'no message recorded')})",
