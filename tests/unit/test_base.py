@@ -12,7 +12,7 @@ from hmastack.core.gitutil import git
 from hmastack.stack import base
 from hmastack.stack import env as env_mod
 
-from .conftest import make_sdist, write_project
+from .conftest import make_sdist, record_download, write_project
 
 
 def test_base_commit_is_one_fixed_commit(project):
@@ -55,11 +55,47 @@ def test_checksum_mismatch_refuses_and_keeps_the_file_aside(project):
     make_sdist(sdist, {"demo/__init__.py": "tampered = True\n"})
     with pytest.raises(HmastackError, match="checksum mismatch") as err:
         base.materialize(project, project.tree("demo"))
+    assert "not used in this run and stays in the cache" in err.value.message
+    assert sdist.exists()
+    assert not (project.cache / "sdist" / "rejected").exists()
+    assert not project.workspace("demo").exists()
+
+
+def test_one_clones_wrong_pin_leaves_the_shared_cache_to_the_others(
+    project, tmp_path, monkeypatch
+):
+    """Two clones share the per-user cache; one pins a wrong sha256."""
+    sdist = base.sdist_path(project, project.tree("demo"))
+    record_download(sdist)
+    good = sdist.read_bytes()
+
+    def no_download(cfg):
+        raise HmastackError("no download in this test")
+
+    monkeypatch.setattr(env_mod, "bootstrap", no_download)
+    other = tmp_path / "clone2"
+    other.mkdir()
+    write_project(other, "0" * 64)
+    wrong = config.load(other)
+    with pytest.raises(HmastackError, match="checksum mismatch") as err:
+        base.materialize(wrong, wrong.tree("demo"))
+    assert "(as downloaded)" in err.value.message
+    assert "stays in the cache" in err.value.message
+    assert sdist.read_bytes() == good
+    # The clone with the right pin still finds the file.
+    assert base.materialize(project, project.tree("demo"))
+
+
+def test_a_cached_file_corrupt_since_its_download_is_moved_aside(project):
+    sdist = base.sdist_path(project, project.tree("demo"))
+    record_download(sdist)
+    make_sdist(sdist, {"demo/__init__.py": "bit rot\n"})
+    with pytest.raises(HmastackError, match="is corrupt") as err:
+        base.materialize(project, project.tree("demo"))
     assert "moved aside" in err.value.message
     assert not sdist.exists()
     rejected = list((project.cache / "sdist" / "rejected").iterdir())
     assert len(rejected) == 1 and rejected[0].name.startswith("demo-1.0.tar.gz.")
-    assert not project.workspace("demo").exists()
 
 
 def test_no_network_and_empty_cache_says_what_to_do(project, monkeypatch):

@@ -37,7 +37,7 @@ def commit(cfg, stage: int, changes: dict[str, str], title: str, body: str = "Wh
         "commit",
         "-q",
         "-m",
-        f"[Core][Demo series {stage}/2] {title}\n\n{body}\n\nSigned-off-by: A <a@b.c>",
+        f"[Core][Demo series {stage}/2] {title}\n\n{body}\n\nSigned-off-by: {AUTHOR}",
         env={
             "GIT_AUTHOR_DATE": "2025-12-20T10:00:00+00:00",
             "GIT_AUTHOR_NAME": "Ada Lovelace",
@@ -105,7 +105,7 @@ def test_parse_patch_reads_headers_message_diffstat_and_tests(series):
     assert first.body.startswith(
         "f3 must return 33 because the brief says so.\n\nIt is"
     )
-    assert "Signed-off-by: A <a@b.c>" in first.body
+    assert f"Signed-off-by: {AUTHOR}" in first.body
     assert [(f.path, f.added, f.removed, f.status) for f in first.files] == [
         ("demo/core.py", 1, 1, "modified")
     ]
@@ -466,3 +466,23 @@ def test_stage_page_lists_every_commit_as_the_per_commit_run_reported_it(series)
     reports.write_commit_report(series, [green, red])
     page = docs.generate(series).pages["stages/01-first.md"]
     assert "1/2] Test f3 | 4 passed / 1 failed | ok | **red** |" in page
+
+
+def test_checklist_reads_without_an_emoji_font_and_accepts_every_stage_readme():
+    """The checklist of the committed series: words, no emoji; the heading rule
+    is the stage READMEs' own (each opens every part of a cover letter), and a
+    README without a part is flagged by name."""
+    from hmastack.site import overview
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = config_mod.load(root)
+    stages = pages.load_stages(cfg)
+    block = overview.checklist_block(cfg, stages, None)
+    assert not re.search(r"[\U0001F300-\U0001FAFF\u2705\u274C]", block), block
+    assert "missing:" not in block, block
+    readme = "# x\n\n## Purpose\n\n## Design\n\n## Test Plan\n\n## Next\n"
+    first = stages[0]
+    bad = overview.checklist_block(
+        cfg, [pages.StageInfo(first.stage, readme, first.patches)], None
+    )
+    assert "**no** missing: what changes for users, results" in bad

@@ -15,6 +15,8 @@ from hmastack.core.process import CommandError
 from hmastack.e2e import catalogue as cat
 from hmastack.e2e import compare, engine, environment, runner, site
 
+from .conftest import record_download
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -124,13 +126,20 @@ def _wheel(path: Path, member: str, data: bytes) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def test_kernels_wheel_with_a_wrong_checksum_is_moved_aside(tmp_path):
+def test_kernels_wheel_with_a_wrong_checksum_stays_for_the_other_clones(tmp_path):
     e2e = _e2e(tmp_path)
-    _wheel(e2e.wheelhouse / e2e.kernels.wheel, "vllm/_C.abi3.so", b"so")
+    wheel = e2e.wheelhouse / e2e.kernels.wheel
+    _wheel(wheel, "vllm/_C.abi3.so", b"so")
+    record_download(wheel)
     with pytest.raises(HmastackError, match="checksum mismatch") as exc:
         environment.verify_kernels_wheel(e2e)
-    assert "moved aside" in exc.value.message
-    assert not (e2e.wheelhouse / e2e.kernels.wheel).exists()
+    assert "stays in the cache" in exc.value.message
+    assert wheel.exists() and not (e2e.wheelhouse / "rejected").exists()
+    # Corrupt since its download: moved aside, so that the next run fetches it.
+    wheel.write_bytes(b"bit rot")
+    with pytest.raises(HmastackError, match="is corrupt"):
+        environment.verify_kernels_wheel(e2e)
+    assert not wheel.exists()
     assert len(list((e2e.wheelhouse / "rejected").iterdir())) == 1
 
 

@@ -344,3 +344,45 @@ def test_model_matches_manifest(run, tlc_env, build):
         alloc = report["trace"][-1]["event"]
         assert alloc["act"] == "AllocateSlots"
         assert len(alloc["blocks"]["swa"]) > 2
+
+
+def _jar(path: Path, members: list[str]) -> Path:
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as zf:
+        for name in members:
+            zf.writestr(name, b"")
+    return path
+
+
+def test_a_jar_that_is_not_tlc_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("TLA2TOOLS_JAR", str(_jar(tmp_path / "x.jar", ["a.class"])))
+    with pytest.raises(HmastackError, match="is not a TLC jar"):
+        spec_install.resolve_jar(ROOT, SETTINGS)
+
+
+def test_a_tlc_that_does_not_start_is_an_error_and_keeps_the_last_report(
+    tmp_path, monkeypatch, capsys
+):
+    """No verdict (neither ok nor MISMATCH) and no report from a TLC run that
+    never started; the model's previous report stays."""
+    jar = _jar(tmp_path / "tla2tools.jar", ["tlc2/TLC.class"])
+    monkeypatch.setenv("TLA2TOOLS_JAR", str(jar))
+    java = tmp_path / "java"
+    java.write_text(
+        "#!/bin/sh\necho 'Error: Could not find or load main class tlc2.TLC'\nexit 1\n"
+    )
+    java.chmod(0o755)
+    monkeypatch.setattr(spec, "find_java", lambda: str(java))
+    reports = tmp_path / "reports"
+    good = spec.report_path(reports, "legacy")
+    good.parent.mkdir(parents=True)
+    good.write_text('{"model": "legacy", "ok": true}\n')
+    with pytest.raises(HmastackError, match="TLC did not start") as err:
+        spec.check_models(
+            ROOT, tmp_path, reports, SETTINGS, MODELS, ["legacy"], witnesses=False
+        )
+    assert "Could not find or load main class" in err.value.message
+    assert good.read_text() == '{"model": "legacy", "ok": true}\n'
+    out = capsys.readouterr()
+    assert "MISMATCH" not in out.out + out.err and "✓" not in out.out + out.err

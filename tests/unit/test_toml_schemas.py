@@ -51,6 +51,40 @@ def test_hmastack_toml_wrong_type_in_a_list_and_a_peer(tmp_path):
     assert "peers.vllm-0-14.sha256 must be a string, not 1" in message
 
 
+@pytest.mark.parametrize(
+    ("old", "new", "expected"),
+    [
+        # a misspelt key of a tree
+        ('ruff = "0.14.0"', 'rufff = "0.14.0"', "unknown key trees.vllm.rufff"),
+        # a table the file does not have
+        ("[env]\n", "[extra]\nx = 1\n\n[env]\n", "unknown key extra"),
+        # a typo of followups (it used to surface as a stage-count error)
+        ("followups = 1", "followup = 1", "unknown key series.followup"),
+        ("member_sha256", "member_sha", "unknown key e2e.kernels.member_sha"),
+    ],
+)
+def test_hmastack_toml_refuses_unknown_keys_and_tables(tmp_path, old, new, expected):
+    message = _config_error(tmp_path, old, new)
+    assert expected in message
+    assert "(known keys: " in message
+
+
+def test_every_configuration_file_refuses_unknown_keys(tmp_path):
+    tlc = (ROOT / "spec" / "tlc.toml").read_text()
+    (tmp_path / "spec").mkdir()
+    (tmp_path / "spec" / "tlc.toml").write_text(
+        tlc.replace("[run]", "[run]\nworker = 2", 1)
+    )
+    with pytest.raises(HmastackError, match=r"unknown key run\.worker \(known"):
+        spec_manifest.load_settings(tmp_path)
+    deselected = tmp_path / "deselected.toml"
+    deselected.write_text(
+        '[[deselect]]\nnode = "a"\nreason = "needs GPU"\nwhy = "b"\nwhy_not = "c"\n'
+    )
+    with pytest.raises(HmastackError, match=r"unknown key deselect\[0\]\.why_not"):
+        pytest_runs.load_deselected(deselected)
+
+
 def test_hmastack_toml_not_toml(tmp_path):
     (tmp_path / "hmastack.toml").write_text("[series\n")
     with pytest.raises(HmastackError, match="is not valid TOML"):
@@ -114,6 +148,9 @@ def test_manifest_errors_name_the_file_the_model_and_the_key(tmp_path, table, ex
 def test_manifest_without_models_table(tmp_path):
     settings = _settings(tmp_path)
     (tmp_path / "manifest.toml").write_text("[model.x]\n")
+    with pytest.raises(HmastackError, match=r"manifest.toml: unknown key model \("):
+        spec_manifest.load_manifest(settings)
+    (tmp_path / "manifest.toml").write_text("")
     with pytest.raises(HmastackError, match=r"manifest.toml: no models \(a required"):
         spec_manifest.load_manifest(settings)
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from hmastack.core import config as config_mod
 from hmastack.core.config import Config, Tree
 from hmastack.core.errors import HmastackError
-from hmastack.core.gitutil import git
+from hmastack.core.gitutil import git, set_identity
 from hmastack.core.process import CommandError, run
 from hmastack.stack import base as base_mod
 from hmastack.stack import env as env_mod
@@ -117,9 +117,7 @@ def _clone(cfg: Config, tree: Tree, dest: Path) -> None:
     if not (dest / ".git").exists():
         dest.parent.mkdir(parents=True, exist_ok=True)
         git(cfg.root, "clone", "-q", "--no-checkout", cfg.workspace(tree.name), dest)
-        name, _, email = cfg.base_author.partition("<")
-        git(dest, "config", "user.name", name.strip())
-        git(dest, "config", "user.email", email.rstrip(">").strip())
+        set_identity(dest, cfg.series_author)
     git(dest, "fetch", "-q", "--tags", cfg.workspace(tree.name))
 
 

@@ -37,7 +37,7 @@ class Tree:
 EnvValue = str | int | float | bool
 
 
-class TreeTable(msgspec.Struct):
+class TreeTable(msgspec.Struct, forbid_unknown_fields=True):
     """``[trees.NAME]``."""
 
     package: str
@@ -48,7 +48,7 @@ class TreeTable(msgspec.Struct):
     ruff: str | None = None
 
 
-class PeerTable(msgspec.Struct):
+class PeerTable(msgspec.Struct, forbid_unknown_fields=True):
     """``[peers.NAME]``: a release the benchmarks compare with; ``tag`` defaults
     to ``v<version>``."""
 
@@ -60,28 +60,29 @@ class PeerTable(msgspec.Struct):
     ruff: str | None = None
 
 
-class SeriesTable(msgspec.Struct):
+class SeriesTable(msgspec.Struct, forbid_unknown_fields=True):
     title_tag: str
     stages: int
+    author: str
     base_author: str
     base_date: str
     followups: int = 0
 
 
-class EnvTable(msgspec.Struct):
+class EnvTable(msgspec.Struct, forbid_unknown_fields=True):
     torch: str
     lock: str
     plugin: str
     no_deps: list[str] = []
 
 
-class SuiteTable(msgspec.Struct):
+class SuiteTable(msgspec.Struct, forbid_unknown_fields=True):
     vllm: list[str]
     deselected: str
     lmcache: list[str] = []
 
 
-class Kernels(msgspec.Struct, frozen=True):
+class Kernels(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """``[e2e.kernels]``: the wheel the compiled CPU kernels come from, and the
     member used (checksums as written; :mod:`hmastack.e2e.environment` lowers
     them)."""
@@ -94,7 +95,7 @@ class Kernels(msgspec.Struct, frozen=True):
     member_sha256: str
 
 
-class E2ETable(msgspec.Struct):
+class E2ETable(msgspec.Struct, forbid_unknown_fields=True):
     """``[e2e]``, read by :func:`hmastack.e2e.environment.load_config`."""
 
     torch: str
@@ -102,7 +103,7 @@ class E2ETable(msgspec.Struct):
     kernels: Kernels
 
 
-class ConfigFile(msgspec.Struct):
+class ConfigFile(msgspec.Struct, forbid_unknown_fields=True):
     """The whole of ``hmastack.toml``."""
 
     series: SeriesTable
@@ -134,6 +135,9 @@ class Config:
     num_series_stages: int
     # Follow-up stages numbered after them, "[<title_tag> follow-up J]".
     num_followups: int
+    # "Name <email>": the author and sign-off of every commit of the series, and
+    # the identity of commits made in the workspaces.
+    series_author: str
     base_author: str
     base_date: str
     torch: str
@@ -228,6 +232,7 @@ def load(root: Path | None = None) -> Config:
         title_tag=series.title_tag,
         num_series_stages=series.stages,
         num_followups=series.followups,
+        series_author=series.author,
         base_author=series.base_author,
         base_date=series.base_date,
         torch=env.torch,

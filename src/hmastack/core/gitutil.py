@@ -73,6 +73,14 @@ def identity_env(name_email: str, date: str | None = None) -> dict[str, str]:
     return env
 
 
+def set_identity(repo: Path, name_email: str) -> None:
+    """Make ``name <email>`` the identity of commits made in ``repo`` (``git am``'s
+    committer, the author and sign-off of ``git commit -s``)."""
+    name, _, email = name_email.partition("<")
+    git(repo, "config", "user.name", name.strip())
+    git(repo, "config", "user.email", email.rstrip(">").strip())
+
+
 def is_repo(path: Path) -> bool:
     return (path / ".git").exists()
 

@@ -42,7 +42,12 @@ from hmastack.core.config import Config, Kernels
 from hmastack.core.errors import HmastackError
 from hmastack.core.process import CommandError, run
 from hmastack.core.progress import console, step
-from hmastack.stack.env import sha256_file, update_with_tree
+from hmastack.stack.env import (
+    check_cached,
+    record_download,
+    sha256_file,
+    update_with_tree,
+)
 
 ENV_DIR = "e2e-env"
 KEY_FILE = ".hmastack-e2e-key"
@@ -256,30 +261,23 @@ def fetch(e2e: E2EConfig) -> None:
             target = e2e.wheelhouse / path.name
             if not target.exists():
                 shutil.move(path, target)
+                record_download(target)
 
 
 def verify_kernels_wheel(e2e: E2EConfig) -> Path:
-    """The kernels' wheel in the wheelhouse, checked against its pinned sha256.
-
-    On a mismatch the file is moved aside to ``<wheelhouse>/rejected/`` (kept for
-    inspection, never used) and :class:`HmastackError` is raised.
-    """
+    """The kernels' wheel in the wheelhouse, checked against its pinned sha256
+    (:func:`check_cached`: on a mismatch the cached file stays for the other
+    clones, unless it is corrupt)."""
     path = e2e.wheelhouse / e2e.kernels.wheel
-    actual = sha256_file(path)
-    if actual == e2e.kernels.sha256:
-        return path
-    rejected = e2e.wheelhouse / "rejected"
-    rejected.mkdir(parents=True, exist_ok=True)
-    kept = rejected / f"{path.name}.{actual[:12]}.{int(time.time())}"
-    shutil.move(path, kept)
-    raise HmastackError(
-        f"checksum mismatch for {e2e.kernels.wheel}: expected sha256 "
-        f"{e2e.kernels.sha256}, got {actual}. The file was moved aside to {kept} "
-        "and will not be used.",
+    check_cached(
+        path,
+        e2e.kernels.sha256,
+        "hmastack.toml [e2e.kernels]",
         "if the package index serves a different file for the same version, find "
         "out why before trusting it; to pin another build, update [e2e.kernels] "
         "in hmastack.toml",
     )
+    return path
 
 
 def extract_kernels(e2e: E2EConfig, wheel: Path, dest: Path) -> Path:

@@ -41,7 +41,7 @@ class Deselected:
 NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
 
 
-class DeselectEntry(msgspec.Struct):
+class DeselectEntry(msgspec.Struct, forbid_unknown_fields=True):
     """One ``[[deselect]]`` of ``env/deselected.toml``."""
 
     node: NonEmpty
@@ -49,7 +49,7 @@ class DeselectEntry(msgspec.Struct):
     why: NonEmpty
 
 
-class DeselectFile(msgspec.Struct):
+class DeselectFile(msgspec.Struct, forbid_unknown_fields=True):
     deselect: list[DeselectEntry] = []
 
 

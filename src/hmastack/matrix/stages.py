@@ -32,7 +32,7 @@ from pathlib import Path
 
 from hmastack.core import config as config_mod
 from hmastack.core.config import Config
-from hmastack.core.gitutil import git, is_repo
+from hmastack.core.gitutil import git, is_repo, set_identity
 from hmastack.core.process import run
 from hmastack.core.progress import console, step
 from hmastack.matrix import reports
@@ -70,9 +70,7 @@ def stage_trees(
             git(
                 cfg.root, "clone", "-q", "--no-checkout", cfg.workspace(tree.name), dest
             )
-            name, _, email = cfg.base_author.partition("<")
-            git(dest, "config", "user.name", name.strip())
-            git(dest, "config", "user.email", email.rstrip(">").strip())
+            set_identity(dest, cfg.series_author)
         git(dest, "fetch", "-q", "--tags", cfg.workspace(tree.name))
         apply_to(dest, tree, stages, k)
         git(dest, "clean", "-q", "-fdx")
@@ -231,9 +229,7 @@ def _commit_clone(cfg: Config, tree_name: str, slot: int) -> Path:
     if not is_repo(dest):
         dest.parent.mkdir(parents=True, exist_ok=True)
         git(cfg.root, "clone", "-q", "--no-checkout", cfg.workspace(tree_name), dest)
-        name, _, email = cfg.base_author.partition("<")
-        git(dest, "config", "user.name", name.strip())
-        git(dest, "config", "user.email", email.rstrip(">").strip())
+        set_identity(dest, cfg.series_author)
     git(dest, "fetch", "-q", "--tags", cfg.workspace(tree_name))
     return dest
 

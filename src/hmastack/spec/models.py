@@ -172,6 +172,16 @@ def run_model(
     (workdir / "model.cfg").write_text(cfg_text(model))
     cmd = tlc_command(java, jar, settings, model, workdir)
     run, exit_code, seconds = tlc.run(cmd, workdir)
+    if not run.messages:
+        # TLC did not start (no Java runtime that works, no TLC main class): an
+        # error of the tool, not a verdict on the model; its last report stays.
+        tail = "\n".join(run.errors[-1].strip().splitlines()[-5:]) if run.errors else ""
+        raise HmastackError(
+            f"TLC did not start for model {model.name} (exit code {exit_code}):\n"
+            + (tail or "no output"),
+            f"check Java and the TLC jar {jar}; the model's last report is kept "
+            f"({workdir / 'tlc.log'} has the output)",
+        )
     violated = run.violated
     if run.kind == "liveness" and model.result == "liveness failure":
         # TLC 2.15 does not name the temporal property it found violated.

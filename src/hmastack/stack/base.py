@@ -1,7 +1,10 @@
 """Fetch, verify and unpack the pinned source releases into git repositories.
 
 Each release named in ``hmastack.toml`` is downloaded through pip from the
-configured package index into ``.cache/sdist/``, checked against its sha256, and
+configured package index into the per-user cache ``~/.cache/hmastack/sdist/``
+(``$XDG_CACHE_HOME/hmastack`` or ``$HMASTACK_CACHE`` instead, shared by every
+clone on the machine; a wrong pin refuses the file and leaves it there), checked
+against its sha256, and
 unpacked into ``build/<tree>`` as a git repository with exactly one commit, made
 with a fixed identity and date, so the base commit id is the same on every
 machine. The commit is tagged with the release tag (``v0.13.0``, ``v0.3.11``).
@@ -12,17 +15,15 @@ from __future__ import annotations
 import shutil
 import tarfile
 import tempfile
-import time
 from pathlib import Path
 
 from hmastack.core import config as config_mod
 from hmastack.core.config import Config, Tree
 from hmastack.core.errors import HmastackError
-from hmastack.core.gitutil import git, identity_env, is_repo
+from hmastack.core.gitutil import git, identity_env, is_repo, set_identity
 from hmastack.core.process import CommandError, run
 from hmastack.core.progress import step
 from hmastack.stack import env as env_mod
-from hmastack.stack.env import sha256_file  # hmastack.spec imports it from here
 
 
 def sdist_path(cfg: Config, tree: Tree) -> Path:
@@ -30,21 +31,12 @@ def sdist_path(cfg: Config, tree: Tree) -> Path:
 
 
 def verify(cfg: Config, tree: Tree, path: Path) -> None:
-    """Check ``path`` against the pinned sha256.
-
-    On a mismatch the file is moved aside to ``.cache/sdist/rejected/`` (kept for
-    inspection, never used) and :class:`HmastackError` is raised.
-    """
-    actual = sha256_file(path)
-    if actual == tree.sha256:
-        return
-    rejected = cfg.cache / "sdist" / "rejected"
-    rejected.mkdir(parents=True, exist_ok=True)
-    kept = rejected / f"{path.name}.{actual[:12]}.{int(time.time())}"
-    shutil.move(path, kept)
-    raise HmastackError(
-        f"checksum mismatch for {tree.sdist_name}: expected sha256 {tree.sha256}, "
-        f"got {actual}. The file was moved aside to {kept} and will not be used.",
+    """Check ``path`` against the pinned sha256 (:func:`env.check_cached`: on a
+    mismatch the cached file stays for the other clones, unless it is corrupt)."""
+    env_mod.check_cached(
+        path,
+        tree.sha256,
+        f"{config_mod.CONFIG_NAME} [trees.{tree.name}]",
         "if the package index serves a different file for the same version, find out "
         "why before trusting it; to pin a new release, update sha256 in hmastack.toml",
     )
@@ -95,6 +87,7 @@ def fetch(cfg: Config, tree: Tree) -> Path:
                 "the index may not have a source release of this version",
             )
         shutil.move(got, target)
+        env_mod.record_download(target)
     verify(cfg, tree, target)
     return target
 
@@ -155,10 +148,9 @@ def materialize(cfg: Config, tree: Tree) -> str:
             env=ident,
         )
         git(work, "tag", tree.tag)
-        # The identity used for commits made by `git am` in this workspace.
-        name, _, email = cfg.base_author.partition("<")
-        git(work, "config", "user.name", name.strip())
-        git(work, "config", "user.email", email.rstrip(">").strip())
+        # Commits made in the workspace (git am, git commit -s) carry the series'
+        # author, which signs them off.
+        set_identity(work, cfg.series_author)
         work.rename(repo)
     return base_commit(cfg, tree) or ""
 

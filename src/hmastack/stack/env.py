@@ -12,6 +12,7 @@ import hashlib
 import os
 import shutil
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,52 @@ def sha256_file(path: Path) -> str:
     """The SHA-256 of a file's bytes, in hex (read in chunks)."""
     with path.open("rb") as fh:
         return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+# --- files of the per-user cache, shared by every clone on the machine ------------
+
+DOWNLOAD_RECORD = ".sha256"  # <file>.sha256: the file's digest when it was downloaded
+
+
+def record_download(path: Path) -> str:
+    """Record the digest of ``path`` as it was downloaded into the cache."""
+    digest = sha256_file(path)
+    path.with_name(path.name + DOWNLOAD_RECORD).write_text(f"{digest}  {path.name}\n")
+    return digest
+
+
+def check_cached(path: Path, pinned: str, pinned_in: str, hint: str) -> None:
+    """Refuse ``path`` unless its sha256 is ``pinned`` (named by ``pinned_in``).
+
+    The cache is shared by every clone on the machine, so one clone's pin never
+    moves a file: a file whose content still matches the digest recorded at its
+    download stays where it is (another clone may pin it). Only a file that no
+    longer matches that record (corrupt in the cache) is moved aside to
+    ``rejected/`` next to it, so that the next run downloads it again.
+    """
+    actual = sha256_file(path)
+    if actual == pinned:
+        return
+    record = path.with_name(path.name + DOWNLOAD_RECORD)
+    recorded = record.read_text().split()[0] if record.is_file() else None
+    if recorded is not None and recorded != actual:
+        rejected = path.parent / "rejected"
+        rejected.mkdir(parents=True, exist_ok=True)
+        kept = rejected / f"{path.name}.{actual[:12]}.{int(time.time())}"
+        shutil.move(path, kept)
+        record.unlink()
+        raise HmastackError(
+            f"{path} is corrupt: its sha256 {actual} is not the {recorded} recorded "
+            f"when it was downloaded. It was moved aside to {kept}.",
+            "rerun to download it again",
+        )
+    state = "as downloaded" if recorded else "no download record"
+    raise HmastackError(
+        f"checksum mismatch for {path.name}: {pinned_in} pins sha256 {pinned}, the "
+        f"cached {path} has {actual} ({state}). It is not used in this run and "
+        "stays in the cache, which every clone on this machine shares.",
+        hint,
+    )
 
 
 def update_with_tree(digest, root: Path) -> None:

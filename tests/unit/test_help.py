@@ -1,0 +1,68 @@
+"""Every subcommand's --help says what runs, how long and where results go, in
+plain text (no Sphinx cross-references), and the README's command table names
+only flags the tool has."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+from hmastack import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+ROLE = re.compile(r":[a-z]+:`")
+
+
+def leaf_parsers(
+    parser: argparse.ArgumentParser, name: str = "hmastack"
+) -> dict[str, argparse.ArgumentParser]:
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        return {name: parser}
+    out = {}
+    for sub in subs:
+        for child_name, child in sub.choices.items():
+            out.update(leaf_parsers(child, f"{name} {child_name}"))
+    return out
+
+
+def test_every_subcommand_help_has_a_description_in_plain_text():
+    leaves = leaf_parsers(cli.build_parser())
+    assert {"hmastack run", "hmastack spec fetch", "hmastack docs build"} <= set(leaves)
+    without = [name for name, p in leaves.items() if not (p.description or "").strip()]
+    assert without == []
+    marked = {
+        name: ROLE.findall(p.format_help())
+        for name, p in leaves.items()
+        if ROLE.search(p.format_help())
+    }
+    assert marked == {}
+
+
+def test_help_names_the_cache_and_the_measured_durations():
+    leaves = leaf_parsers(cli.build_parser())
+    assert "~/.cache/hmastack/sdist/" in leaves["hmastack base"].format_help()
+    bench = leaves["hmastack bench"].format_help()
+    assert "16 minutes on a lightly loaded 2-core machine" in " ".join(bench.split())
+    assert "seconds" in leaves["hmastack run"].format_help()
+
+
+def test_readme_names_only_flags_the_tool_has():
+    """Each ``hmastack SUB [--flag]`` in the README's command table is a flag of
+    that subcommand."""
+    leaves = leaf_parsers(cli.build_parser())
+    readme = (ROOT / "README.md").read_text()
+    wrong = []
+    for row in re.findall(r"^\| `hmastack ([^|]+)` \|", readme, re.M):
+        for part in row.replace("`", "").split(" / "):
+            words = part.split()
+            nested = words[0] in ("spec", "docs")
+            command = "hmastack " + " ".join(words[:2] if nested else words[:1])
+            known = leaves[command]._option_string_actions
+            wrong += [
+                f"{command} {flag}"
+                for flag in re.findall(r"--[a-z-]+", part)
+                if flag not in known
+            ]
+    assert wrong == []
