@@ -21,7 +21,8 @@ test: $(BIN)/hmastack
 
 lint: $(BIN)/hmastack
 	$(BIN)/ruff check src tests bench support/testkit \
-		&& $(BIN)/ruff format --check src tests bench support/testkit
+		&& $(BIN)/ruff format --check src tests bench support/testkit \
+		&& $(BIN)/vulture
 
 clean:
 	rm -rf build

@@ -215,7 +215,6 @@ def add_test_parser(subparsers: Subparsers) -> None:
     )
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--stage", type=int, metavar="K", help="only stage K (0..N)")
-    group.add_argument("--all", action="store_true", help="stages 0..N (default)")
     group.add_argument(
         "--per-commit",
         action="store_true",

@@ -95,7 +95,7 @@ def test_missing_lists_what_the_cache_lacks(tmp_path):
 def test_no_network_and_empty_cache_names_the_cache(tmp_path, monkeypatch):
     e2e = _e2e(tmp_path)
 
-    def offline(cmd, **kwargs):
+    def offline(cmd, **_kwargs):
         raise CommandError(cmd, 1, "ERROR: ... [Errno 101] Network is unreachable")
 
     monkeypatch.setattr(environment, "run", offline)
@@ -111,7 +111,7 @@ def test_no_network_and_empty_cache_names_the_cache(tmp_path, monkeypatch):
 def test_hash_mismatch_on_download_is_named(tmp_path, monkeypatch):
     e2e = _e2e(tmp_path)
 
-    def mismatch(cmd, **kwargs):
+    def mismatch(cmd, **_kwargs):
         raise CommandError(cmd, 1, "THESE PACKAGES DO NOT MATCH THE HASHES ...")
 
     monkeypatch.setattr(environment, "run", mismatch)

@@ -356,19 +356,3 @@ def check_witness(
     if not entry["caught"]:
         entry["why"] = f"the profile names {named}, not {SLOWDOWN.qualname}"
     return entry
-
-
-def spread_summary(report: dict) -> dict:
-    """The largest run-to-run spread of any count and the range of ratios of
-    each tree (for the headline)."""
-    rows = report.get("rows", [])
-    multi = [r for r in rows if r["runs"] > 1]
-    out = {
-        "max spread %": max((r["spread %"] for r in multi), default=None),
-        "rows with repeats": len(multi),
-    }
-    trees = list(dict.fromkeys(r["tree"] for r in rows))
-    for t in trees[1:]:
-        mine = [r["ratio median"] for r in rows if r["tree"] == t]
-        out[t] = (min(mine), max(mine)) if mine else None
-    return out

@@ -117,27 +117,13 @@ QUICK = {
 }
 
 
-# --- the expected figures ---------------------------------------------------------
-
-
-# --- prefix cache hits with eagle (stage 5) ---------------------------------------
-
-
-# --- the scenarios ----------------------------------------------------------------
-
-
-# --- output ------------------------------------------------------------------------
-
-
 def plot(report_name: str, report: dict, out: Path) -> Path | None:
-    """A PNG next to the report when matplotlib is importable (else None)."""
-    try:
-        import matplotlib
+    """A PNG next to the report, or None for a scenario without a plot or rows."""
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     scenario = next((s for s in SCENARIOS if s.name == report_name), None)
     if scenario is None or scenario.plot is None or not report.get("rows"):
         return None

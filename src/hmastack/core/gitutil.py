@@ -85,14 +85,6 @@ def is_repo(path: Path) -> bool:
     return (path / ".git").exists()
 
 
-def rev(repo: Path, ref: str) -> str:
-    return git(repo, "rev-parse", "--verify", f"{ref}^{{commit}}")
-
-
-def status_porcelain(repo: Path) -> str:
-    return git(repo, "status", "--porcelain")
-
-
 def am_in_progress(repo: Path) -> bool:
     gitdir = Path(git(repo, "rev-parse", "--absolute-git-dir"))
     return (gitdir / "rebase-apply").exists()

@@ -52,21 +52,6 @@ class Site:
     nav: list = field(default_factory=list)
 
 
-# --- small markdown helpers --------------------------------------------------------
-
-
-# --- apply the stack ---------------------------------------------------------------
-
-
-# --- stage pages -------------------------------------------------------------------
-
-
-# --- overview, checklist, problem blocks -------------------------------------------
-
-
-# --- model and benchmarks pages ----------------------------------------------------
-
-
 def model_page(cfg: Config) -> str:
     return site_model.model_page(cfg.root, cfg.reports, md_table, fence)
 
@@ -165,14 +150,6 @@ def build(cfg: Config, site_dir: Path | None = None) -> tuple[Path, int]:
         raise HmastackError(
             f"no {config_file}", "the site's configuration is mkdocs.yml"
         )
-    try:
-        import material  # noqa: F401
-        import mkdocs  # noqa: F401
-    except ImportError:
-        raise HmastackError(
-            "mkdocs or mkdocs-material is not installed in this environment",
-            "reinstall the tool: `make .venv/bin/hmastack` (pyproject pins them)",
-        ) from None
     # Generate once up front so a broken patch or report is reported with its
     # hint, not as a mkdocs traceback.
     generate(cfg)

@@ -19,19 +19,10 @@ MODES: tuple[str, ...] = typing.get_args(Mode)
 
 
 Result = Literal["success", "safety failure", "deadlock failure", "liveness failure"]
-RESULTS: tuple[str, ...] = typing.get_args(Result)
 
 
 Size = Literal["ci", "nightly"]
 SIZES: tuple[str, ...] = typing.get_args(Size)
-
-
-# TLC's kind of violation for each expected failure.
-FAILURE_KIND = {
-    "safety failure": "safety",
-    "deadlock failure": "deadlock",
-    "liveness failure": "liveness",
-}
 
 
 @dataclass(frozen=True)

@@ -111,9 +111,6 @@ class Env:
     def pip(self) -> list[str]:
         return [str(self.python), "-m", "pip"]
 
-    def bin(self, name: str) -> Path:
-        return self.root / "bin" / name
-
     def test_environ(self, pythonpath: list[Path]) -> dict[str, str]:
         """Variables under which vLLM's tests run offline on the CPU;
         ``PYTHONPATH`` is ``pythonpath`` and then the testkit."""
