@@ -22,7 +22,8 @@ test: $(BIN)/hmastack
 lint: $(BIN)/hmastack
 	$(BIN)/ruff check src tests bench support/testkit \
 		&& $(BIN)/ruff format --check src tests bench support/testkit \
-		&& $(BIN)/vulture
+		&& $(BIN)/vulture \
+		&& $(BIN)/mypy
 
 clean:
 	rm -rf build

@@ -16,6 +16,7 @@ import re
 import sys
 import textwrap
 from collections.abc import Callable, Sequence
+from types import ModuleType
 
 from rich.markup import escape
 
@@ -36,7 +37,7 @@ Subparsers = argparse._SubParsersAction
 _ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
 
 
-def doc(module) -> str:
+def doc(module: ModuleType) -> str:
     """``module``'s docstring as help text: cross-references as plain names."""
     return _ROLE.sub(r"``\1``", module.__doc__ or "")
 

@@ -94,7 +94,7 @@ def plan_stage(stage: int, scenarios: list[cat.Scenario]) -> list[Process]:
                     namespace="pd",
                 ),
             )
-            key = ("consumer", s.name, s.model, hma, s.pythonhashseed)
+            key: tuple = ("consumer", s.name, s.model, hma, s.pythonhashseed)
             procs[key] = Process(
                 f"{s.name}-{s.model}-seed{s.pythonhashseed}",
                 stage,

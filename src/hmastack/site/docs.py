@@ -13,6 +13,7 @@ generated file is written into the source tree.
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import time
@@ -153,7 +154,7 @@ def build(cfg: Config, site_dir: Path | None = None) -> tuple[Path, int]:
     # Generate once up front so a broken patch or report is reported with its
     # hint, not as a mkdocs traceback.
     generate(cfg)
-    cmd = [
+    cmd: list[str | os.PathLike] = [
         sys.executable,
         "-m",
         "mkdocs",

@@ -81,7 +81,7 @@ def check_cached(path: Path, pinned: str, pinned_in: str, hint: str) -> None:
     )
 
 
-def update_with_tree(digest, root: Path) -> None:
+def update_with_tree(digest: hashlib._Hash, root: Path) -> None:
     """Feed every file below ``root`` into ``digest`` (a hashlib object), in
     sorted order: its path relative to ``root``, then its bytes. What installing
     a package writes into its own folder (``__pycache__``, ``build``,
