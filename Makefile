@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test lint clean
+.PHONY: run test unit lint clean
 
 $(BIN)/hmastack: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,9 +19,16 @@ run: $(BIN)/hmastack
 test: $(BIN)/hmastack
 	$(BIN)/pytest
 
+# The fast loop while changing the tool: tests/unit without TLC, mkdocs, vLLM trees
+# or valgrind (pyproject.toml's `unit` marker), in seconds.
+unit: $(BIN)/hmastack
+	$(BIN)/pytest -m unit
+
 lint: $(BIN)/hmastack
 	$(BIN)/ruff check src tests bench support/testkit \
-		&& $(BIN)/ruff format --check src tests bench support/testkit
+		&& $(BIN)/ruff format --check src tests bench support/testkit \
+		&& $(BIN)/vulture \
+		&& $(BIN)/mypy
 
 clean:
 	rm -rf build

@@ -16,6 +16,7 @@ import re
 import sys
 import textwrap
 from collections.abc import Callable, Sequence
+from types import ModuleType
 
 from rich.markup import escape
 
@@ -36,7 +37,7 @@ Subparsers = argparse._SubParsersAction
 _ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
 
 
-def doc(module) -> str:
+def doc(module: ModuleType) -> str:
     """``module``'s docstring as help text: cross-references as plain names."""
     return _ROLE.sub(r"``\1``", module.__doc__ or "")
 
@@ -215,7 +216,6 @@ def add_test_parser(subparsers: Subparsers) -> None:
     )
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--stage", type=int, metavar="K", help="only stage K (0..N)")
-    group.add_argument("--all", action="store_true", help="stages 0..N (default)")
     group.add_argument(
         "--per-commit",
         action="store_true",

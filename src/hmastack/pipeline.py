@@ -10,25 +10,22 @@ everything that is red.
 
 from __future__ import annotations
 
-import importlib
 import time
 from collections.abc import Callable
 
 from rich.table import Table
 
+from hmastack import e2e
+from hmastack.bench import run as bench
+from hmastack.conform import run as conform
 from hmastack.core import config
 from hmastack.core.errors import HmastackError
 from hmastack.core.progress import console
 from hmastack.matrix import reports
 from hmastack.matrix import stages as matrix
+from hmastack.site import docs
+from hmastack.spec import models as spec
 from hmastack.stack import base, env, workspace
-
-
-def _optional(module: str, attr: str) -> Callable | None:
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ModuleNotFoundError, AttributeError):
-        return None
 
 
 def cmd_run(jobs: int = matrix.DEFAULT_JOBS) -> int:
@@ -78,21 +75,14 @@ def cmd_run(jobs: int = matrix.DEFAULT_JOBS) -> int:
         ok = do("apply", do_apply)
         ok = do("stage matrix", do_matrix) and ok
         ok = do("every commit", do_per_commit) and ok
-    spec_check = _optional("hmastack.spec.models", "run_all_for_pipeline")
-    if spec_check is not None:
-        ok = do("model check", lambda: spec_check(cfg)) and ok
-    conform_run = _optional("hmastack.conform.run", "run_for_pipeline")
-    if conform_run is not None and ok:
-        ok = do("conformance", lambda: conform_run(cfg)) and ok
-    bench_quick = _optional("hmastack.bench.run", "run_for_pipeline")
-    if bench_quick is not None and ok:
-        ok = do("benchmarks (quick)", lambda: bench_quick(cfg)) and ok
-    e2e_run = _optional("hmastack.e2e", "run_for_pipeline")
-    if e2e_run is not None and ok:
-        ok = do("end to end (real engine)", lambda: e2e_run(cfg)) and ok
-    docs_build = _optional("hmastack.site.docs", "build_for_pipeline")
-    if docs_build is not None:
-        ok = do("site", lambda: docs_build(cfg)) and ok
+    ok = do("model check", lambda: spec.run_all_for_pipeline(cfg)) and ok
+    if ok:
+        ok = do("conformance", lambda: conform.run_for_pipeline(cfg)) and ok
+    if ok:
+        ok = do("benchmarks (quick)", lambda: bench.run_for_pipeline(cfg)) and ok
+    if ok:
+        ok = do("end to end (real engine)", lambda: e2e.run_for_pipeline(cfg)) and ok
+    ok = do("site", lambda: docs.build_for_pipeline(cfg)) and ok
 
     table = Table(title="hmastack run")
     for column in ("step", "outcome", "seconds"):

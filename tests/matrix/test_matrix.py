@@ -1,6 +1,6 @@
 """The stage matrix as part of the suite: every stage 0..N must be green.
 
-This runs ``hmastack test --all`` for real (base, environment, every stage's
+This runs ``hmastack test`` for real (base, environment, every stage's
 vLLM suite, our stage tests, ruff) and then checks the JSON report it wrote.
 """
 
@@ -21,7 +21,7 @@ def test_every_stage_is_green(capfd):
     cfg = config.load(ROOT)
     with capfd.disabled():  # show progress live: this takes minutes
         proc = subprocess.run(
-            [sys.executable, "-m", "hmastack", "test", "--all"],
+            [sys.executable, "-m", "hmastack", "test"],
             cwd=ROOT,
             env={**os.environ, "HMASTACK_ROOT": str(ROOT)},
         )

@@ -74,11 +74,40 @@ def test_parse_stages():
     assert bench_trees.parse_stages("0,1-3", cfg) == [1, 2, 3]
 
 
-def test_cli_adds_bench_command():
-    from hmastack.cli import build_parser
+def _bench_call(monkeypatch, argv: list[str]) -> dict:
+    """The arguments `hmastack <argv>` calls :func:`bench.cmd_bench` with."""
+    from hmastack import cli
 
-    args = build_parser().parse_args(["bench", "--quick", "--stages", "3", "--no-peer"])
-    assert args.quick and args.no_peer and args.stages == "3"
+    calls: list[dict] = []
+    monkeypatch.setattr(bench, "cmd_bench", lambda **kw: calls.append(kw) or 3)
+    assert cli.main(argv) == 3  # the step's exit status is the command's
+    (call,) = calls
+    return call
+
+
+def test_the_bench_command_passes_its_flags_to_the_step(monkeypatch):
+    assert _bench_call(monkeypatch, ["bench"]) == {
+        "quick": False,
+        "stages": None,
+        "no_peer": False,
+        "instructions": True,
+        "only": None,
+        "throughput": False,
+        "count_settings": None,
+        "commits": True,
+    }
+    argv = ["bench", "--quick", "--stages", "3", "--no-peer", "--no-instructions"]
+    argv += ["--only", "eagle_hits", "--throughput", "--no-commits"]
+    assert _bench_call(monkeypatch, argv + ["--count-settings", "quick"]) == {
+        "quick": True,
+        "stages": "3",
+        "no_peer": True,
+        "instructions": False,
+        "only": "eagle_hits",
+        "throughput": True,
+        "count_settings": "quick",
+        "commits": False,
+    }
 
 
 def _cost_run(values: dict[tuple, float], work: int = 100) -> dict:
@@ -206,7 +235,6 @@ def _reports() -> dict[str, dict]:
 
 
 def test_every_scenario_has_a_plot_and_the_site_shows_it(project):
-    pytest.importorskip("matplotlib")
     out = project.reports / "bench"
     out.mkdir(parents=True)
     for name, report in _reports().items():
@@ -423,7 +451,6 @@ def test_commit_trees_are_the_proper_prefixes_of_a_stage():
 
 
 def test_the_page_opens_with_headline_and_plots_then_method(project):
-    pytest.importorskip("matplotlib")
     out = project.reports / "bench"
     out.mkdir(parents=True)
     reports = _reports()
@@ -566,10 +593,8 @@ def test_eagle_hits_stage5_follows_the_rule_and_the_base_drops_twice():
 def test_no_commits_leaves_out_the_trees_per_commit_prefix(monkeypatch, commits):
     """`hmastack bench --no-commits` counts the base, the stages and the peer;
     without it each stage is preceded by its commit prefixes."""
-    from hmastack.cli import build_parser
-
-    args = build_parser().parse_args(["bench"] + ([] if commits else ["--no-commits"]))
-    plan = bench.bench_plan(args.quick, args.count_settings, not args.no_commits)
+    call = _bench_call(monkeypatch, ["bench"] + ([] if commits else ["--no-commits"]))
+    plan = bench.bench_plan(call["quick"], call["count_settings"], call["commits"])
     assert plan["commits"] is commits
     assert bench.bench_plan(False, "quick", commits)["commits"] is commits
 

@@ -137,7 +137,8 @@ def test_throughput_runs_only_when_asked_for():
 
 
 def test_plot_draws_the_three_panels():
-    matplotlib = pytest.importorskip("matplotlib")
+    import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -153,7 +154,6 @@ def test_plot_draws_the_three_panels():
 
 
 def test_the_page_shows_the_throughput_headline_plot_and_verdict(project):
-    pytest.importorskip("matplotlib")
     out = project.reports / "bench"
     out.mkdir(parents=True)
     runs = _runs([8.0, 10.0], [2.0, 2.5]) | _runs([2.0, 2.1], [2.0, 2.0], "control")

@@ -40,14 +40,15 @@ def test_unpinned_lock_entry_is_refused(tmp_path):
         environment.pinned(lock)
 
 
-def test_the_committed_locks_pin_torch_and_its_cuda_libraries():
+def test_the_committed_locks_pin_the_configured_torch_and_no_vllm():
+    """The environment gets the torch that hmastack.toml names, with its CUDA
+    libraries from the lock, and no vLLM (its Python comes from the stage trees)."""
     cfg = config.load(ROOT)
     e2e = environment.load_config(cfg)
     pins = environment.wanted(e2e)
-    assert pins["torch"] == e2e.torch == "2.9.0"
-    assert pins["nvidia-cudnn-cu12"] == "9.10.2.21"
-    assert pins["numba"] == "0.61.2" and pins["intel-openmp"] == "2024.2.1"
-    assert "vllm" not in pins  # vLLM's Python comes from the stage trees
+    assert pins["torch"] == e2e.torch
+    assert any(name.startswith("nvidia-") for name in pins)
+    assert "vllm" not in pins
     assert e2e.wheelhouse == config.cache_dir() / "wheels"
 
 
@@ -95,7 +96,7 @@ def test_missing_lists_what_the_cache_lacks(tmp_path):
 def test_no_network_and_empty_cache_names_the_cache(tmp_path, monkeypatch):
     e2e = _e2e(tmp_path)
 
-    def offline(cmd, **kwargs):
+    def offline(cmd, **_kwargs):
         raise CommandError(cmd, 1, "ERROR: ... [Errno 101] Network is unreachable")
 
     monkeypatch.setattr(environment, "run", offline)
@@ -111,7 +112,7 @@ def test_no_network_and_empty_cache_names_the_cache(tmp_path, monkeypatch):
 def test_hash_mismatch_on_download_is_named(tmp_path, monkeypatch):
     e2e = _e2e(tmp_path)
 
-    def mismatch(cmd, **kwargs):
+    def mismatch(cmd, **_kwargs):
         raise CommandError(cmd, 1, "THESE PACKAGES DO NOT MATCH THE HASHES ...")
 
     monkeypatch.setattr(environment, "run", mismatch)

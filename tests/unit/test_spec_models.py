@@ -9,7 +9,6 @@ only when Java is missing.
 
 from __future__ import annotations
 
-import argparse
 import re
 import shutil
 from pathlib import Path
@@ -283,18 +282,24 @@ def test_select_runs_ci_models_unless_nightly():
         spec_manifest.select(MODELS, ["nope"], nightly=False)
 
 
-def test_cli_adds_fetch_and_check():
+def test_spec_commands_call_their_step_with_the_flags(monkeypatch):
     from hmastack import cli
 
-    parser = argparse.ArgumentParser()
-    sub = parser.add_subparsers(dest="command")
-    cli.add_spec_parser(sub)
-    args = parser.parse_args(["spec", "check", "legacy", "series-wide"])
-    assert args.func is cli.spec_check_command
-    assert args.model == ["legacy", "series-wide"]
-    args = parser.parse_args(["spec", "check", "--nightly", "--no-witnesses"])
-    assert args.nightly and args.no_witnesses
-    assert parser.parse_args(["spec", "fetch"]).func is cli.spec_fetch_command
+    calls = []
+    monkeypatch.setattr(spec, "cmd_check", lambda *a, **kw: calls.append((a, kw)) or 1)
+    monkeypatch.setattr(spec, "cmd_fetch", lambda: calls.append("fetch") or 0)
+    assert cli.main(["spec", "check", "legacy", "series-wide"]) == 1
+    assert cli.main(["spec", "check", "--nightly", "--no-witnesses"]) == 1
+    assert cli.main(["spec", "fetch"]) == 0
+    assert calls == [
+        ((["legacy", "series-wide"],), {"nightly": False, "witnesses": True}),
+        (([],), {"nightly": True, "witnesses": False}),
+        "fetch",
+    ]
+    # `hmastack spec` alone is a usage error, not a silent no-op.
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["spec"])
+    assert exit_.value.code == 2
 
 
 def test_a_model_may_name_its_module(tmp_path):

@@ -36,6 +36,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from hmastack.core.errors import HmastackError
 
@@ -270,7 +271,7 @@ def diff_functions(
     absolute difference first: name, base, other, difference and its share of
     the total difference (the differences of all functions sum to it)."""
     delta_total = sum(other.values()) - sum(base.values())
-    rows = []
+    rows: list[dict[str, Any]] = []
     for key in set(base) | set(other):
         d = other.get(key, 0) - base.get(key, 0)
         if d:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from hmastack.bench import callgrind
 from hmastack.bench.trees import (
@@ -54,7 +55,10 @@ SLOWDOWN = Slowdown(
 
 
 def settings(
-    layouts=LAYOUTS, connectors=CONNECTORS, modes=MODES, sizes=SIZES
+    layouts: tuple[str, ...] = LAYOUTS,
+    connectors: tuple[str, ...] = CONNECTORS,
+    modes: tuple[str, ...] = MODES,
+    sizes: tuple[int, ...] = SIZES,
 ) -> list[dict]:
     return [
         {"layout": lay, "connector": con, "mode": mode, "requests": n}
@@ -165,7 +169,9 @@ def ratio_rows(
 # --- CPU time --------------------------------------------------------------------
 
 
-def cpu_time(cfg: Config, pyenv: env_mod.Env, trees: list[BenchTree], plan: dict):
+def cpu_time(
+    cfg: Config, pyenv: env_mod.Env, trees: list[BenchTree], plan: dict
+) -> dict:
     """CPU ms per step of every setting, ``plan["reps"]`` alternating rounds."""
     args = {"meter": "cpu", "steps": plan["steps"], "settings": plan["settings"]}
     results, errors = alternate(
@@ -292,8 +298,16 @@ def profiles(
     return out
 
 
-def _profile(tree_label, k, base_runs, tree_runs, py_base, py_tree, cfg) -> dict:
-    entry = {
+def _profile(
+    tree_label: str,
+    k: tuple,
+    base_runs: list[dict],
+    tree_runs: list[dict],
+    py_base: dict | None,
+    py_tree: dict | None,
+    cfg: Config,
+) -> dict:
+    entry: dict[str, Any] = {
         "tree": tree_label,
         "setting": label(
             dict(zip(("layout", "connector", "mode", "requests"), k, strict=True))
@@ -331,7 +345,7 @@ def check_witness(
     exceeds the threshold and the Python profile of every such setting names
     the slowed function first."""
     tree, of = witness.tree, witness.of
-    entry = {"tree": tree.label, "of": of.label, "slowdown": tree.note}
+    entry: dict[str, Any] = {"tree": tree.label, "of": of.label, "slowdown": tree.note}
     entry["caught"] = False
     if not runs.get(tree.label):
         entry["why"] = "the slowed tree did not run"
@@ -356,19 +370,3 @@ def check_witness(
     if not entry["caught"]:
         entry["why"] = f"the profile names {named}, not {SLOWDOWN.qualname}"
     return entry
-
-
-def spread_summary(report: dict) -> dict:
-    """The largest run-to-run spread of any count and the range of ratios of
-    each tree (for the headline)."""
-    rows = report.get("rows", [])
-    multi = [r for r in rows if r["runs"] > 1]
-    out = {
-        "max spread %": max((r["spread %"] for r in multi), default=None),
-        "rows with repeats": len(multi),
-    }
-    trees = list(dict.fromkeys(r["tree"] for r in rows))
-    for t in trees[1:]:
-        mine = [r["ratio median"] for r in rows if r["tree"] == t]
-        out[t] = (min(mine), max(mine)) if mine else None
-    return out

@@ -71,13 +71,15 @@ class ForkServer:
             env={**os.environ, **environ},
             cwd=cfg.root,
         )
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self._stdin, self._stdout = self.proc.stdin, self.proc.stdout
         self.preload_failed: list[str] | None = None  # known once it is ready
 
     def _next_report(self) -> tuple[str, dict] | None:
         """The parent's next ``HMASTACK_FORK_DONE`` line (and what it printed
         before it); None when it ended."""
-        lines = []
-        for line in self.proc.stdout:
+        lines: list[str] = []
+        for line in self._stdout:
             self._log.write(line)
             self._log.flush()
             if line.startswith(_DONE_LINE):
@@ -103,7 +105,7 @@ class ForkServer:
         """Run every (tree, scenario arguments) job; per job, in order, its
         result (rows with ``instructions``) or the error it ended with."""
         self.wait_ready()
-        batch = []
+        batch: list[dict] = []
         for tree, args in jobs:
             self._jobs += 1
             output = self.logs / f"count-{self._jobs:03d}-{tree.slug}.log"
@@ -117,10 +119,8 @@ class ForkServer:
                 }
             )
             self._log.write(f"### job {self._jobs}: {tree.label} -> {output.name}\n")
-        self.proc.stdin.write(
-            json.dumps({"parallel": self.parallel, "jobs": batch}) + "\n"
-        )
-        self.proc.stdin.flush()
+        self._stdin.write(json.dumps({"parallel": self.parallel, "jobs": batch}) + "\n")
+        self._stdin.flush()
         done: dict[int, dict] = {}
         while True:
             got = self._next_report()
@@ -169,7 +169,7 @@ class ForkServer:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            self.proc.stdin.close()
+            self._stdin.close()
             try:
                 self.proc.wait(timeout=120)
             except subprocess.TimeoutExpired:
@@ -271,7 +271,10 @@ def instruction_counts(
         if reuse and results.get(witness.of.label):
             keys = {key(s) for s in chosen}
             first = results[witness.of.label][0]
-            reference = {**first, "rows": [r for r in first["rows"] if key(r) in keys]}
+            reference: dict | None = {
+                **first,
+                "rows": [r for r in first["rows"] if key(r) in keys],
+            }
         else:
             reference = extra.get("witness reference")
         if reference is not None:

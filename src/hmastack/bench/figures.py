@@ -93,7 +93,7 @@ GROUP_KINDS = {"gemma3": ["full"] + ["swa"] * 5, "gptoss": ["full", "swa"]}
 
 def expected_admission(
     groups: int, separate: bool, B: int, n: int, N: int, prefix: int
-) -> dict[str, int] | None:
+) -> dict[str, int]:
     """Admission figures that follow from the block counts alone (one null
     block reserved): HMA off is one group of N // groups blocks; HMA on without
     the separate external argument gives every group a block per token. With it
@@ -179,7 +179,9 @@ def expected_eagle_hit(kinds: list[str], window: int, B: int, row: dict) -> int:
     return max([0] + [L for L in range(B, max_len + 1, B) if serves(L)])
 
 
-def bench_eagle(cfg, pyenv, trees, plan) -> dict:
+def bench_eagle(
+    cfg: Config, pyenv: env_mod.Env, trees: list[BenchTree], plan: dict
+) -> dict:
     B = 16
     args = {"patterns": plan["patterns"], "windows": EAGLE_WINDOWS, "block_size": B}
     results, errors = _run_each(cfg, pyenv, trees, "eagle_hits", args)
@@ -221,7 +223,9 @@ def bench_eagle(cfg, pyenv, trees, plan) -> dict:
     }
 
 
-def bench_peak(cfg, pyenv, trees, plan) -> dict:
+def bench_peak(
+    cfg: Config, pyenv: env_mod.Env, trees: list[BenchTree], plan: dict
+) -> dict:
     args = {k: plan[k] for k in ("lengths", "windows", "patterns")} | {
         "block_size": 16,
         "new_tokens": 1,
@@ -261,7 +265,9 @@ def bench_peak(cfg, pyenv, trees, plan) -> dict:
     }
 
 
-def bench_admission(cfg, pyenv, trees, plan) -> dict:
+def bench_admission(
+    cfg: Config, pyenv: env_mod.Env, trees: list[BenchTree], plan: dict
+) -> dict:
     args = {
         "windows": plan["windows"],
         "patterns": plan["patterns"],
@@ -315,7 +321,7 @@ def count_trees(ctx: Context) -> list[BenchTree]:
     its partial commits (full set), the peer (full set)."""
     stages = [t for t in ctx.trees if t.label != PEER_LABEL]
     out = [stages[0]]
-    commits = {}
+    commits: dict[str, list[BenchTree]] = {}
     if ctx.plan["commits"]:
         numbers = [int(t.label.split()[1]) for t in stages[1:]]
         for t in commit_trees(ctx.cfg, numbers):

@@ -5,8 +5,13 @@ scenario, a colour and a marker per tree.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any
 
 from hmastack.bench import cost as bench_cost
+
+if TYPE_CHECKING:
+    # plt: matplotlib.pyplot, imported by the caller
+    from matplotlib.figure import Figure
 
 MARKERS = "osD^vP*X"
 
@@ -51,7 +56,7 @@ def categories(rows: list[dict], *keys: str) -> list[tuple]:
     return list(dict.fromkeys(tuple(r[k] for k in keys) for r in rows))
 
 
-def plot_peak(report: dict, plt):
+def plot_peak(report: dict, plt: Any) -> Figure | None:
     """Peak SWA blocks per group against L, one panel per (pattern, W), one line
     per tree, the physical minimum dashed."""
     rows = report["rows"]
@@ -104,7 +109,7 @@ def plot_peak(report: dict, plt):
     return fig
 
 
-def plot_admission(report: dict, plt):
+def plot_admission(report: dict, plt: Any) -> Figure | None:
     """Longest admitted hit and concurrency at the shared prefix, per (pattern, W):
     HMA off (one group), each tree with HMA on, and the physical limit."""
     rows = report["rows"]
@@ -170,7 +175,7 @@ def plot_admission(report: dict, plt):
     return fig
 
 
-def plot_ratios(report: dict, plt):
+def plot_ratios(report: dict, plt: Any) -> Figure | None:
     """Ratio tree/base per setting, median with min-max bars, one panel per KV
     cache layout; the 1.01 threshold dashed."""
     rows = [r for r in report.get("rows", []) if r["tree"] != report["rows"][0]["tree"]]
@@ -224,7 +229,7 @@ def plot_ratios(report: dict, plt):
     return fig
 
 
-def plot_eagle(report: dict, plt):
+def plot_eagle(report: dict, plt: Any) -> Figure | None:
     """Tokens a repeated prompt's hit loses to eagle (hit without eagle - hit
     with eagle) per case, one bar per tree, the rule's loss as a dashed mark
     (one block is the least); one panel per (pattern, W), symlog scale."""
@@ -280,7 +285,7 @@ def plot_eagle(report: dict, plt):
     return fig
 
 
-def plot_throughput(report: dict, plt):
+def plot_throughput(report: dict, plt: Any) -> Figure | None:
     """Left: completed requests per CPU second per tree and case (median,
     min-max bars).
     Right: ratio to the base with min-max bars, and the ratio of admitted

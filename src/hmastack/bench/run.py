@@ -42,6 +42,7 @@ import contextlib
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 from hmastack.bench import callgrind
 from hmastack.bench import cost as bench_cost
@@ -81,7 +82,7 @@ from hmastack.stack import env as env_mod
 
 SUMMARY = "summary.md"  # the results as Markdown tables, one column per tree
 
-FULL = {
+FULL: dict[str, Any] = {
     "lengths": [1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072],
     "windows": [512, 4096],
     "patterns": ["gemma3", "gptoss"],
@@ -98,7 +99,7 @@ FULL = {
     "commits": True,
     "peer_cost": True,
 }
-QUICK = {
+QUICK: dict[str, Any] = {
     "lengths": [1024, 8192, 131072],
     "windows": [512, 4096],
     "patterns": ["gemma3", "gptoss"],
@@ -117,27 +118,13 @@ QUICK = {
 }
 
 
-# --- the expected figures ---------------------------------------------------------
-
-
-# --- prefix cache hits with eagle (stage 5) ---------------------------------------
-
-
-# --- the scenarios ----------------------------------------------------------------
-
-
-# --- output ------------------------------------------------------------------------
-
-
 def plot(report_name: str, report: dict, out: Path) -> Path | None:
-    """A PNG next to the report when matplotlib is importable (else None)."""
-    try:
-        import matplotlib
+    """A PNG next to the report, or None for a scenario without a plot or rows."""
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     scenario = next((s for s in SCENARIOS if s.name == report_name), None)
     if scenario is None or scenario.plot is None or not report.get("rows"):
         return None
@@ -347,7 +334,7 @@ def run_bench(
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
     failures: list[str] = []
-    reports = {}
+    reports: dict[str, dict] = {}
     try:
         if instructions:
             with step("start the instruction counts (marker probe, fork server)"):

@@ -75,7 +75,7 @@ def summary_markdown(reports: dict[str, dict]) -> str:
     adm = reports.get("admission", {}).get("rows", [])
     if adm:
         trees = list(dict.fromkeys(r["tree"] for r in adm))
-        by = {(r["tree"], r["pattern"], r["W"]): r for r in adm}
+        adm_by = {(r["tree"], r["pattern"], r["W"]): r for r in adm}
         budget = reports["admission"].get("budget_blocks", "?")
         for title, key, off, phys in (
             (
@@ -93,11 +93,13 @@ def summary_markdown(reports: dict[str, dict]) -> str:
         ):
             rows = []
             for pattern, W in categories(adm, "pattern", "W"):
-                first = by[(trees[0], pattern, W)]
+                first = adm_by[(trees[0], pattern, W)]
                 rows.append(
                     [pattern, W, first[off]]
                     + [
-                        by[(t, pattern, W)][key] if (t, pattern, W) in by else "-"
+                        adm_by[(t, pattern, W)][key]
+                        if (t, pattern, W) in adm_by
+                        else "-"
                         for t in trees
                     ]
                     + [first[phys]]
@@ -181,7 +183,7 @@ def eagle_markdown(rows: list[dict]) -> str:
         # The rule and the hit without eagle: from the latest stage measured.
         ref = max(
             (r for r in mine if r and tree_stage(r["tree"]) is not None),
-            key=lambda r: tree_stage(r["tree"]),
+            key=lambda r: tree_stage(r["tree"]) or 0,
         )
         table.append(
             [pattern, W, case, ref["prompt"]]

@@ -42,11 +42,15 @@ from __future__ import annotations
 import statistics
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from hmastack.bench.trees import round_order
 from hmastack.core.config import Config
 from hmastack.core.errors import HmastackError
 from hmastack.core.progress import console, step
+
+if TYPE_CHECKING:
+    from hmastack.e2e.environment import E2EConfig
 
 MODEL = "gemma-5to1"
 LAYERS = 6  # layers of MODEL: a block holds all of them with HMA off
@@ -64,8 +68,8 @@ HMA_FROM_STAGE = 3  # the stage from which the test connector keeps HMA on
 # The trees besides the base: (stage, HMA forced on). "stage 0 (HMA on)" is
 # 0.13.0 with HMA forced on (the SupportsHMA test connector): it separates what
 # the hybrid manager's groups cost per step from what the series changes.
-FULL = {"trees": [(0, True), (3, None), (4, None)], "rounds": 3}
-QUICK = {"trees": [(3, None)], "rounds": 2}
+FULL: dict[str, Any] = {"trees": [(0, True), (3, None), (4, None)], "rounds": 3}
+QUICK: dict[str, Any] = {"trees": [(3, None)], "rounds": 2}
 PROCESS_TIMEOUT = 420.0  # seconds: start-up, store phase and the measured batch
 
 
@@ -108,7 +112,7 @@ def predicted_concurrency(num_blocks: int, per_request: int, batch: int) -> int:
 
 
 def run_one(
-    e2e,
+    e2e: E2EConfig,
     trees: dict[str, Path],
     support: list[Path],
     models: Path,
@@ -171,7 +175,7 @@ def summarize(runs: dict[tuple[str, str], list[dict]], labels: list[str]) -> lis
                 for a, b in zip(mine, base_runs, strict=False)
                 if "error" not in a and "error" not in b
             ]
-            figures = {}
+            figures: dict[str, float | None] = {}
             for name, field in (("", "cpu_seconds"), ("wall ", "seconds")):
                 rate = [r["completed"] / r[field] for r in ok]
                 ratios = [
@@ -353,7 +357,7 @@ def run(cfg: Config, quick: bool) -> dict:
     series = workspace.discover(cfg)
     specs = {"stage 0": (0, None)}
     specs |= {tree_label(k, hma): (k, hma) for k, hma in settings["trees"]}
-    trees: dict[str, dict[str, Path]] = {}
+    trees: dict[int, dict[str, Path]] = {}
     for k in sorted({k for k, _ in specs.values()}):
         if k > cfg.num_stages:
             raise HmastackError(f"no stage {k}", f"the series has {cfg.num_stages}")

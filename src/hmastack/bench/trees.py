@@ -24,6 +24,7 @@ import json
 import shutil
 import tarfile
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -263,7 +264,7 @@ def round_order(trees: list, i: int) -> list:
 
 
 def alternate(
-    trees: list[BenchTree], reps: int, run_one
+    trees: list[BenchTree], reps: int, run_one: Callable[[BenchTree, int], dict]
 ) -> tuple[dict[str, list[dict]], dict[str, str]]:
     """``run_one(tree, i)`` on every tree in turn, ``reps`` rounds (``i`` the
     round, see :func:`round_order`); the results per tree label in round order,

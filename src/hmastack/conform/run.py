@@ -326,8 +326,8 @@ def print_report(report: dict) -> None:
 
 
 def cmd_conform(
-    traces: int | None = DEFAULT_TRACES,
-    depth: int | None = DEFAULT_DEPTH,
+    traces: int = DEFAULT_TRACES,
+    depth: int = DEFAULT_DEPTH,
     seed: int = DEFAULT_SEED,
     examples: int | None = None,
     break_names: list[str] | None = None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -53,7 +54,9 @@ def git(
     return run(_cmd(args), cwd=repo, env=_env(env), check=check).stdout.strip()
 
 
-def git_proc(repo: Path, *args: str | os.PathLike, env=None):
+def git_proc(
+    repo: Path, *args: str | os.PathLike, env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """Like :func:`git` but returns the CompletedProcess without raising."""
     return run(_cmd(args), cwd=repo, env=_env(env), check=False)
 
@@ -83,14 +86,6 @@ def set_identity(repo: Path, name_email: str) -> None:
 
 def is_repo(path: Path) -> bool:
     return (path / ".git").exists()
-
-
-def rev(repo: Path, ref: str) -> str:
-    return git(repo, "rev-parse", "--verify", f"{ref}^{{commit}}")
-
-
-def status_porcelain(repo: Path) -> str:
-    return git(repo, "status", "--porcelain")
 
 
 def am_in_progress(repo: Path) -> bool:

@@ -18,7 +18,13 @@ from hmastack.core.errors import HmastackError
 class CommandError(HmastackError):
     """A subprocess failed; carries its exit code and the tail of its output."""
 
-    def __init__(self, cmd: Sequence[str], returncode: int, output: str, hint=None):
+    def __init__(
+        self,
+        cmd: Sequence[str | os.PathLike],
+        returncode: int,
+        output: str,
+        hint: str | None = None,
+    ):
         tail = "\n".join(output.strip().splitlines()[-25:])
         super().__init__(
             f"command failed with exit code {returncode}: {' '.join(map(str, cmd))}"

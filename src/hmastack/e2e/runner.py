@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hmastack.core.config import Config
-from hmastack.core.errors import HmastackError
 from hmastack.core.progress import console, step
 from hmastack.e2e import catalogue as cat
 from hmastack.e2e.compare import Verdict, admission_check, judge
@@ -95,7 +94,7 @@ def plan_stage(stage: int, scenarios: list[cat.Scenario]) -> list[Process]:
                     namespace="pd",
                 ),
             )
-            key = ("consumer", s.name, s.model, hma, s.pythonhashseed)
+            key: tuple = ("consumer", s.name, s.model, hma, s.pythonhashseed)
             procs[key] = Process(
                 f"{s.name}-{s.model}-seed{s.pythonhashseed}",
                 stage,
@@ -400,16 +399,6 @@ def failures(report: dict) -> list[str]:
         for v in report["verdicts"]
         if not v["passed"]
     ]
-
-
-def require_report(cfg: Config) -> dict:
-    path = cfg.reports / REPORT
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise HmastackError(
-            f"no end-to-end report at {path}", "run `hmastack e2e` first"
-        ) from exc
 
 
 def print_table(report: dict) -> None:

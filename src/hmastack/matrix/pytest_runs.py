@@ -5,6 +5,7 @@ suite (``tests/deselected.txt``) with their reasons.
 
 from __future__ import annotations
 
+import os
 import re
 import typing
 from dataclasses import dataclass, field
@@ -166,7 +167,7 @@ def run_pytest(
     to the JUnit XML file next to it (``log`` with suffix ``.xml``)."""
     junit = log.with_suffix(".xml")
     junit.unlink(missing_ok=True)
-    cmd = [
+    cmd: list[str | os.PathLike] = [
         pyenv.python,
         "-m",
         "pytest",
@@ -183,7 +184,7 @@ def run_pytest(
     environ = pyenv.test_environ(pythonpath) | (extra_env or {})
     proc = run(cmd, cwd=cwd, env=environ, log=log, check=False)
     if not junit.exists() and proc.returncode in (4, 5):  # usage error / none run
-        counts, failures = dict.fromkeys(OUTCOMES, 0), {}
+        counts, failures = dict.fromkeys(OUTCOMES, 0), dict[str, str]()
     else:
         counts, failures = read_junit(junit)
     counts["deselected"] = parse_pytest_output(proc.stdout)["deselected"]

@@ -58,11 +58,6 @@ def _load(folder: Path, name: str) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def _stage_key(label: str) -> tuple:
-    kind, _, rest = label.partition(" ")
-    return (kind != "stage", rest)
-
-
 def _shown(trees: list[str]) -> list[str]:
     """The base, the last stage and the peer (when measured), in that order."""
     stages = [t for t in trees if t.startswith("stage ")]

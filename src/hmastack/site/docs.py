@@ -13,6 +13,7 @@ generated file is written into the source tree.
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import time
@@ -50,21 +51,6 @@ class Site:
     assets: dict[str, bytes] = field(default_factory=dict)
     blocks: dict[str, str] = field(default_factory=dict)
     nav: list = field(default_factory=list)
-
-
-# --- small markdown helpers --------------------------------------------------------
-
-
-# --- apply the stack ---------------------------------------------------------------
-
-
-# --- stage pages -------------------------------------------------------------------
-
-
-# --- overview, checklist, problem blocks -------------------------------------------
-
-
-# --- model and benchmarks pages ----------------------------------------------------
 
 
 def model_page(cfg: Config) -> str:
@@ -165,18 +151,10 @@ def build(cfg: Config, site_dir: Path | None = None) -> tuple[Path, int]:
         raise HmastackError(
             f"no {config_file}", "the site's configuration is mkdocs.yml"
         )
-    try:
-        import material  # noqa: F401
-        import mkdocs  # noqa: F401
-    except ImportError:
-        raise HmastackError(
-            "mkdocs or mkdocs-material is not installed in this environment",
-            "reinstall the tool: `make .venv/bin/hmastack` (pyproject pins them)",
-        ) from None
     # Generate once up front so a broken patch or report is reported with its
     # hint, not as a mkdocs traceback.
     generate(cfg)
-    cmd = [
+    cmd: list[str | os.PathLike] = [
         sys.executable,
         "-m",
         "mkdocs",

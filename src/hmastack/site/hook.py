@@ -33,7 +33,8 @@ def on_config(config):
 
 def on_files(files, config):
     assert _site is not None
-    for path, content in {**_site.pages, **_site.assets}.items():
+    generated: dict[str, str | bytes] = {**_site.pages, **_site.assets}
+    for path, content in generated.items():
         existing = files.get_file_from_path(path)
         if existing is not None:
             raise PluginError(f"docs/{path} would hide a generated page: remove it")

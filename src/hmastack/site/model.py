@@ -10,11 +10,19 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hmastack.spec.manifest import Model
 
 from hmastack.spec.cfg import read_cfg
+
+# core.markdown's md_table(headers, rows) and fence(text, lang="text")
+MdTable = Callable[[list[str], list[list[str]]], str]
+Fence = Callable[..., str]
 
 
 @dataclass
@@ -75,10 +83,10 @@ def read_spec(path: Path) -> SpecInfo:
     info = SpecInfo(path, m.group(1) if m else path.stem)
     box = re.search(r"\(\*{5,}\)\n(.*?)\n\(\*{5,}\)", text, flags=re.S)
     if box:
-        body = [
+        header = [
             re.sub(r"^\(\*\s?|\s*\*\)$", "", ln).rstrip() for ln in box[1].splitlines()
         ]
-        info.header = "\n".join(body).strip("\n")
+        info.header = "\n".join(header).strip("\n")
     info.constants = _block_items(lines, "CONSTANTS")
     info.variables = _block_items(lines, "VARIABLES")
     comments = _definition_comments(lines)
@@ -151,8 +159,8 @@ def trace_table(trace: list[dict], violated: str | None = None) -> str:
     states = [s for s in trace if isinstance(s, dict)]
     if not states:
         return ""
-    tables = [s.get("table") for s in states]
-    if not all(isinstance(t, dict) for t in tables):
+    tables = [t for s in states if isinstance(t := s.get("table"), dict)]
+    if len(tables) != len(states):
         rows = ["| step | state |", "|---|---|"]
         for i, s in enumerate(states):
             rows.append(f"| {i} | `{_cell(json.dumps(s, sort_keys=True))}` |")
@@ -307,7 +315,9 @@ COUNTEREXAMPLES = [
 ]
 
 
-def _witness_rows(models, reports) -> list[list[str]]:
+def _witness_rows(
+    models: dict[str, Model], reports: dict[str, dict | None]
+) -> list[list[str]]:
     rows = []
     for m in models.values():
         got = ((reports.get(m.name) or {}).get("witnesses")) or {}
@@ -331,7 +341,7 @@ def _witness_rows(models, reports) -> list[list[str]]:
     return rows
 
 
-def model_page(root: Path, reports_dir: Path, md_table, fence) -> str:
+def model_page(root: Path, reports_dir: Path, md_table: MdTable, fence: Fence) -> str:
     """The model-results page: what the spec says, and every manifest model
     with the verdict of the last ``hmastack spec check`` (its own ``ok``)."""
     from hmastack.spec import manifest as spec_manifest
@@ -360,7 +370,9 @@ def model_page(root: Path, reports_dir: Path, md_table, fence) -> str:
     if info.header:
         out += ["## What is modelled\n", fence(info.header, "text")]
 
-    def section(title: str, intro: str, header: list[str], rows) -> list[str]:
+    def section(
+        title: str, intro: str, header: list[str], rows: list[tuple[str, str]]
+    ) -> list[str]:
         if not rows:
             return []
         return [title, intro, md_table(header, [[f"`{n}`", c] for n, c in rows])]
@@ -458,7 +470,7 @@ def model_page(root: Path, reports_dir: Path, md_table, fence) -> str:
     return "\n".join(out)
 
 
-def manifest_table(root: Path, md_table) -> str:
+def manifest_table(root: Path, md_table: MdTable) -> str:
     """Every manifest model with what the manifest records for it (the run that
     recorded it), for docs/model.md."""
     from hmastack.spec import manifest as spec_manifest

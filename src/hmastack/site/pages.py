@@ -342,7 +342,7 @@ def stage_page(
     entry = report.rows.get(s.number) if report else None
     status = (
         "not run yet"
-        if entry is None
+        if report is None or entry is None
         else ("green" if entry.get("ok") else "**red**") + f" ({report.generated})"
     )
     trees = info.trees()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from hmastack.core.config import Config
 from hmastack.matrix.pytest_runs import pytest_counts_summary
@@ -92,10 +91,6 @@ def new_failures(entry: dict, base: dict | None) -> list[str]:
     return sorted(f for f in mine - theirs if "::" in f or f.endswith(".py"))
 
 
-def _scalar(value: Any) -> bool:
-    return isinstance(value, str | int | float | bool)
-
-
 # --- benchmarks (build/reports/bench/) -------------------------------------------
 
 
@@ -103,7 +98,6 @@ def _scalar(value: Any) -> bool:
 class Bench:
     name: str
     title: str
-    scalars: dict[str, Any]
     rows: list[dict]
     plots: list[Path]
 
@@ -134,7 +128,6 @@ def load_benchmarks(cfg: Config) -> tuple[list[Bench], list[Path]]:
             Bench(
                 name=path.stem,
                 title=str(data.get("title") or path.stem.replace("_", " ")),
-                scalars={k: v for k, v in data.items() if _scalar(v) and k != "title"},
                 rows=rows,
                 plots=mine,
             )

@@ -73,10 +73,3 @@ def _cfg_item(cfg: ModelConfig, section: str | None, s: str) -> None:
         cfg.invariants += s.split()
     elif section == "PROPERTY":
         cfg.properties += s.split()
-
-
-def read_cfgs(spec_dir: Path) -> dict[str, ModelConfig]:
-    folder = spec_dir / "models"
-    if not folder.is_dir():
-        return {}
-    return {p.stem: read_cfg(p) for p in sorted(folder.rglob("*.cfg"))}

@@ -19,19 +19,10 @@ MODES: tuple[str, ...] = typing.get_args(Mode)
 
 
 Result = Literal["success", "safety failure", "deadlock failure", "liveness failure"]
-RESULTS: tuple[str, ...] = typing.get_args(Result)
 
 
 Size = Literal["ci", "nightly"]
 SIZES: tuple[str, ...] = typing.get_args(Size)
-
-
-# TLC's kind of violation for each expected failure.
-FAILURE_KIND = {
-    "safety failure": "safety",
-    "deadlock failure": "deadlock",
-    "liveness failure": "liveness",
-}
 
 
 @dataclass(frozen=True)
@@ -174,9 +165,11 @@ def parse_model(name: str, entry: dict, spec_dir: Path) -> Model:
         raise ValueError("simulation models expect success")
     if e.module is not None and not e.module.isidentifier():
         raise ValueError(f"module must be a TLA+ module name, not {e.module!r}")
-    witnesses = e.witnesses
-    if isinstance(witnesses, list):
-        witnesses = dict.fromkeys(witnesses)
+    witnesses: dict[str, int | None] = (
+        dict.fromkeys(e.witnesses)
+        if isinstance(e.witnesses, list)
+        else dict(e.witnesses)
+    )
     return Model(
         name=name,
         cfg=spec_dir / (e.cfg if e.cfg is not None else f"models/{name}.cfg"),
@@ -193,7 +186,7 @@ def parse_model(name: str, entry: dict, spec_dir: Path) -> Model:
         workers=e.workers,
         num=e.num,
         sim_depth=e.sim_depth,
-        witnesses=dict(witnesses),
+        witnesses=witnesses,
         comment=e.comment,
         extra=list(e.extra),
         module=e.module,

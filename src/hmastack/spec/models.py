@@ -38,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from hmastack.core.config import Config
 from hmastack.core.errors import HmastackError
 from hmastack.spec import tlc
 from hmastack.spec.install import fetch, find_java, resolve_jar
@@ -51,14 +52,6 @@ from hmastack.spec.manifest import (
     runs_for,
     select,
 )
-
-# --------------------------------------------------------------------------
-# Settings and manifest
-
-
-# --------------------------------------------------------------------------
-# Java and the TLC jar
-
 
 # --------------------------------------------------------------------------
 # Model configurations
@@ -262,10 +255,10 @@ def compare(model: Model, report: dict[str, Any]) -> list[str]:
         if model.mode == "exhaustive"
         else []
     )
-    for key, want in recorded:
-        if want is not None and report.get(key) != want:
+    for key, pinned in recorded:
+        if pinned is not None and report.get(key) != pinned:
             problems.append(
-                f"{key} drifted: manifest {want}, TLC {report.get(key)} (update "
+                f"{key} drifted: manifest {pinned}, TLC {report.get(key)} (update "
                 "spec/manifest.toml deliberately if the spec change is intended)"
             )
     return problems
@@ -413,7 +406,7 @@ def check_models(
     return failed
 
 
-def run_all_for_pipeline(cfg) -> str:
+def run_all_for_pipeline(cfg: Config) -> str:
     """`hmastack run`'s model step: every ci model of the manifest, one line.
 
     Raises :class:`HmastackError` when a model misses its manifest expectation.

@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,8 +115,8 @@ class _Parser:
         tok = self.peek()
         return tok is not None and tok[0] == "op" and tok[1] == text
 
-    def items(self, close: str, item) -> list:
-        out = []
+    def items(self, close: str, item: Callable[[], Any]) -> list[Any]:
+        out: list[Any] = []
         if self.at(close):
             self.take(close)
             return out
@@ -186,8 +187,8 @@ def parse_value(text: str) -> Any:
     """Parse one value printed by TLC into Python values (see module doc)."""
     parser = _Parser(text)
     value = parser.value()
-    if parser.peek() is not None:
-        raise ParseError(f"trailing text after value: {parser.peek()[1]!r}")
+    if (tok := parser.peek()) is not None:
+        raise ParseError(f"trailing text after value: {tok[1]!r}")
     return value
 
 
@@ -229,13 +230,8 @@ _MSG = re.compile(
 )
 
 # TLC message codes (tlc2.output.EC / MP) used below, found by experiment.
-MSG_VERSION = 2262
-MSG_STARTING = 2185
-MSG_FINISHED = 2186
-MSG_SUCCESS = 2193
 MSG_DEPTH = 2194
 MSG_STATS = 2199
-MSG_PROGRESS = 2200
 MSG_STATE = 2217
 MSG_BEHAVIOUR = 2121
 MSG_INVARIANT_VIOLATED = (2110, 2107)

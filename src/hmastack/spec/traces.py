@@ -23,11 +23,14 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hmastack.core.errors import HmastackError
 from hmastack.spec import tlc
 from hmastack.spec.cfg import parse_cfg
+
+if TYPE_CHECKING:
+    from hmastack.spec.manifest import Settings
 
 __all__ = [
     "counterexample",
@@ -76,7 +79,7 @@ def parse_cfg_constants(text: str) -> dict[str, Any]:
     }
 
 
-def _resolve_cfg(root: Path, settings, name: str) -> tuple[str, Path]:
+def _resolve_cfg(root: Path, settings: Settings, name: str) -> tuple[str, Path]:
     from hmastack.spec import manifest as spec_manifest
 
     path = Path(name)
@@ -145,10 +148,12 @@ def generate(
             f"TLC simulation of {name} failed: {run.result} ({what})",
             f"see {work / 'tlc.log'}",
         )
-    files = sorted(
-        (work / "sim").iterdir(),
-        key=lambda p: tuple(int(x) for x in _FILE_INDEX.search(p.name).groups()),
-    )
+    indexed = [
+        (tuple(int(x) for x in m.groups()), p)
+        for p in (work / "sim").iterdir()
+        if (m := _FILE_INDEX.search(p.name))
+    ]
+    files = [p for _, p in sorted(indexed)]
     constants = parse_cfg_constants(cfg_text)
     cfg_name = str(cfg.relative_to(root)) if cfg.is_relative_to(root) else str(cfg)
     written = []
@@ -240,18 +245,18 @@ def cmd_traces(
     root, _, reports = spec.paths()
     settings = spec_manifest.load_settings(root)
     if counterexample_only:
-        out = Path(out) if out else reports / "spec" / f"{model}.cex.json"
-        doc = counterexample(model, out, root=root)
+        path = Path(out) if out else reports / "spec" / f"{model}.cex.json"
+        doc = counterexample(model, path, root=root)
         console.print(
-            f"{model}: {doc['violated']} after {len(doc['states'])} states -> {out}"
+            f"{model}: {doc['violated']} after {len(doc['states'])} states -> {path}"
         )
         return 0
     name, cfg = _resolve_cfg(root, settings, model)
-    out = Path(out) if out else reports / "spec" / "traces" / name
-    summary = generate(cfg, name, n, depth, out, seed=seed, root=root)
+    folder = Path(out) if out else reports / "spec" / "traces" / name
+    summary = generate(cfg, name, n, depth, folder, seed=seed, root=root)
     steps = sum(t["states"] - 1 for t in summary["traces"])
     console.print(
         f"{len(summary['traces'])} behaviours ({steps} steps) of {name} "
-        f"in {summary['seconds']} s -> {out}"
+        f"in {summary['seconds']} s -> {folder}"
     )
     return 0

@@ -81,7 +81,7 @@ def check_cached(path: Path, pinned: str, pinned_in: str, hint: str) -> None:
     )
 
 
-def update_with_tree(digest, root: Path) -> None:
+def update_with_tree(digest: hashlib._Hash, root: Path) -> None:
     """Feed every file below ``root`` into ``digest`` (a hashlib object), in
     sorted order: its path relative to ``root``, then its bytes. What installing
     a package writes into its own folder (``__pycache__``, ``build``,
@@ -110,9 +110,6 @@ class Env:
     @property
     def pip(self) -> list[str]:
         return [str(self.python), "-m", "pip"]
-
-    def bin(self, name: str) -> Path:
-        return self.root / "bin" / name
 
     def test_environ(self, pythonpath: list[Path]) -> dict[str, str]:
         """Variables under which vLLM's tests run offline on the CPU;

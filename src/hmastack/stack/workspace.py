@@ -97,9 +97,7 @@ def discover(cfg: Config) -> list[Stage]:
                     f"tree subdirectories are: {', '.join(sorted(cfg.trees))}",
                 )
             patches[sub.name] = sorted(sub.glob("*.patch"))
-        stages.append(
-            Stage(int(match["num"]), match["slug"], path, patches)  # type: ignore[arg-type]
-        )
+        stages.append(Stage(int(match["num"]), match["slug"], path, patches))
     numbers = [s.number for s in stages]
     if numbers != list(range(1, cfg.num_stages + 1)):
         raise HmastackError(
@@ -174,7 +172,7 @@ def read_state(repo: Path) -> dict | None:
     return None
 
 
-def write_state(repo: Path, status: str, upto: int, **extra) -> None:
+def write_state(repo: Path, status: str, upto: int, **extra: object) -> None:
     state = {"status": status, "upto": upto, **extra}
     (_git_dir(repo) / STATE_FILE).write_text(json.dumps(state, indent=1) + "\n")
 
@@ -255,7 +253,9 @@ def apply_patches(repo: Path, tree: Tree, patches: list[tuple[Stage, Path]]) -> 
     return len(patches)
 
 
-def ensure_safe_to_reset(cfg: Config, tree: Tree, repo: Path, stages: list[Stage]):
+def ensure_safe_to_reset(
+    cfg: Config, tree: Tree, repo: Path, stages: list[Stage]
+) -> None:
     """Refuse to reset a workspace that holds work ``patches/`` does not have."""
     if am_in_progress(repo):
         raise HmastackError(
@@ -545,7 +545,9 @@ def check_sign_off(repo: Path, tag: str, commits: list[str]) -> None:
     )
 
 
-def _refuse_unless_applied(cfg: Config, tree: Tree, repo: Path, stages) -> dict:
+def _refuse_unless_applied(
+    cfg: Config, tree: Tree, repo: Path, stages: list[Stage]
+) -> dict:
     """The workspace's recorded state; refuses a workspace that is not a complete
     applied series (a failed or interrupted apply, or none at all)."""
     state = read_state(repo)
@@ -637,7 +639,7 @@ def export_tree(
         upto = beyond[-1]
     drift: list[Drift] = []
     writes = []
-    after: dict[str, str] = {}
+    after: dict[str, str | None] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for stage in stages[:upto]:
             commits = grouped.get(stage.number, [])

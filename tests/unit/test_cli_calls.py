@@ -1,0 +1,35 @@
+"""The command line calls each step with what the user typed."""
+
+from __future__ import annotations
+
+import pytest
+
+from hmastack import cli
+from hmastack.matrix import stages as matrix
+
+
+@pytest.fixture
+def test_calls(monkeypatch) -> list[dict]:
+    calls: list[dict] = []
+    monkeypatch.setattr(matrix, "cmd_test", lambda **kw: calls.append(kw) or 0)
+    return calls
+
+
+def test_hmastack_test_runs_the_whole_matrix_by_default(test_calls):
+    assert cli.main(["test"]) == 0
+    assert cli.main(["test", "--stage", "3", "--jobs", "1", "--ours-only"]) == 0
+    assert cli.main(["test", "--per-commit"]) == 0
+    default = {"stage": None, "per_commit": False, "jobs": matrix.DEFAULT_JOBS}
+    assert test_calls == [
+        default | {"ours_only": False},
+        {"stage": 3, "per_commit": False, "jobs": 1, "ours_only": True},
+        default | {"per_commit": True, "ours_only": False},
+    ]
+
+
+def test_one_stage_and_every_commit_exclude_each_other(test_calls, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["test", "--stage", "3", "--per-commit"])
+    assert exit_.value.code == 2
+    assert "not allowed with" in capsys.readouterr().err
+    assert test_calls == []
