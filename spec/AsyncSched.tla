@@ -137,8 +137,9 @@ LoadChoices(e) ==
 \* The blocks a load of e tokens after h local tokens may fail at.
 FailBlocks(h, e) == (h \div B)..((h + e) \div B - 1)
 CanFail == LoadsFail \/ failures < MaxFailures
-\* A failed load marks the request (patch 9: when it leaves no valid
-\* computed token; the rule "AnyFailure": always).
+\* A failed load that affects the request marks it (patch 9: when it
+\* leaves no valid computed token, nc = 0; the rule "AnyFailure": always).
+\* The mark lasts until the request finishes.
 Marked(nc) == mark \/ MarkRule = "AnyFailure" \/ nc = 0
 
 \* BlockPool.cache_full_blocks through KVCacheManager.cache_blocks(n):
