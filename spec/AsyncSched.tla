@@ -451,6 +451,14 @@ WitnessMemoryPreempt == [][~ReachMemoryPreempt]_vars
 WitnessRepublish == [][~ReachRepublish]_vars
 WitnessMarked == [][~ReachMarked]_vars
 
-THEOREM (Mutation = "none") => (Spec => [](TypeOK /\ NoFreeInFlight /\ NoInvalidOutput))
-THEOREM (MarkRule = "AnyFailure" /\ Mutation = "none") => (FairSpec => Liveness)
+\* What the models check (async-sched, async-sched-pp, async-loads,
+\* sync-republish-fixed, async-loads-fail-any(-pp), sync-loads-fail); the
+\* findings (async-memory-preempt, async-in-place-chunk, sync-republish,
+\* async-loads-fail) are where the assumptions do not hold.
+THEOREM (Mutation = "none") => (Spec => [](TypeOK /\ NoFreeInFlight))
+THEOREM (Mutation = "none" /\ MaxPreempts = 0) => (Spec => []NoInvalidOutput)
+THEOREM (Mutation = "none" /\ (Uncache \/ LoadMode = "async"))
+            => (Spec => []Republished)
+THEOREM (MarkRule = "AnyFailure" \/ D = 1) /\ Mutation = "none"
+            => (FairSpec => Liveness)
 =============================================================================
