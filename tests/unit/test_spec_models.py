@@ -112,6 +112,8 @@ def test_exhaustive_series_models_are_big_enough():
         "Held", "Draft", "LoadFailure", "AsyncFailKeep", "AsyncFailRestart",
         "SyncFailKeep", "SyncFailRestart", "SharedInvalid", "FailAfterAbort",
         "FreeWaiting", "EagleHit", "EagleSwaRun", "EagleChunkBack",
+        "LatePreempt", "Discard", "FailRestart", "InPlace",
+        "SlideInFlight", "MemoryPreempt", "Republish", "Marked",
     }  # fmt: skip
 
 
@@ -150,6 +152,24 @@ def test_each_fix_of_stage_03_bites():
         assert MODELS[after].result == "success", after
         if policy_before == MAIN:
             assert MODELS[before].result != "success", before
+
+
+def test_async_sched_findings_pass_with_the_fix_rule():
+    """spec/AsyncSched.tla: the code's rule fails where the fix's rule passes
+    with the same constants: the load-failure mark (MarkRule) and the
+    published-block count after a truncation in place (Uncache)."""
+    pairs = [
+        ("async-loads-fail", "async-loads-fail-any", "MarkRule",
+         '"NoValidToken"', '"AnyFailure"'),
+        ("sync-republish", "sync-republish-fixed", "Uncache", "FALSE", "TRUE"),
+    ]  # fmt: skip
+    for code, fix, key, rule_code, rule_fix in pairs:
+        a, b = constants(MODELS[code]), constants(MODELS[fix])
+        assert a.pop(key) == rule_code and b.pop(key) == rule_fix, (code, fix)
+        assert a == b, (code, fix)
+        assert MODELS[code].result != "success" and MODELS[fix].result == "success"
+        for name in (code, fix):
+            assert spec_manifest.module_of(MODELS[name], SETTINGS) == "AsyncSched"
 
 
 def test_liveness_models_use_no_symmetry_nor_view():
