@@ -493,6 +493,9 @@ class Harness:
         # block_id -> offsets whose KV a load failed to write and that no
         # step wrote since (InvalidKVRead).
         self.invalid_slots: dict[int, set[int]] = {}
+        # Blocks that evict_blocks took out of the prefix cache since they
+        # were last allocated (ExclusiveOwnership).
+        self.evicted: set[int] = set()
         self.violations: list[str] = []
         self.idle_steps = 0
         self._wrap_allocate_slots()
@@ -529,6 +532,23 @@ class Harness:
         coordinator.get_num_blocks_to_allocate = counted
         manager.allocate_slots = measured
         manager.get_computed_blocks = hits
+
+        # -- ExclusiveOwnership: the blocks evict_blocks took out of the cache.
+        evict_blocks, get_new_blocks = pool.evict_blocks, pool.get_new_blocks
+
+        def evicting(block_ids):
+            self.evicted.update(
+                b for b in block_ids if pool.blocks[b].block_hash is not None
+            )
+            evict_blocks(block_ids)
+
+        def allocating(num_blocks):
+            blocks = get_new_blocks(num_blocks)
+            self.evicted.difference_update(b.block_id for b in blocks)
+            return blocks
+
+        pool.evict_blocks = evicting
+        pool.get_new_blocks = allocating
 
     # -- actions
     def add_request(
@@ -957,13 +977,14 @@ class Harness:
                         continue
                     other_req, other_g, other_i = owner[b.block_id]
                     assert other_req != req_id, f"{b.block_id} twice in {req_id}"
-                    # Shared only as the same prefix cache hit (a hit whose
-                    # load failed left the prefix cache: its holders compute
-                    # it again).
+                    # Shared only as the same prefix cache hit, or as one
+                    # that a load failure took out of the prefix cache (the
+                    # invalid block and every block after it in the holders'
+                    # tables: its holders compute it again).
                     assert (other_g, other_i) == (g, i), b.block_id
-                    assert (
-                        b.block_hash is not None or b.block_id in self.invalid_slots
-                    ), b.block_id
+                    assert b.block_hash is not None or b.block_id in self.evicted, (
+                        b.block_id
+                    )
 
     def check_no_transfer_race(self, tables, free) -> None:
         for req_id, block_ids in self.transfers().items():
@@ -1321,6 +1342,34 @@ def test_unaligned_async_load_counts_only_loaded_tokens():
     harness.check_all()
     assert "r0" in harness.scheduler.requests
     assert request.num_cached_tokens == 40
+
+
+def test_failed_sync_load_shares_the_blocks_after_it_uncached():
+    """Shared blocks that a load failure took out of the prefix cache, not
+    all of them invalid (ExclusiveOwnership): r3 hits r2's two prefix blocks
+    while r2's sync load of the first one runs; the load fails. Both compute
+    from token 0 again, and evict_blocks takes the invalid block and the one
+    computed after it (in both groups) out of the prefix cache: they stay
+    shared at the same positions, without a hash, while their holders
+    compute them again."""
+    harness = Harness(Setup("gpt_oss_like", 32, 16, 0, False, 64, "recompute"))
+    harness.add_request(**_request())
+    harness.add_request(**_request())
+    harness.add_request(**_request(prefix=1, num_external=16))
+    harness.add_request(**_request(prefix=1))
+    harness.step(accept=0, eos_pick=None, fail_sync=0)
+    harness.check_all()
+    (r2_full, r2_swa), (r3_full, r3_swa) = (harness.tables()[r] for r in ("r2", "r3"))
+    shared = [b.block_id for b in r2_full[:2] + r2_swa[:2]]
+    assert shared == [b.block_id for b in r3_full[:2] + r3_swa[:2]]
+    assert set(harness.invalid_slots) == {shared[0]}
+    assert all(harness.pool.blocks[b].block_hash is None for b in shared)
+    assert harness.evicted == set(shared)
+    for _ in range(4):
+        harness.step(accept=0, eos_pick=None, fail_sync=None)
+        harness.check_all()
+    assert not harness.tables()
+    assert harness.pool.get_num_free_blocks() == 15
 
 
 @pytest.mark.skipif(not os.environ.get("HMASTACK_COVERAGE"), reason="debug aid")
