@@ -1303,6 +1303,36 @@ def test_abort_during_async_load_keeps_blocks_until_finished_recving():
     assert block_pool.get_num_free_blocks() == 15
 
 
+@pytest.mark.parametrize("hold", ["delayed_free", "abort_during_load"])
+def test_holds_with_no_request_left_are_pending_work(hold):
+    """HoldPending: a finished request whose blocks wait for the connector's
+    report (a delayed free; an abort during an async load) keeps
+    `has_requests()` True after its finished id went out, until the report;
+    then nothing is pending."""
+    harness = Harness(Setup("gemma3_like", 32, 16, 0, False, 64, "recompute"))
+    if hold == "delayed_free":
+        harness.add_request(**_request(num_own=10, save=True))
+    else:
+        harness.add_request(**_request(num_own=40, num_external=16, load_async=True))
+    harness.step(accept=0, eos_pick=None, fail_sync=None)
+    if hold == "abort_during_load":
+        harness.abort(0)
+    harness.step(accept=0, eos_pick=None, fail_sync=None)
+    harness.check_all()
+    scheduler = harness.scheduler
+    assert not scheduler.running and not scheduler.waiting
+    assert not scheduler.finished_req_ids
+    assert scheduler.has_requests()
+    if hold == "delayed_free":
+        harness.finish_save(0)
+    else:
+        harness.finish_load(0)
+    harness.step(accept=0, eos_pick=None, fail_sync=None)
+    harness.check_all()
+    assert not harness.tables()
+    assert not scheduler.has_requests()
+
+
 @pytest.mark.parametrize("load_async", [False, True])
 def test_external_tokens_outside_the_window_get_no_blocks(load_async):
     """Caught a tree that gives the skipped external tokens real blocks
