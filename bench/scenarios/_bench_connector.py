@@ -15,6 +15,11 @@ on the base, on every stage and on the peer. It subclasses ``SupportsHMA``
 whether HMA stays on is each tree's own default, which the scenario records.
 With the single full-attention group of ``create_scheduler`` the two settings
 use the same KV cache coordinator.
+
+``BenchHookConnector`` is the same connector with a ``request_blocks_freed``
+hook that holds nothing: a tree that has the hook asks it about the blocks
+leaving a sliding window and those of a finished request; a tree without it
+never calls it.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 MODULE = "_bench_connector"
 NAME = "BenchConnector"
+HOOK_NAME = "BenchHookConnector"
 
 
 class BenchConnectorMetadata(KVConnectorMetadata):
@@ -87,3 +93,15 @@ class BenchConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         pass
+
+
+class BenchHookConnector(BenchConnector):
+    """A connector whose stores never outlive their step, with the hook."""
+
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.calls["freed"] = 0
+
+    def request_blocks_freed(self, request_id: str, block_ids: list[int]) -> set[int]:
+        self.calls["freed"] += 1
+        return set()

@@ -14,9 +14,14 @@ A setting is (layout, connector, mode, requests):
   and five sliding-window groups (W=512); ``gptoss``: one full-attention and one
   sliding-window group (W=128). The hybrid layouts are where the series' code
   paths run (skipped tokens, null blocks, external tokens per group).
+  ``longswa``: one sliding-window group (W=4096) and prompts of 124k tokens
+  (7935 blocks), the context of the model's config less the decode steps: what
+  a per-step scan of a request's block table costs.
 * connector ``none``: no KV connector; ``connector``: the scripted
   ``BenchConnector`` (``_bench_connector.py``), which reports the first 3/4 of
-  every prompt (whole blocks) as an external hit loaded synchronously.
+  every prompt (whole blocks) as an external hit loaded synchronously;
+  ``hook``: the same with a ``request_blocks_freed`` hook that holds nothing
+  (``BenchHookConnector``).
 * mode ``decode``: prompts admitted during the warm-up, then every step decodes
   one token for each request; ``prefill``: ``max_tokens=1``, every finished
   request is replaced by a fresh one between steps (outside the measured calls),
@@ -67,7 +72,14 @@ LAYOUTS = {
         "decode_prompt": 1024,
         "prefill_prompt": 2048,
     },
+    "longswa": {
+        "model": "hmastack/gpt-oss-like",
+        "window": 4096,
+        "decode_prompt": 131072 - 4096 - 16,  # max_model_len: the config's context
+        "prefill_prompt": 131072 - 4096 - 16,
+    },
 }
+SWA_ONLY = {"longswa"}  # layouts of one sliding-window group
 PREFILL_BUDGET = 8192  # max_num_batched_tokens of the prefill-heavy mode
 # Unmeasured steps before the measured ones. Python 3.11 quickens a function
 # after several calls and specializes its instructions adaptively: with only a
@@ -78,6 +90,8 @@ DECODE_STEPS_AHEAD = 4096  # max_tokens of a decoding request (never reached)
 
 
 def layout_kinds(layout: str) -> list[str]:
+    if layout in SWA_ONLY:
+        return ["swa"]
     return ["full"] if layout == "full" else c.pattern_groups(layout)
 
 
@@ -88,10 +102,11 @@ def make_scheduler(
     max_num_batched_tokens: int,
     max_model_len: int,
     num_blocks: int,
+    connector: str = conn.NAME,
 ):
     """A ``Scheduler`` of this tree for ``layout`` (HMA on), with the scripted
-    connector when ``hit_tokens`` is not None. The model is a hub config only
-    (``facebook/opt-125m``, offline cache; no weights, no tokenizer)."""
+    ``connector`` when ``hit_tokens`` is not None. The model is a hub config
+    only (offline cache; no weights, no tokenizer)."""
     from vllm.config import (
         CacheConfig,
         KVTransferConfig,
@@ -126,7 +141,7 @@ def make_scheduler(
     kv_transfer_config = None
     if hit_tokens is not None:
         kv_transfer_config = KVTransferConfig(
-            kv_connector=conn.NAME,
+            kv_connector=connector,
             kv_connector_module_path=conn.MODULE,
             kv_role="kv_both",
             kv_connector_extra_config={"hit_tokens": hit_tokens},
@@ -149,7 +164,7 @@ def make_scheduler(
         structured_output_manager=StructuredOutputManager(vllm_config),
     )
     if hit_tokens is not None:
-        assert type(sched.connector).__name__ == conn.NAME, type(sched.connector)
+        assert type(sched.connector).__name__ == connector, type(sched.connector)
     return sched
 
 
@@ -192,7 +207,7 @@ class Workload:
         groups = len(layout_kinds(layout))
         prompt = lay[f"{mode}_prompt"]
         hit = None
-        if setting["connector"] == "connector":
+        if setting["connector"] in ("connector", "hook"):
             hit = int(prompt * HIT_FRACTION) // BLOCK * BLOCK
         computed = prompt - (hit or 0)
         warmup = WARMUP_STEPS
@@ -214,6 +229,7 @@ class Workload:
             max_num_batched_tokens=batched,
             max_model_len=prompt + DECODE_STEPS_AHEAD + BLOCK,
             num_blocks=groups * n * blocks_per_req + 16,
+            connector=conn.HOOK_NAME if setting["connector"] == "hook" else conn.NAME,
         )
         self.pool = requests(pool_size, prompt, max_tokens)
         self.pool.reverse()

@@ -69,14 +69,24 @@ def settings(
     ]
 
 
+# One request of 124k tokens decoding in one sliding-window group (W=4096),
+# with a connector that has the request_blocks_freed hook: a per-step cost
+# that grows with the request's length (a scan of its block table) shows here.
+LONG_SETTING = {
+    "layout": "longswa",
+    "connector": "hook",
+    "mode": "decode",
+    "requests": 1,
+}
 # The full set: the full-attention layout in every combination, the hybrid
-# layouts with external hits (the connector), where the series' paths run.
-# 64 requests first: the witness settings are then the first ones of a run.
+# layouts with external hits (the connector), where the series' paths run,
+# and the long request. 64 requests first: the witness settings are then the
+# first ones of a run.
 ALL_SETTINGS = sorted(
     settings(layouts=("full",))
     + settings(layouts=("gemma3", "gptoss"), connectors=("connector",)),
     key=lambda s: s["requests"],
-)
+) + [LONG_SETTING]
 # The quick set: 64 requests; the plain full-attention case, the connector's
 # prefill path and both hybrid layouts with the connector (where the series'
 # code paths run).

@@ -273,7 +273,7 @@ def bench_plan(
     "full"``, which the quick set cannot honour."""
     if quick and count_settings == "full":
         raise HmastackError(
-            "--count-settings full counts the full set's 16 settings, --quick "
+            "--count-settings full counts the full set's 17 settings, --quick "
             "the quick set's 4",
             "drop --quick (and add --no-commits to leave out the per-commit trees)",
         )

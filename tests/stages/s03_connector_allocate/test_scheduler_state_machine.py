@@ -46,6 +46,9 @@ property per failure path of stage 03 (issue "stage 03 failure paths"):
   external count after a failure, come from the loaded tokens;
 - `ConnectorTables` (what `update_state_after_alloc` gets): the block ids of
   a request's calls since its last lookup, appended, are its block tables;
+- `HoldPending` (holds keep the engine stepping): blocks kept for a request
+  that neither waits nor runs make `has_requests()` True; with none, no
+  request and no finished id to return, it is False;
 - `MambaRejected` (Mamba groups): creating the connector with a Mamba group
   fails;
 - `Progress` (the stall): nothing scheduled for STALL_STEPS steps while
@@ -906,6 +909,7 @@ class Harness:
             ("PlainConnectorBlocks", self.check_plain_connector_blocks),
             ("ResumeAfterLoad", self.check_resume_after_load),
             ("ConnectorTables", self.check_connector_tables),
+            ("HoldPending", lambda: self.check_hold_pending(tables, held)),
         ]
         for name, check in checks:
             try:
@@ -1080,6 +1084,31 @@ class Harness:
                 assert block_id in own, (req_id, block_id)
             if block_ids - {b.block_id for g in tables.get(req_id, []) for b in g}:
                 _note("store reads a block outside the table")
+
+    def check_hold_pending(self, tables, held) -> None:
+        """Blocks kept for a request that neither waits nor runs (a delayed
+        free, blocks held for a store, a load in flight of an aborted
+        request), or a finished request kept until the connector reports it,
+        are pending work: `has_requests()` is True, so the engine steps and
+        collects the connector's report. With none of them, no request
+        waiting or running and no finished id to return, it is False (the
+        engine waits for requests instead of stepping)."""
+        scheduler = self.scheduler
+        live = {r.request_id for r in scheduler.running}
+        live |= {r.request_id for r in scheduler.waiting}
+        kept = {
+            r
+            for r, groups in tables.items()
+            if r not in live and any(not b.is_null for g in groups for b in g)
+        }
+        kept |= {r for r, block_ids in held.items() if r not in live and block_ids}
+        # A finished request kept until the connector reports it (a delayed
+        # free or a load in flight), whatever blocks it has.
+        kept |= {r for r, req in scheduler.requests.items() if req.is_finished()}
+        if kept and not live:
+            _note("blocks kept with no request left")
+        expected = bool(live or scheduler.finished_req_ids or kept)
+        assert scheduler.has_requests() == expected, (sorted(live), sorted(kept))
 
     def check_plain_connector_blocks(self) -> None:
         """A connector without HMA support gets a real block for every
@@ -1293,6 +1322,36 @@ def test_abort_during_async_load_keeps_blocks_until_finished_recving():
     harness.check_all()
     assert not harness.tables()
     assert block_pool.get_num_free_blocks() == 15
+
+
+@pytest.mark.parametrize("hold", ["delayed_free", "abort_during_load"])
+def test_holds_with_no_request_left_are_pending_work(hold):
+    """HoldPending: a finished request whose blocks wait for the connector's
+    report (a delayed free; an abort during an async load) keeps
+    `has_requests()` True after its finished id went out, until the report;
+    then nothing is pending."""
+    harness = Harness(Setup("gemma3_like", 32, 16, 0, False, 64, "recompute"))
+    if hold == "delayed_free":
+        harness.add_request(**_request(num_own=10, save=True))
+    else:
+        harness.add_request(**_request(num_own=40, num_external=16, load_async=True))
+    harness.step(accept=0, eos_pick=None, fail_sync=None)
+    if hold == "abort_during_load":
+        harness.abort(0)
+    harness.step(accept=0, eos_pick=None, fail_sync=None)
+    harness.check_all()
+    scheduler = harness.scheduler
+    assert not scheduler.running and not scheduler.waiting
+    assert not scheduler.finished_req_ids
+    assert scheduler.has_requests()
+    if hold == "delayed_free":
+        harness.finish_save(0)
+    else:
+        harness.finish_load(0)
+    harness.step(accept=0, eos_pick=None, fail_sync=None)
+    harness.check_all()
+    assert not harness.tables()
+    assert not scheduler.has_requests()
 
 
 @pytest.mark.parametrize("load_async", [False, True])
