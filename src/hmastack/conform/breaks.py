@@ -175,11 +175,51 @@ BREAKS = {
             path="vllm/v1/core/sched/scheduler.py",
             old="                            ext_tokens, load_kv_async = 0, False\n",
             new="                            pass\n",
-            caught_by=("replay",),
-            not_by_random=(
-                "no property of the random state machine says that a request "
-                "is not loaded again after a failure (its connector's loads do "
-                "not fail at every attempt)"
+        ),
+        Break(
+            name="reload-after-failure-past-block-0",
+            protection=(
+                "a request whose KV load failed past its first block takes no "
+                "external tokens any more either (broken: preempted with a later "
+                "step in flight, or by a full pool, it loads the same tokens "
+                "again, and a connector whose loads keep failing keeps it "
+                "loading for ever)"
+            ),
+            path="vllm/v1/core/sched/scheduler.py",
+            old=(
+                "            # could fail again.\n"
+                "            self.kv_load_failed_req_ids.add(req_id)\n"
+            ),
+            new=(
+                "            # could fail again.\n"
+                "            if request.num_computed_tokens == 0:\n"
+                "                self.kv_load_failed_req_ids.add(req_id)\n"
+            ),
+            caught_by=("random",),
+            not_by_replay=(
+                "the model marks only a request that a failure left no valid "
+                "token (noLoad): it has no rule for a failure past the first "
+                "block"
+            ),
+        ),
+        Break(
+            name="stale-cached-count",
+            protection=(
+                "after a KV load failure a request counts as cached only its "
+                "blocks before the first invalid one, so the blocks it computes "
+                "again are cached again (broken: they stay out of the prefix "
+                "cache)"
+            ),
+            path="vllm/v1/core/sched/scheduler.py",
+            old=(
+                "            self.kv_cache_manager.uncache_blocks("
+                "req_id, request.num_computed_tokens)\n"
+            ),
+            new="",
+            caught_by=("random",),
+            not_by_replay=(
+                "the model keeps a truncated request's cached count (ncached) "
+                "too: it has no rule that caches the recomputed blocks again"
             ),
         ),
         Break(

@@ -53,7 +53,12 @@ property per failure path of stage 03 (issue "stage 03 failure paths"):
   fails;
 - `Progress` (the stall): nothing scheduled for STALL_STEPS steps while
   nothing runs, nothing is pending outside the scheduler and other waiting
-  requests hold blocks the first one needs.
+  requests hold blocks the first one needs;
+- `NoReload` (loads that fail again and again): a request that held a block
+  whose load failed (its own load, at any block) starts no load again;
+- `Recached` (recomputed blocks): every full block that a scheduled request
+  has computed, or computes in the step, is in the prefix cache (after a
+  load failure too, once the request computes the block again).
 
 CI runs a fixed, derandomized set of examples (100 examples of at most 50
 rules). A larger run with a fresh random seed each time: set
@@ -223,6 +228,10 @@ class ScriptedConnectorBase(KVConnectorBase_V1):
         # them), and the calls after which they were not the scheduler's.
         self.block_tables: dict[str, list[list[int]]] = {}
         self.table_violations: list[str] = []
+        # Requests that held a block whose load of theirs failed (NoReload),
+        # and the loads started for them afterwards.
+        self.load_failed: set[str] = set()
+        self.reload_violations: list[str] = []
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -250,6 +259,11 @@ class ScriptedConnectorBase(KVConnectorBase_V1):
         self._append_block_ids(req_id, blocks.get_block_ids())
         if num_external_tokens == 0:
             return
+        if req_id in self.load_failed:
+            self.reload_violations.append(
+                f"{req_id} loads {num_external_tokens} external tokens again "
+                "after a load of them failed"
+            )
         start = self._num_local.pop(req_id)
         end = start + num_external_tokens
         first = start // BLOCK_SIZE
@@ -618,6 +632,7 @@ class Harness:
             fail_sync,
         )
         self._read_and_write(step)
+        self.check_recached(output)
         self.in_flight.append(step)
         # The model runner executes the step: sync loads write now.
         self.check_all()
@@ -702,6 +717,18 @@ class Harness:
                 if any(self.pool.blocks[b].ref_cnt > 1 for b in invalid):
                     _note("load failure on a shared block")
         if invalid:
+            tables = self.tables()
+            failed_loads = [
+                (req_id, load)
+                for req_id, load in step.sync_loads.items()
+                if self.running(req_id)
+            ] + [
+                (req_id, connector.pending[req_id]) for req_id in self.finished_recving
+            ]
+            for req_id, load in failed_loads:
+                own = {b.block_id for g in tables.get(req_id, []) for b in g}
+                if load.all_block_ids() & invalid & own:
+                    connector.load_failed.add(req_id)
             for block_id in invalid:
                 self.invalid_slots[block_id] = set(range(BLOCK_SIZE))
             # Steps scheduled later ran later: what they wrote stays.
@@ -910,6 +937,7 @@ class Harness:
             ("ResumeAfterLoad", self.check_resume_after_load),
             ("ConnectorTables", self.check_connector_tables),
             ("HoldPending", lambda: self.check_hold_pending(tables, held)),
+            ("NoReload", self.check_no_reload),
         ]
         for name, check in checks:
             try:
@@ -918,6 +946,33 @@ class Harness:
                 raise AssertionError(f"{name} violated: {exc}") from exc
         if self.violations:
             raise AssertionError(self.violations[0])
+
+    def check_no_reload(self) -> None:
+        """A request that held a block whose load of its failed starts no
+        load again (the connector offers the same tokens, and its load could
+        fail again, for ever)."""
+        assert not self.connector.reload_violations, self.connector.reload_violations[0]
+
+    def check_recached(self, output: SchedulerOutput) -> None:
+        """Right after `schedule`: every real block of the full blocks a
+        scheduled request has computed or computes in the step is in the
+        prefix cache, in every group; after a load failure evicted blocks,
+        they are cached again when the request computes them again."""
+        for req_id in output.num_scheduled_tokens:
+            request = self.scheduler.requests[req_id]
+            if request.status != RequestStatus.RUNNING:
+                continue
+            num_full = min(request.num_computed_tokens, request.num_tokens)
+            num_full //= BLOCK_SIZE
+            for group, table in enumerate(self.tables().get(req_id, [])):
+                for i, b in enumerate(table[:num_full]):
+                    if not b.is_null and b.block_hash is None:
+                        self.violations.append(
+                            f"Recached violated: block {i} ({b.block_id}, "
+                            f"group {group}) of {req_id} is computed but not "
+                            "in the prefix cache"
+                        )
+                        return
 
     def check_connector_tables(self) -> None:
         """A connector that appends the block ids of each
