@@ -8,9 +8,11 @@ The KVCacheConfig is built directly: Gemma-3-like (5 sliding window groups :
 1 full attention group) or gpt-oss-like (one group of each), with a scripted
 `SupportsHMA` connector (`ScriptedConnector`); or Mistral-like (one sliding
 window group) with a connector that does not support HMA
-(`PlainScriptedConnector`, HMA is then off). A small pool, so that requests
-are refused, evicted and preempted; prefix caching on; speculative decoding
-with draft tokens, with eagle-style lookahead slots or without.
+(`PlainScriptedConnector`) or a `SupportsHMA` connector that declines it for
+its configuration (`DecliningScriptedConnector`): HMA is then off. A small
+pool, so that requests are refused, evicted and preempted; prefix caching on;
+speculative decoding with draft tokens, with eagle-style lookahead slots or
+without.
 
 Rules: add a request (shared prefixes give local prefix cache hits, so load
 failures hit shared blocks; the connector holds an external prefix, loaded
@@ -40,8 +42,9 @@ property per failure path of stage 03 (issue "stage 03 failure paths"):
   step that read invalid KV is appended or emitted;
 - `StoreHold` (the hold for stores): every block a store still reads is
   allocated, in the request's table or held for it;
-- `PlainConnectorBlocks` (connectors without HMA): such a connector loads
-  into real blocks only;
+- `PlainConnectorBlocks` (connectors without HMA, or declining it): such a
+  connector loads into real blocks only and gets `request_finished`, never
+  `request_finished_all_groups`;
 - `ResumeAfterLoad` (where an async load resumes): the resume point, and the
   external count after a failure, come from the loaded tokens;
 - `ConnectorTables` (what `update_state_after_alloc` gets): the block ids of
@@ -128,8 +131,10 @@ LAYOUTS = {
     "gpt_oss_like": ["full", "sliding_window"],
     # One sliding window group: HMA off, a connector without SupportsHMA.
     "mistral_like": ["sliding_window"],
+    # The same with a SupportsHMA connector that declines HMA.
+    "mistral_like_declined": ["sliding_window"],
 }
-PLAIN_LAYOUTS = {"mistral_like"}
+PLAIN_LAYOUTS = {"mistral_like", "mistral_like_declined"}
 # Shared prompt prefixes (in blocks): requests that pick the same one hit
 # each other's cached blocks.
 PREFIX_BLOCKS = (0, 2, 5, 9)
@@ -379,10 +384,39 @@ class PlainScriptedConnector(ScriptedConnectorBase):
         return self._finished(request, (block_ids,))
 
 
+class DecliningScriptedConnector(ScriptedConnectorBase, SupportsHMA):
+    """The same script, for a SupportsHMA connector that declines HMA for its
+    configuration: it must be treated as one without HMA support."""
+
+    @classmethod
+    def supports_hma_with_config(cls, kv_transfer_config) -> bool:
+        return False
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._finished(request, (block_ids,))
+
+    def request_finished_all_groups(self, request, block_ids):
+        raise AssertionError(
+            "PlainConnectorBlocks violated: a connector that declined HMA got "
+            "request_finished_all_groups"
+        )
+
+
 CONNECTOR_NAMES = {
     ScriptedConnector: "HmastackScriptedConnector",
     PlainScriptedConnector: "HmastackPlainScriptedConnector",
+    DecliningScriptedConnector: "HmastackDecliningScriptedConnector",
 }
+
+
+def connector_class(setup: Setup) -> type:
+    if setup.layout == "mistral_like_declined":
+        return DecliningScriptedConnector
+    return PlainScriptedConnector if setup.plain else ScriptedConnector
+
+
 for _cls, _name in CONNECTOR_NAMES.items():
     if _name not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(_name, __name__, _cls.__name__)
@@ -434,7 +468,7 @@ def make_vllm_config(setup: Setup, connector_cls: type) -> VllmConfig:
 
 def make_scheduler(setup: Setup) -> Scheduler:
     groups = make_kv_cache_groups(LAYOUTS[setup.layout], BLOCK_SIZE, setup.window)
-    connector_cls = PlainScriptedConnector if setup.plain else ScriptedConnector
+    connector_cls = connector_class(setup)
     vllm_config = make_vllm_config(setup, connector_cls)
     assert vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is (setup.plain)
     scheduler_cls = AsyncScheduler if setup.async_scheduling else Scheduler
@@ -1166,8 +1200,8 @@ class Harness:
         assert scheduler.has_requests() == expected, (sorted(live), sorted(kept))
 
     def check_plain_connector_blocks(self) -> None:
-        """A connector without HMA support gets a real block for every
-        external token (what vLLM 0.13.0 gave it)."""
+        """A connector without HMA support, or one that declined it, gets a
+        real block for every external token (what vLLM 0.13.0 gave it)."""
         if not self.setup.plain:
             return
         loads = list(self.connector.pending.values()) + list(
@@ -1212,7 +1246,7 @@ class Harness:
 
 def check_mamba_rejected(setup: Setup) -> None:
     """A KV cache config with a Mamba group cannot get this connector."""
-    connector_cls = PlainScriptedConnector if setup.plain else ScriptedConnector
+    connector_cls = connector_class(setup)
     config = KVCacheConfig(
         num_blocks=setup.num_blocks,
         kv_cache_tensors=[],
