@@ -195,11 +195,12 @@ BREAKS = {
                 "            if request.num_computed_tokens == 0:\n"
                 "                self.kv_load_failed_req_ids.add(req_id)\n"
             ),
-            caught_by=("random",),
-            not_by_replay=(
-                "the model marks only a request that a failure left no valid "
-                "token (noLoad): it has no rule for a failure past the first "
-                "block"
+            caught_by=("replay",),
+            not_by_random=(
+                "no schedule of the random test's CI set fails a load past "
+                "block 0 whose request then looks up again; the file's explicit "
+                "test_sync_load_failing_past_block_0_is_not_loaded_again "
+                "(NoReload) catches it"
             ),
         ),
         Break(

@@ -5,7 +5,8 @@ Hypothesis drives `vllm.v1.core.sched.scheduler.Scheduler` or, with
 `async_scheduling`, `AsyncScheduler` (the next step is scheduled before the
 previous one's output is processed: steps in flight, output placeholders).
 The KVCacheConfig is built directly: Gemma-3-like (5 sliding window groups :
-1 full attention group) or gpt-oss-like (one group of each), with a scripted
+1 full attention group) or gpt-oss-like (one group of each; the explicit
+tests also use Llama-like, one full attention group), with a scripted
 `SupportsHMA` connector (`ScriptedConnector`); or Mistral-like (one sliding
 window group) with a connector that does not support HMA
 (`PlainScriptedConnector`) or a `SupportsHMA` connector that declines it for
@@ -129,6 +130,9 @@ MAX_MODEL_LEN = 2048
 LAYOUTS = {
     "gemma3_like": ["sliding_window"] * 5 + ["full"],
     "gpt_oss_like": ["full", "sliding_window"],
+    # One full attention group: a load failure past block 0 is computed again
+    # from there (no null block to start over for). Explicit tests only.
+    "llama_like": ["full"],
     # One sliding window group: HMA off, a connector without SupportsHMA.
     "mistral_like": ["sliding_window"],
     # The same with a SupportsHMA connector that declines HMA.
@@ -1278,7 +1282,7 @@ def check_mamba_rejected(setup: Setup) -> None:
 
 setups = st.builds(
     Setup,
-    layout=st.sampled_from(sorted(LAYOUTS)),
+    layout=st.sampled_from(sorted(set(LAYOUTS) - {"llama_like"})),
     window=st.sampled_from([32, 64]),
     num_blocks=st.integers(16, 72),
     num_spec_tokens=st.sampled_from([0, 0, 2, 3]),
@@ -1518,6 +1522,37 @@ def test_failed_sync_load_shares_the_blocks_after_it_uncached():
         harness.check_all()
     assert not harness.tables()
     assert harness.pool.get_num_free_blocks() == 15
+
+
+def test_sync_load_failing_past_block_0_is_not_loaded_again():
+    """Caught a tree that marks only a request that a load failure left no
+    valid token (NoReload): with asynchronous scheduling a sync load of 100
+    external tokens fails from block 6 on, the request is preempted (its next
+    step was in flight), looks up again, and the connector offers the same
+    tokens; its load failed again at every attempt."""
+    harness = Harness(Setup("llama_like", 64, 64, 0, False, 512, "recompute", True))
+    harness.add_request(**_request(num_own=200, num_external=100, max_tokens=4))
+    for _ in range(12):
+        # Every sync load fails from block 6 (42 // 7) of its one group on.
+        harness.step(accept=0, eos_pick=None, fail_sync=42)
+        harness.check_all()
+    harness.drain()
+    assert not harness.scheduler.requests
+
+
+def test_blocks_computed_again_after_a_load_failure_are_cached_again():
+    """Caught a tree whose truncated request keeps its count of cached
+    blocks (Recached): a sync load of 100 external tokens fails from block 6
+    on; the request computes blocks 6~12 again, and they must be cached
+    again."""
+    harness = Harness(Setup("llama_like", 64, 64, 0, False, 512, "recompute"))
+    harness.add_request(**_request(num_own=200, num_external=100, max_tokens=2))
+    harness.step(accept=0, eos_pick=None, fail_sync=42)
+    harness.check_all()
+    for _ in range(4):
+        harness.step(accept=0, eos_pick=None, fail_sync=None)
+        harness.check_all()
+    assert not harness.scheduler.requests
 
 
 @pytest.mark.skipif(not os.environ.get("HMASTACK_COVERAGE"), reason="debug aid")
