@@ -24,6 +24,9 @@ block tables or held for it. A connector inside a MultiConnector is as safe
 as alone: its holds are forwarded, and another connector's report ends
 neither its hold nor its save.
 
+Explicit schedules at the end keep what the fixed set does not reach (a
+report that must not reach the other connector's scheduler side).
+
 CI runs a fixed, derandomized set (`HMASTACK_RANDOM_EXAMPLES=N`: N examples
 with a fresh seed; `HMASTACK_RANDOM_NO_SHRINK=1`: stop at the first failing
 schedule, as `hmastack conform` does on broken trees).
@@ -361,3 +364,31 @@ def test_the_machine_reaches_holds_and_reports():
     machine.step(set())
     machine.multi_store_hold()
     assert not machine.scheduler.kv_cache_manager.held_blocks
+
+
+def test_a_report_does_not_end_another_connectors_store():
+    """A schedule the random examples of CI do not reach: connector 0's store
+    is held through a window slide and reported while connector 1's store of
+    the same request still runs on blocks in the tables; the request is then
+    aborted. Connector 1 must still name its blocks (the report of
+    connector 0 is not the end of its store)."""
+    machine = MultiHoldMachine()
+    machine.setup(("HoldingConnector", "HoldingConnector"), (False, False))
+    machine.add_request(0, 24, 48)
+    machine.step(set())
+    machine.start_store(0, 0)
+    machine.step(set())
+    manager = machine.scheduler.kv_cache_manager
+    for _ in range(2 * WINDOW):
+        machine.step(set())
+        if manager.held_blocks:
+            break
+    assert manager.held_blocks
+    machine.start_store(1, 0)
+    machine.step(set())
+    machine.complete_store(0, 0)
+    machine.step(set())
+    machine.multi_store_hold()
+    assert not manager.held_blocks
+    machine.abort(0)
+    machine.multi_store_hold()
