@@ -56,8 +56,8 @@ CONSTANTS
     LoadsFail,    \* TRUE: every load fails (at a block the connector chooses), without bound
     MaxFailures,  \* load failures allowed in one behaviour when ~LoadsFail
     MaxPreempts,  \* preemptions for memory allowed in one behaviour
-    MarkRule,     \* which failed loads mark the request (kv_load_failed_req_ids): "NoValidToken" (the code) or "AnyFailure"
-    Uncache,      \* TRUE: a truncation also truncates num_cached_block (KVCacheManager.uncache_blocks); FALSE: the code
+    MarkRule,     \* which failed loads mark the request (kv_load_failed_req_ids): "AnyFailure" (the code) or "NoValidToken" (the code without patch 9's mark past block 0)
+    Uncache,      \* TRUE (the code): a truncation also truncates num_cached_block (KVCacheManager.uncache_blocks); FALSE: the code without it
     Mutation      \* "none", or the one protection switched off: "NoFence" (patch 4), "NoLatePreempt", "KeepPlaceholders" (patch 6)
 
 ASSUME /\ D \in Nat \ {0} /\ B \in Nat \ {0} /\ W \in Nat \ {0, 1}
@@ -137,8 +137,9 @@ LoadChoices(e) ==
 \* The blocks a load of e tokens after h local tokens may fail at.
 FailBlocks(h, e) == (h \div B)..((h + e) \div B - 1)
 CanFail == LoadsFail \/ failures < MaxFailures
-\* A failed load that affects the request marks it (patch 9: when it
-\* leaves no valid computed token, nc = 0; the rule "AnyFailure": always).
+\* A failed load that affects the request marks it (patch 9, the rule
+\* "AnyFailure": always; the rule "NoValidToken": only when it leaves no
+\* valid computed token, nc = 0).
 \* The mark lasts until the request finishes.
 Marked(nc) == mark \/ MarkRule = "AnyFailure" \/ nc = 0
 
@@ -281,12 +282,12 @@ UpdateFromOutput ==
 \* blocks and those after them leave the prefix cache. A running request
 \* truncates its computed tokens to block j, the tokens it had before its
 \* steps in flight (patch 8), or to 0 if can_recompute_from says so
-\* (patch 13); patch 9 (or the rule AnyFailure) marks it. With later steps
+\* (patch 13); patch 9 (MarkRule) marks it. With later steps
 \* in flight it is preempted: their outputs are dropped (patch 6,
 \* discard_output_req_ids), its placeholders reset; one that must start
 \* over and cannot recompute from 0 is preempted too; otherwise it is
-\* truncated in place (its num_cached_block kept: the blocks it computes
-\* again are not published again; Uncache truncates it too). Either way
+\* truncated in place (patch 5, Uncache: num_cached_block truncated too, so
+\* the blocks it computes again are published again). Either way
 \* its step's output is skipped
 \* (failed_kv_load_req_ids). A request preempted for memory while the step
 \* was in flight holds no block: it is not affected, and the step's output
@@ -340,7 +341,7 @@ FinishLoad ==
 \* asynchronous load failed from block j on. The request resumes from
 \* block j, publishing the valid blocks, or, when that is token 0 or
 \* can_recompute_from says no, its blocks are freed and it starts over;
-\* patch 9 (or the rule AnyFailure) marks it.
+\* patch 9 (MarkRule) marks it.
 LoadFailedAt(j) ==
   /\ status = "loading" /\ CanFail
   /\ j \in FailBlocks(load.from, load.e)

@@ -81,7 +81,7 @@ ASSUME /\ N \in Nat \ {0} /\ B \in Nat \ {0} /\ W \in Nat \ {0, 1}
                         "FreeInFlight", "EagerFree", "AllocSkipped", "PadFull",
                         "UnderCount", "SkipTouch", "LeakSkipped", "SkipCeil",
                         "RangeByCached", "IgnoreZeroedLoad",
-                        "KeepLoadFailedMark"}
+                        "KeepLoadFailedMark", "MarkOnlyNoValidToken"}
 
 -----------------------------------------------------------------------------
 (***************************************************************************)
@@ -91,16 +91,17 @@ ASSUME /\ N \in Nat \ {0} /\ B \in Nat \ {0} /\ W \in Nat \ {0, 1}
 (*    the failure-path fixes: no hold for in-flight stores, no stall fix, *)
 (*    the first holder of a shared invalid block recomputes it for all,   *)
 (*    a running request's load-failure range is num_cached_tokens, a     *)
-(*    request whose load left it no valid token loads again. Its models   *)
-(*    are the witnesses that each fix bites;                              *)
+(*    request whose load failed loads again. Its models are the          *)
+(*    witnesses that each fix bites;                                      *)
 (*  - "SeriesAsCoded": the fifteen commits of stage 03: patch 14 holds    *)
 (*    the blocks a connector's store still reads (request_blocks_freed),  *)
 (*    patch 7 frees the blocks of waiting requests back from async loads  *)
 (*    when the first waiting request cannot be allocated and nothing runs,*)
 (*    patch 5 makes every holder of an invalid block compute it again,    *)
+(*    and publishes the blocks it computes again (uncache_blocks),        *)
 (*    patch 8 takes a running request's load-failure range from the       *)
 (*    tokens it computed before its step, patch 9 takes no external       *)
-(*    tokens for a request whose load left it no valid token.             *)
+(*    tokens any more for a request a load failure affected.              *)
 (* Patches 4 (in-flight fence) and 6 (failure reported after the next     *)
 (* step) only matter with asynchronous scheduling, which is not modelled *)
 (* (one step in flight per request); patches 1-3 are the async-load      *)
@@ -126,16 +127,29 @@ StallFix == Fixed
 \* cache (FixedScan); before it, the first holder recomputes for all and
 \* policy "recompute" evicts nothing.
 SharedInvalidFix == Fixed
+\* Patch 5: KVCacheManager.uncache_blocks(req_id, num_computed_tokens) after
+\* the truncation: num_cached_block becomes min(num_cached_block,
+\* num_computed_tokens // block_size) in every KV cache group, so the blocks
+\* the request computes again are published again (Publish, like
+\* BlockPool.cache_full_blocks, skips blocks that already have a hash: a
+\* sharer cached them again first).
+Uncache == Fixed
 \* Patch 8: a running request's load-failure range is the tokens it computed
 \* before its step (num_computed_tokens less the tokens in flight that are
 \* not external), not num_cached_tokens (which preemption never resets:
 \* series-stale-read-preempt). Mutation "RangeByCached" switches it off.
 RangeByComputed == Fixed /\ Mutation # "RangeByCached"
-\* Patch 9: a request whose load failed and left it no valid computed token
-\* (Scheduler.kv_load_failed_req_ids) takes no external tokens any more;
-\* before it, a connector that offers the same tokens and fails at every
-\* attempt keeps the request loading for ever (series-loads-fail-alloc-only).
+\* Patch 9: Scheduler._update_requests_with_invalid_blocks adds every request
+\* a load failure affects to Scheduler.kv_load_failed_req_ids; a marked
+\* request takes no external tokens any more (it computes them); the mark
+\* goes when the request finishes (Scheduler._free_request). Without it, a
+\* connector that offers the same tokens and fails at every attempt keeps the
+\* request loading for ever (series-loads-fail-alloc-only). Mutation
+\* "MarkOnlyNoValidToken" marks only a request the failure left with no
+\* valid computed token (num_computed_tokens == 0).
 NoReload == Fixed
+Marked(aff, nc) == IF Mutation = "MarkOnlyNoValidToken"
+                   THEN {q \in aff : nc[q] = 0} ELSE aff
 
 -----------------------------------------------------------------------------
 Null == 0                                 \* the null block (BlockPool.null_block)
@@ -149,6 +163,8 @@ NoBlocks == [g \in Groups |-> <<>>]
 Min(a, b) == IF a < b THEN a ELSE b
 Max(a, b) == IF a > b THEN a ELSE b
 CeilDiv(a, b) == (a + b - 1) \div b       \* vllm.utils.math_utils.cdiv
+\* num_cached_block of each group after uncache_blocks(req_id, nc) (Uncache).
+Uncached(old, nc) == IF Uncache THEN [g \in Groups |-> Min(old[g], nc \div B)] ELSE old
 Range(s) == {s[i] : i \in DOMAIN s}
 Real(s) == Range(s) \ {Null}              \* the physical blocks a table names
 Count(s, b) == Cardinality({i \in DOMAIN s : s[i] = b})
@@ -208,7 +224,7 @@ VARIABLES
     cachedTok,  \* Request.num_cached_tokens: set once, when first scheduled (-1 before)
     order,      \* Scheduler.waiting's order, front first (all requests; preemption moves one to the front)
     stallHead,  \* StallFix: the request patch 7 could not allocate (first in Scheduler.waiting) and those it freed (behind it)
-    noLoad,     \* NoReload: requests whose load failed and left no valid token (kv_load_failed_req_ids)
+    noLoad,     \* NoReload: requests a load failure affected (kv_load_failed_req_ids)
     event       \* the step just taken: action, request, blocks per group, arguments
 
 vars == <<ref, hash, freeQ, status, len, computed, table, ncached, step, loads,
@@ -698,7 +714,9 @@ SyncLoadFailed(r) ==
         /\ ref' = RefAfterFree(fr)
         /\ freeQ' = FreeQAfterFree(fr)
         /\ table' = [q \in Req |-> IF q \in restart THEN EmptyTables ELSE table[q]]
+        \* KVCacheManager.uncache_blocks for the affected that keep their tables.
         /\ ncached' = [q \in Req |-> IF q \in restart THEN [g \in Groups |-> 0]
+                                     ELSE IF q \in aff THEN Uncached(ncached[q], sc.nc[q])
                                      ELSE ncached[q]]
         /\ held' = [q \in Req |-> IF q \in restart THEN held[q] \cup Keep(q) ELSE held[q]]
         /\ computed' = [q \in Req |-> IF q \in aff THEN sc.nc[q] ELSE computed[q]]
@@ -711,7 +729,7 @@ SyncLoadFailed(r) ==
                                    ELSE saves[q]]
         /\ status' = [q \in Req |-> IF q \in restart THEN "waiting" ELSE status[q]]
         /\ running' = SelectSeq(running, LAMBDA x : x \notin restart)
-        /\ noLoad' = IF NoReload THEN noLoad \cup {q \in aff : sc.nc[q] = 0} ELSE noLoad
+        /\ noLoad' = IF NoReload THEN noLoad \cup Marked(aff, sc.nc) ELSE noLoad
         /\ event' = Ev("SyncLoadFailed", r, NoBlocks,
                        [atSlot |-> i, affected |-> aff, restart |-> restart,
                         computedTokens |-> IF r \in aff THEN sc.nc[r] ELSE computed[r]])
@@ -831,8 +849,8 @@ LoadFailed(r) ==
      \* LoadsFail: failures are not counted (not bounded).
      /\ failures' = IF LoadsFail THEN failures ELSE failures + 1
      /\ loads' = [loads EXCEPT ![r] = {}]
-     /\ noLoad' = IF NoReload /\ status[r] # "finishing" /\ nc = 0
-                  THEN noLoad \cup {r} ELSE noLoad
+     /\ noLoad' = IF NoReload /\ status[r] # "finishing"
+                  THEN noLoad \cup Marked({r}, [q \in {r} |-> nc]) ELSE noLoad
      /\ IF status[r] = "finishing"
         THEN /\ IF saves[r] = {}
                 THEN FreeFinished(r)
@@ -843,8 +861,9 @@ LoadFailed(r) ==
              /\ computed' = [computed EXCEPT ![r] = nc]
              /\ status' = [status EXCEPT ![r] = "waiting"]
              /\ IF nc > 0
-                THEN /\ hash' = Publish(hash, r, table[r], ncached[r], nc \div B)
-                     /\ ncached' = [ncached EXCEPT ![r] = NewCached(ncached[r], nc \div B)]
+                THEN /\ hash' = Publish(hash, r, table[r], Uncached(ncached[r], nc), nc \div B)
+                     /\ ncached' = [ncached EXCEPT ![r] =
+                                      NewCached(Uncached(ncached[r], nc), nc \div B)]
                      /\ event' = Ev("LoadFailed", r, NoBlocks,
                                      [atSlot |-> i, computedTokens |-> nc])
                      /\ UNCHANGED <<ref, freeQ, table, held>>

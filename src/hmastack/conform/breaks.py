@@ -217,11 +217,6 @@ BREAKS = {
                 "req_id, request.num_computed_tokens)\n"
             ),
             new="",
-            caught_by=("random",),
-            not_by_replay=(
-                "the model keeps a truncated request's cached count (ncached) "
-                "too: it has no rule that caches the recomputed blocks again"
-            ),
         ),
         Break(
             name="free-held-blocks",

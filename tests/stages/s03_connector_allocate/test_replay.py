@@ -300,6 +300,8 @@ class Replay:
                 self.manager.free(self.requests[r])
             return
         self.check_recompute(r, a["atSlot"], a["computedTokens"])
+        if a["computedTokens"] > 0:
+            self.manager.uncache_blocks(r, a["computedTokens"])
         self.finish_load(before, after, ev)
 
     def sync_load_failed(self, before: dict, after: dict, ev: dict) -> None:
@@ -328,6 +330,9 @@ class Replay:
             self.manager.free(self.requests[q])
         for q in a["affected"]:
             self.requests[q].num_computed_tokens = after["computed"][q]
+            if q not in a["restart"]:
+                # Patch 5: the blocks it computes again are cached again.
+                self.manager.uncache_blocks(q, after["computed"][q])
 
     def free_and_restart(self, before: dict, after: dict, ev: dict) -> None:
         r = ev["req"]
