@@ -231,15 +231,17 @@ BREAKS = {
         Break(
             name="multi-report-early",
             protection=(
-                "MultiConnector reports a request in finished_sending once every "
-                "connector that has to (it saves the finished request "
-                "asynchronously, or the scheduler holds blocks for its stores) "
-                "reported it (broken: at the first connector's report, which "
-                "ends the other connectors' holds and saves)"
+                "MultiConnector lets the scheduler see a connector's report of a "
+                "finished request only once every connector that saves it "
+                "asynchronously reported it (broken: at any connector's report, "
+                "which ends the delayed free while another connector saves)"
             ),
             path="vllm/distributed/kv_transfer/kv_connector/v1/multi_connector.py",
-            old="                pending = self._pending_sends.get(req_id)\n",
-            new="                pending = None\n",
+            old=(
+                "        sending = saved | {r for r in reported "
+                "if r not in self._saving}\n"
+            ),
+            new="        sending = saved | reported\n",
             caught_by=("random",),
             not_by_replay=(
                 "the model has one connector: no replayed behaviour runs a "
