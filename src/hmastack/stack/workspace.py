@@ -275,7 +275,7 @@ def ensure_safe_to_reset(
             return
         raise HmastackError(
             f"{repo} has commits made after a failed `hmastack apply`",
-            f"save them (`git -C {repo} format-patch -o /tmp/saved "
+            f"save them (`git -C {repo} format-patch -o ~/saved-patches "
             f"refs/tags/{tree.tag}..HEAD`), or `hmastack apply --force` to discard "
             "them (git reflog still finds discarded commits)",
         )
@@ -631,7 +631,7 @@ def export_tree(
             f"{repo} holds commits of stage {beyond[-1]}, but none of stage "
             f"{gap[0]} (applied up to stage {upto}); export would delete stage "
             f"{gap[0]}'s patches",
-            f"save the commits (`git -C {repo} format-patch -o /tmp/saved "
+            f"save the commits (`git -C {repo} format-patch -o ~/saved-patches "
             f"refs/tags/{tree.tag}..HEAD`), then `hmastack apply --upto "
             f"{beyond[-1]} --force` and `git am --keep-non-patch` them on top",
         )
