@@ -67,6 +67,7 @@ def test_command(args: argparse.Namespace) -> int:
         per_commit=args.per_commit,
         jobs=args.jobs,
         ours_only=args.ours_only,
+        quick=args.quick,
     )
 
 
@@ -99,6 +100,7 @@ def conform_command(args: argparse.Namespace) -> int:
         args.examples,
         break_names=args.breaks,
         no_break=args.no_break,
+        jobs=args.jobs,
     )
 
 
@@ -233,6 +235,13 @@ def add_test_parser(subparsers: Subparsers) -> None:
         action="store_true",
         help="skip vLLM's suite; run only our stage tests and ruff",
     )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="every check at the base and the last stage; "
+        "at the others only the tests their own patches add or change "
+        "(what `make test` runs)",
+    )
     parser.set_defaults(func=test_command)
 
 
@@ -362,6 +371,12 @@ def add_conform_parser(subparsers: Subparsers) -> None:
     )
     which.add_argument(
         "--no-break", action="store_true", help="only the series, no broken copies"
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=matrix.DEFAULT_JOBS,
+        help=f"broken trees tested at once (default {matrix.DEFAULT_JOBS})",
     )
     parser.set_defaults(func=conform_command)
 
