@@ -32,10 +32,10 @@ from s04_lmcache.layouts import BLOCK_SIZE
 )
 def test_request_finishing_in_the_step_that_completes_a_chunk(make_engine, layout):
     engine: Engine = make_engine(layout, hma=True)
-    # Prefill 0..799, then decode: the 225th output token is sampled by the
+    # Prefill 0..999, then decode: the 25th output token is sampled by the
     # step that computes token 1023, which completes chunk 768..1023; the
     # tables start with null blocks (tokens 0..511, 0..639, 0..767).
-    a = engine.add(list(range(3000, 3800)), max_tokens=225)
+    a = engine.add(list(range(3000, 4000)), max_tokens=25)
     while not engine.finished:
         engine.step()
     (finished,) = engine.finished
