@@ -19,11 +19,19 @@ def test_hmastack_test_runs_the_whole_matrix_by_default(test_calls):
     assert cli.main(["test"]) == 0
     assert cli.main(["test", "--stage", "3", "--jobs", "1", "--ours-only"]) == 0
     assert cli.main(["test", "--per-commit"]) == 0
-    default = {"stage": None, "per_commit": False, "jobs": matrix.DEFAULT_JOBS}
+    assert cli.main(["test", "--quick"]) == 0
+    default = {
+        "stage": None,
+        "per_commit": False,
+        "jobs": matrix.DEFAULT_JOBS,
+        "ours_only": False,
+        "quick": False,
+    }
     assert test_calls == [
-        default | {"ours_only": False},
-        {"stage": 3, "per_commit": False, "jobs": 1, "ours_only": True},
-        default | {"per_commit": True, "ours_only": False},
+        default,
+        default | {"stage": 3, "jobs": 1, "ours_only": True},
+        default | {"per_commit": True},
+        default | {"quick": True},
     ]
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -187,3 +188,58 @@ def test_lmcache_suite_runs_at_the_stages_that_patch_lmcache(monkeypatch, tmp_pa
                 f"stage-{stage}-lmcache.log",
             )
         ]
+
+
+def _commit(repo: Path, files: dict[str, str], message: str) -> None:
+    for name, text in files.items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(text)
+    subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
+    subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", message],
+        cwd=repo,
+        check=True,
+    )
+
+
+def test_quick_stages_run_the_test_files_their_own_commits_add_or_change(tmp_path):
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    _commit(
+        tmp_path,
+        {"tests/v1/core/test_old.py": "", "tests/v1/core/test_kept.py": ""},
+        "base",
+    )
+    _commit(tmp_path, {"tests/v1/core/test_old.py": "# earlier stage"}, "stage 1")
+    _commit(
+        tmp_path,
+        {
+            "tests/v1/core/test_new.py": "",  # added by the stage
+            "tests/v1/kv_connector/unit/test_conn.py": "",
+            "tests/v1/kv_connector/unit/test_gone.py": "",  # deselected file
+            "tests/v1/core/utils.py": "",  # not a test file
+            "tests/other/test_elsewhere.py": "",  # outside the selected suite
+            "vllm/core.py": "",
+        },
+        "stage 2, first commit",
+    )
+    _commit(tmp_path, {"tests/v1/core/test_kept.py": "# changed"}, "stage 2, second")
+    cfg = SimpleNamespace(vllm_suite=["tests/v1/core", "tests/v1/kv_connector/unit"])
+    deselected = [
+        pytest_runs.Deselected("tests/v1/kv_connector/unit/test_gone.py", "r", "w"),
+        pytest_runs.Deselected("tests/v1/core/test_new.py::test_gpu", "r", "w"),
+        pytest_runs.Deselected("tests/v1/core/test_old.py::test_gpu", "r", "w"),
+    ]
+    args = matrix.own_vllm_tests(cfg, tmp_path, 2, deselected)  # type: ignore[arg-type]
+    assert args == [
+        "tests/v1/core/test_kept.py",
+        "tests/v1/core/test_new.py",
+        "tests/v1/kv_connector/unit/test_conn.py",
+        "--deselect",
+        "tests/v1/core/test_new.py::test_gpu",
+    ]
+    assert matrix.own_vllm_tests(cfg, tmp_path, 0, deselected) == []  # type: ignore[arg-type]
+
+
+def test_quick_matrix_keeps_the_base_and_the_last_stage():
+    cfg = SimpleNamespace(num_series_stages=4, num_stages=8)
+    assert matrix.full_stages(cfg) == {0, 8}  # type: ignore[arg-type]

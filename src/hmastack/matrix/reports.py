@@ -27,6 +27,10 @@ class StageResult:
     ours: PytestResult | None = None
     ruff: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
+    # "full": the selected suites and every stage's tests up to this one;
+    # "own": the vLLM test files and stage tests of this stage's patches only
+    # (``hmastack test --quick``).
+    scope: str = "full"
 
     @property
     def ok(self) -> bool:
@@ -98,9 +102,11 @@ def stage_table_rows(results: Sequence[StageResult]) -> list[list[str]]:
             [
                 f"{r.stage} {r.name}",
                 patches,
-                r.vllm.summary() if r.vllm else "skipped",
+                (r.vllm.summary() if r.vllm else "skipped")
+                + (" (the stage's own tests)" if r.scope == "own" else ""),
                 r.lmcache.summary() if r.lmcache else "-",
-                r.ours.summary() if r.ours else "-",
+                (r.ours.summary() if r.ours else "-")
+                + (" (the stage's own tests)" if r.scope == "own" and r.ours else ""),
                 ", ".join(f"{t} {v}" for t, v in r.ruff.items() if v != "n/a") or "n/a",
                 f"{r.seconds:.0f}",
                 "green" if r.ok else "RED",

@@ -13,6 +13,14 @@ workspaces in ``build/<tree>`` are never touched), and runs:
 
 Results go to ``build/reports/stages.json`` and a table on the terminal.
 
+``--quick`` (what ``make test`` runs) keeps all of this at the base and at the
+last stage (whose trees hold every commit of the series). At each other stage
+it runs the
+vLLM test files that the stage's own patches add or change and the stage's own
+tests ``tests/stages/sKK_*`` (``StageResult.scope`` "own"); ruff and the
+LMCache suite as above. What that leaves out (a stage that breaks a test a
+later stage mends) is the per-commit run's to find, in ``hmastack run``.
+
 ``--per-commit`` instead applies the series one commit at a time (plain
 ``git am`` of the patch files in order, in clones under ``build/commits/``) and
 runs, at every commit, the selected vLLM suite (for commits of the vLLM tree)
@@ -132,6 +140,44 @@ def our_stage_tests(cfg: Config, k: int) -> list[Path]:
     return dirs
 
 
+def own_vllm_tests(
+    cfg: Config, repo: Path, num_commits: int, deselected: list[Deselected]
+) -> list[str]:
+    """The test files of the selected vLLM suite that the last ``num_commits``
+    commits of ``repo`` (one stage's patches) add or change, minus the files
+    ``env/deselected.toml`` ignores and the tests it deselects."""
+    if num_commits == 0:
+        return []
+    out = git(
+        repo,
+        "diff",
+        "--name-only",
+        "--diff-filter=AM",
+        f"HEAD~{num_commits}",
+        "HEAD",
+    )
+    ignored = {e.node for e in deselected if e.is_file}
+    files = [
+        path
+        for path in out.splitlines()
+        if Path(path).name.startswith("test_")
+        and path.endswith(".py")
+        and any(path.startswith(f"{root.rstrip('/')}/") for root in cfg.vllm_suite)
+        and path not in ignored
+    ]
+    args = []
+    for entry in deselected:
+        if not entry.is_file and entry.node.split("::")[0] in files:
+            args += ["--deselect", entry.node]
+    return files + args if files else []
+
+
+def full_stages(cfg: Config) -> set[int]:
+    """The stages that ``--quick`` still tests in full: the base and the last
+    stage."""
+    return {0, cfg.num_stages}
+
+
 def run_stage(
     cfg: Config,
     pyenv: env_mod.Env,
@@ -141,18 +187,28 @@ def run_stage(
     patches: dict[str, int],
     deselected: list[Deselected],
     vllm_suite: bool = True,
+    full: bool = True,
+    own_patches: int = 0,
 ) -> StageResult:
+    """Every check of stage ``stage`` on its ``trees``; with ``full`` False
+    only the vLLM test files of the stage's own ``own_patches`` vLLM commits and
+    the stage's own tests (``--quick``)."""
     start = time.monotonic()
     logs = cfg.reports / "logs"
     heads = {t: git(p, "rev-parse", "HEAD") for t, p in trees.items()}
-    result = StageResult(stage, name, patches, heads)
+    result = StageResult(stage, name, patches, heads, scope="full" if full else "own")
     vllm_tree = trees["vllm"]
     with step(f"stage {stage} ({name}): tests", live=False):
-        if vllm_suite:
+        vllm_args = (
+            vllm_suite_args(cfg, deselected)
+            if full
+            else own_vllm_tests(cfg, vllm_tree, own_patches, deselected)
+        )
+        if vllm_suite and vllm_args:
             result.vllm = run_pytest(
                 cfg,
                 pyenv,
-                vllm_suite_args(cfg, deselected),
+                vllm_args,
                 vllm_tree,
                 [vllm_tree],
                 logs / f"stage-{stage}-vllm.log",
@@ -170,6 +226,8 @@ def run_stage(
                 logs / f"stage-{stage}-lmcache.log",
             )
         ours = our_stage_tests(cfg, stage)
+        if not full:
+            ours = [p for p in ours if int(p.name[1:3]) == stage]
         if ours:
             result.ours = run_pytest(
                 cfg,
@@ -186,7 +244,11 @@ def run_stage(
 
 
 def run_matrix(
-    cfg: Config, selected: list[int], jobs: int = DEFAULT_JOBS, vllm_suite: bool = True
+    cfg: Config,
+    selected: list[int],
+    jobs: int = DEFAULT_JOBS,
+    vllm_suite: bool = True,
+    quick: bool = False,
 ) -> list[StageResult]:
     stages = discover(cfg)
     pyenv = env_mod.ensure(cfg)
@@ -197,13 +259,18 @@ def run_matrix(
         with step(f"stage {k} ({names[k]}): apply stages 1..{k} with git am"):
             trees = stage_trees(cfg, stages, k)
         patches = {t: sum(len(s.patches_for(t)) for s in stages[:k]) for t in cfg.trees}
-        prepared.append((k, trees, patches))
+        own = len(stages[k - 1].patches_for("vllm")) if k else 0
+        prepared.append((k, trees, patches, own))
     for tree in cfg.trees.values():  # install both ruff versions before threads start
         if tree.ruff:
             env_mod.ruff(cfg, tree.ruff)
+    full = full_stages(cfg)
+    # The longest runs first (the full stages, the later ones carry more tests),
+    # so that the last one to start is short; results in stage order.
+    order = sorted(prepared, key=lambda p: (p[0] not in full and quick, -p[0]))
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        futures = [
-            pool.submit(
+        futures = {
+            k: pool.submit(
                 run_stage,
                 cfg,
                 pyenv,
@@ -213,10 +280,12 @@ def run_matrix(
                 patches,
                 deselected,
                 vllm_suite,
+                not quick or k in full,
+                own,
             )
-            for k, trees, patches in prepared
-        ]
-        results = [f.result() for f in futures]
+            for k, trees, patches, own in order
+        }
+        results = [futures[k].result() for k in sorted(futures)]
     return results
 
 
@@ -307,6 +376,7 @@ def cmd_test(
     per_commit: bool = False,
     jobs: int = DEFAULT_JOBS,
     ours_only: bool = False,
+    quick: bool = False,
 ) -> int:
     """``hmastack test``: every stage, one ``stage``, or every commit."""
     cfg = config_mod.load()
@@ -325,7 +395,9 @@ def cmd_test(
         selected = [check_stage_number(cfg, stage)]
     else:
         selected = list(range(cfg.num_stages + 1))
-    results = run_matrix(cfg, selected, jobs=jobs, vllm_suite=not ours_only)
+    results = run_matrix(
+        cfg, selected, jobs=jobs, vllm_suite=not ours_only, quick=quick
+    )
     path = reports.write_stage_report(cfg, results)
     reports.print_stage_table(results)
     console.print(f"report: {path}")

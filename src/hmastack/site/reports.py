@@ -72,12 +72,14 @@ STAGE_HEADERS = HEADERS  # the terminal's stage table
 def stage_row(entry: dict) -> list[str]:
     patches = ", ".join(f"{n} {t}" for t, n in entry.get("patches", {}).items() if n)
     ruff = ", ".join(f"{t} {v}" for t, v in entry.get("ruff", {}).items() if v != "n/a")
+    # `hmastack test --quick`: this stage ran only its own patches' tests.
+    own = " (the stage's own tests)" if entry.get("scope") == "own" else ""
     return [
         f"{entry.get('stage')} {entry.get('name', '')}",
         patches or "-",
-        pytest_summary(entry.get("vllm")) if entry.get("vllm") else "skipped",
+        (pytest_summary(entry.get("vllm")) if entry.get("vllm") else "skipped") + own,
         pytest_summary(entry.get("lmcache")) if entry.get("lmcache") else "-",
-        pytest_summary(entry.get("ours")),
+        pytest_summary(entry.get("ours")) + (own if entry.get("ours") else ""),
         ruff or "n/a",
         f"{float(entry.get('seconds', 0)):.0f}",
         "green" if entry.get("ok") else "RED",
