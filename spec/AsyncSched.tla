@@ -58,7 +58,8 @@ CONSTANTS
     MaxPreempts,  \* preemptions for memory allowed in one behaviour
     MarkRule,     \* which failed loads mark the request (kv_load_failed_req_ids): "AnyFailure" (the code) or "NoValidToken" (the code without patch 9's mark past block 0)
     Uncache,      \* TRUE (the code): a truncation also truncates num_cached_block (KVCacheManager.uncache_blocks); FALSE: the code without it
-    Mutation      \* "none", or the one protection switched off: "NoFence" (patch 4), "NoLatePreempt", "KeepPlaceholders" (patch 6)
+    ConnectorHMA, \* TRUE: the connector uses HMA (Scheduler.connector_uses_hma); FALSE: it declines (supports_hma_with_config False, or HMA off): a real block for every external token, as on vLLM 0.13.0
+    Mutation      \* "none", or the one protection switched off: "NoFence" (patch 4), "NoLatePreempt", "KeepPlaceholders" (patch 6), "PadDeclined" (the one HMA decision)
 
 ASSUME /\ D \in Nat \ {0} /\ B \in Nat \ {0} /\ W \in Nat \ {0, 1}
        /\ Chunk \in Nat \ {0} /\ PromptLen \in Nat \ {0} /\ MaxLen > PromptLen
@@ -66,7 +67,9 @@ ASSUME /\ D \in Nat \ {0} /\ B \in Nat \ {0} /\ W \in Nat \ {0, 1}
        /\ LoadMode \in {"sync", "async", "both"} /\ LoadsFail \in BOOLEAN
        /\ MaxFailures \in Nat /\ MaxPreempts \in Nat
        /\ MarkRule \in {"NoValidToken", "AnyFailure"} /\ Uncache \in BOOLEAN
-       /\ Mutation \in {"none", "NoFence", "NoLatePreempt", "KeepPlaceholders"}
+       /\ ConnectorHMA \in BOOLEAN
+       /\ Mutation \in {"none", "NoFence", "NoLatePreempt", "KeepPlaceholders",
+                        "PadDeclined"}
 
 Min(a, b) == IF a < b THEN a ELSE b
 Max(a, b) == IF a > b THEN a ELSE b
@@ -113,6 +116,18 @@ LatePreempt == Mutation # "NoLatePreempt"
 \* outputs that would fill them are dropped). Mutation "KeepPlaceholders"
 \* keeps them.
 ResetPlaceholders == Mutation # "KeepPlaceholders"
+\* Patch 13 with the one HMA decision (Scheduler.connector_uses_hma, which
+\* configuration, allocation and the finish path read): only a connector
+\* that uses HMA gets the null block for the external tokens its sliding
+\* window skips; one that declines gets a real block for each, as on vLLM
+\* 0.13.0 (the external tokens are allocated as new tokens, only the local
+\* hit is null-padded). Mutation "PadDeclined": the null padding for every
+\* connector (an allocation that asks isinstance(connector, SupportsHMA)
+\* while the configuration asked supports_hma_with_config).
+PadExternal == ConnectorHMA \/ Mutation = "PadDeclined"
+\* The null slots of a fresh sliding window table after a local hit of h
+\* tokens and e external tokens.
+FreshSkip(h, e) == IF PadExternal THEN SkippedBlocks(h + e) ELSE SkippedBlocks(h)
 \* AsyncScheduler (output placeholders) for a queue deeper than one step.
 Async == D > 1
 
@@ -207,13 +222,13 @@ ScheduleWaiting ==
               THEN /\ status' = "loading"
                    /\ computed' = h + e
                    /\ load' = [from |-> h, e |-> e]
-                   /\ skip' = SkippedBlocks(h + e)
+                   /\ skip' = FreshSkip(h, e)
                    /\ ncached' = h \div B
                    /\ UNCHANGED <<len, ph, queue, cached>>
               ELSE LET n == Min(Chunk, len - h - e)
                    IN  /\ status' = "running"
                        /\ Issue(h + e, n, e)
-                       /\ skip' = SkippedBlocks(h + e)
+                       /\ skip' = FreshSkip(h, e)
                        /\ cached' = Max(cached, Min(h + e + n, len) \div B)
                        /\ ncached' = Min(h + e + n, len) \div B
                        /\ UNCHANGED <<len, load>>
@@ -420,6 +435,16 @@ PlaceholdersInFlight ==
 \* num_computed_tokens - num_output_placeholders when an output returns).
 Republished == status = "running" => cached >= Min(computed - ph, len) \div B
 
+\* A connector that declines HMA (ConnectorHMA FALSE) gets a real block for
+\* every external token, as on vLLM 0.13.0: no slot of the sliding window
+\* table that a load in flight writes (asynchronous: from its first
+\* external token; synchronous: in a step in flight) is null.
+RealExternalBlocks ==
+    ~ConnectorHMA =>
+        /\ status = "loading" => skip <= load.from \div B
+        /\ \A i \in 1..Len(queue) :
+              queue[i].e > 0 => skip <= (queue[i].from - queue[i].e) \div B
+
 \* Every request finishes.
 Liveness == <>(status = "done")
 
@@ -441,6 +466,13 @@ ReachSlideInFlight == status = "running" /\ skip' > skip /\ queue # <<>>
 ReachMemoryPreempt == preempts' > preempts /\ queue # <<>>
 ReachRepublish == status' = "running" /\ cached' > cached /\ failures > 0
 ReachMarked == mark' /\ ~mark
+\* A load of external tokens that reach past the window: a connector that
+\* uses HMA would get null blocks for some of them.
+ReachExternalPastWindow ==
+    /\ status = "waiting" /\ computed = 0 /\ ~mark
+    /\ status' \in {"loading", "running"}
+    /\ LET h == Min(cached, (len - 1) \div B) * B
+       IN  SkippedBlocks(h + ExtOffer(h)) > SkippedBlocks(h)
 WitnessLatePreempt == [][~ReachLatePreempt]_vars
 WitnessDiscard == [][~ReachDiscard]_vars
 WitnessSyncFailKeep == [][~ReachSyncFailKeep]_vars
@@ -451,12 +483,15 @@ WitnessSlideInFlight == [][~ReachSlideInFlight]_vars
 WitnessMemoryPreempt == [][~ReachMemoryPreempt]_vars
 WitnessRepublish == [][~ReachRepublish]_vars
 WitnessMarked == [][~ReachMarked]_vars
+WitnessExternalPastWindow == [][~ReachExternalPastWindow]_vars
 
 \* What the models check (async-sched, async-sched-pp, async-loads,
-\* sync-republish-fixed, async-loads-fail-any(-pp), sync-loads-fail); the
+\* sync-republish-fixed, async-loads-fail-any(-pp), sync-loads-fail,
+\* declined-hma); the
 \* findings (async-memory-preempt, async-in-place-chunk, sync-republish,
 \* async-loads-fail) are where the assumptions do not hold.
 THEOREM (Mutation = "none") => (Spec => [](TypeOK /\ NoFreeInFlight))
+THEOREM (Mutation = "none") => (Spec => []RealExternalBlocks)
 THEOREM (Mutation = "none" /\ MaxPreempts = 0) => (Spec => []NoInvalidOutput)
 THEOREM (Mutation = "none" /\ (Uncache \/ LoadMode = "async"))
             => (Spec => []Republished)
