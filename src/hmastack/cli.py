@@ -89,6 +89,7 @@ def spec_traces_command(args: argparse.Namespace) -> int:
         seed=args.seed,
         counterexample_only=args.counterexample,
         out=args.out,
+        module=args.module,
     )
 
 
@@ -327,6 +328,12 @@ def add_traces_parser(sub: Subparsers) -> None:
     )
     p.add_argument(
         "--out", default=None, help="default: build/reports/spec/traces/<model>/"
+    )
+    p.add_argument(
+        "--module",
+        default=None,
+        help="spec/<MODULE>.tla for a .cfg path (default: the manifest model's, "
+        "or spec/tlc.toml's)",
     )
     p.set_defaults(func=spec_traces_command)
 

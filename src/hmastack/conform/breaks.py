@@ -37,6 +37,11 @@ SUITES = (
     Suite("replay through the KVCacheManager", "replay", "test_replay.py"),
     Suite("replay through the Scheduler", "replay", "test_scheduler_replay.py"),
     Suite(
+        "replay of asynchronous scheduling through the AsyncScheduler",
+        "replay",
+        "test_async_replay.py",
+    ),
+    Suite(
         "random Scheduler state machine",
         "random",
         "test_scheduler_state_machine.py",
@@ -158,12 +163,6 @@ BREAKS = {
             path="vllm/v1/core/kv_cache_manager.py",
             old="request.num_computed_tokens - request.num_in_flight_tokens",
             new="request.num_computed_tokens",
-            caught_by=("random",),
-            not_by_replay=(
-                "the model never schedules a request's next step while its "
-                "current one is in flight (no asynchronous scheduling), so no "
-                "replayed state has tokens in flight at an allocation"
-            ),
         ),
         Break(
             name="reload-after-failed-load",

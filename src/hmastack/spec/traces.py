@@ -13,7 +13,8 @@
 
 Stuttering steps (a state equal to its predecessor: ``Terminating`` at the
 end, and TLC 2.15 repeats some states of a simulated behaviour) are dropped.
-``MODEL`` is a manifest name or a ``.cfg`` path.
+``MODEL`` is a manifest name (simulated in its module) or a ``.cfg`` path
+(simulated in ``--module``, default spec/tlc.toml's module).
 """
 
 from __future__ import annotations
@@ -79,7 +80,10 @@ def parse_cfg_constants(text: str) -> dict[str, Any]:
     }
 
 
-def _resolve_cfg(root: Path, settings: Settings, name: str) -> tuple[str, Path]:
+def _resolve_cfg(
+    root: Path, settings: Settings, name: str
+) -> tuple[str, Path, str | None]:
+    """The name, cfg and module (None: the default) of a model or cfg path."""
     from hmastack.spec import manifest as spec_manifest
 
     path = Path(name)
@@ -88,13 +92,13 @@ def _resolve_cfg(root: Path, settings: Settings, name: str) -> tuple[str, Path]:
             path = (Path.cwd() / path).resolve()
         if not path.is_file():
             raise HmastackError(f"{name} does not exist", "pass a model or a .cfg")
-        return path.stem, path
+        return path.stem, path, None
     models = spec_manifest.load_manifest(settings)
     if name not in models:
         raise HmastackError(
             f"unknown model {name}", f"known: {', '.join(models)}, or a .cfg path"
         )
-    return name, models[name].cfg
+    return name, models[name].cfg, models[name].module
 
 
 def generate(
@@ -106,8 +110,10 @@ def generate(
     *,
     seed: int | None = None,
     root: Path | None = None,
+    module: str | None = None,
 ) -> dict[str, Any]:
-    """Simulate ``num`` behaviours of ``cfg``; write them as JSON under ``out``.
+    """Simulate ``num`` behaviours of ``cfg`` (in ``spec/<module>.tla``,
+    default spec/tlc.toml's module); write them as JSON under ``out``.
 
     Returns a summary (also written as ``out/index.json``).
     """
@@ -120,13 +126,17 @@ def generate(
     java = spec_install.find_java()
     jar = spec_install.resolve_jar(root, settings)
     seed = settings.seed if seed is None else seed
+    module = module or settings.module
+    tla_file = settings.spec_dir / f"{module}.tla"
+    if not tla_file.is_file():
+        raise HmastackError(f"no module {module} in spec/", "pass a spec/*.tla name")
     out = out.resolve()
     work = Path(tempfile.mkdtemp(prefix="hmastack-traces-"))
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
     (work / "sim").mkdir(parents=True)
-    shutil.copyfile(settings.tla_file, work / settings.tla_file.name)
+    shutil.copyfile(tla_file, work / tla_file.name)
     cfg_text = cfg.read_text()
     # Symmetry sets do not apply to simulation.
     (work / "model.cfg").write_text(
@@ -139,7 +149,7 @@ def generate(
         f"num={num},file={work / 'sim' / 'trace'}",
         "-depth",
         str(depth),
-        settings.module,
+        module,
     ]
     run, exit_code, seconds = tlc.run(cmd, work)
     if run.result != "pass":
@@ -161,6 +171,7 @@ def generate(
         states = parse_trace_file(path.read_text())
         doc = {
             "model": name,
+            "module": module,
             "cfg": cfg_name,
             "seed": seed,
             "depth": depth,
@@ -173,6 +184,7 @@ def generate(
         written.append({"file": target.name, "states": len(states)})
     summary = {
         "model": name,
+        "module": module,
         "cfg": cfg_name,
         "seed": seed,
         "num": num,
@@ -235,6 +247,7 @@ def cmd_traces(
     seed: int | None = None,
     counterexample_only: bool = False,
     out: str | None = None,
+    module: str | None = None,
 ) -> int:
     """``hmastack spec traces``: ``n`` behaviours of ``model`` (or, with
     ``counterexample_only``, its counterexample) as JSON."""
@@ -251,9 +264,18 @@ def cmd_traces(
             f"{model}: {doc['violated']} after {len(doc['states'])} states -> {path}"
         )
         return 0
-    name, cfg = _resolve_cfg(root, settings, model)
+    name, cfg, model_module = _resolve_cfg(root, settings, model)
     folder = Path(out) if out else reports / "spec" / "traces" / name
-    summary = generate(cfg, name, n, depth, folder, seed=seed, root=root)
+    summary = generate(
+        cfg,
+        name,
+        n,
+        depth,
+        folder,
+        seed=seed,
+        root=root,
+        module=module or model_module,
+    )
     steps = sum(t["states"] - 1 for t in summary["traces"])
     console.print(
         f"{len(summary['traces'])} behaviours ({steps} steps) of {name} "
