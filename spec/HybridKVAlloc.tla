@@ -34,7 +34,9 @@
 (*    Chunk tokens and has at most one step in flight; steps of different *)
 (*    requests may be in flight together (one batch). Asynchronous        *)
 (*    scheduling (a request's next step scheduled before its step in      *)
-(*    flight returned) is not modelled;                                   *)
+(*    flight returned) is spec/AsyncSched.tla's subject; here it is only  *)
+(*    its effect on a failed synchronous load (LateReport: reported after *)
+(*    the next step was scheduled, so patch 6 preempts the request);      *)
 (*  - the waiting queue's order (any waiting request may be scheduled), *)
 (*    except where the stall fix reads it (`order`, `stallHead`);         *)
 (*  - num_computed_tokens of a request waiting for an asynchronous load   *)
@@ -61,7 +63,8 @@ CONSTANTS
     MaxExt,      \* largest num_external_computed_tokens the connector reports
     AsyncLoad,   \* TRUE: the connector may load asynchronously (load_kv_async)
     MaxFailures, \* connector load failures allowed in one behaviour
-    LoadsFail,   \* TRUE: every asynchronous load fails (a lost store), without bound
+    LoadsFail,   \* TRUE: every load fails (a lost store), synchronous or asynchronous, at a block the connector chooses, without bound
+    LateReport,  \* TRUE: a synchronous load's failure is reported after the request's next step was scheduled (AsyncScheduler): patch 6 preempts the request
     MaxDraft,    \* draft (speculative) tokens per decode step; 0 = no spec decode
     SaveMode,    \* connector saves: "none", "step" (inside the step), "async" (outlive it)
     CanAbort,    \* TRUE: a client may abort its request
@@ -73,7 +76,8 @@ ASSUME /\ N \in Nat \ {0} /\ B \in Nat \ {0} /\ W \in Nat \ {0, 1}
        /\ PromptLen \in Nat \ {0} /\ MaxLen > PromptLen /\ Shared <= PromptLen
        /\ Chunk \in Nat \ {0} /\ MaxExt \in Nat /\ MaxExt < PromptLen
        /\ MaxDraft \in Nat /\ MaxFailures \in Nat /\ AsyncLoad \in BOOLEAN
-       /\ LoadsFail \in BOOLEAN
+       /\ LoadsFail \in BOOLEAN /\ LateReport \in BOOLEAN
+       /\ (LoadsFail => MaxFailures > 0)
        /\ SaveMode \in {"none", "step", "async"}
        /\ CanAbort \in BOOLEAN /\ Refusals \in BOOLEAN
        /\ Policy \in {"Legacy", "SeriesAllocOnly", "SeriesAsCoded"}
@@ -102,10 +106,11 @@ ASSUME /\ N \in Nat \ {0} /\ B \in Nat \ {0} /\ W \in Nat \ {0, 1}
 (*    patch 8 takes a running request's load-failure range from the       *)
 (*    tokens it computed before its step, patch 9 takes no external       *)
 (*    tokens any more for a request a load failure affected.              *)
-(* Patches 4 (in-flight fence) and 6 (failure reported after the next     *)
-(* step) only matter with asynchronous scheduling, which is not modelled *)
-(* (one step in flight per request); patches 1-3 are the async-load      *)
-(* paths below (FinishLoad, Abort while loading, resume point); patches  *)
+(* Patch 4 (in-flight fence) only matters with steps of one request in    *)
+(* flight together (spec/AsyncSched.tla); patch 6 (a failure reported    *)
+(* after the next step preempts) is LateReport; patches 1-3 are the     *)
+(* async-load paths below (FinishLoad, Abort while loading, resume       *)
+(* point); patches                                                        *)
 (* 10-11 (configuration) and 15 (documentation) have no state. What the   *)
 (* model once proposed and the code lacked is now in the code (patches 8, *)
 (* 9, 14); a new proposal gets its own policy again.                      *)
@@ -146,7 +151,9 @@ RangeByComputed == Fixed /\ Mutation # "RangeByCached"
 \* connector that offers the same tokens and fails at every attempt keeps the
 \* request loading for ever (series-loads-fail-alloc-only). Mutation
 \* "MarkOnlyNoValidToken" marks only a request the failure left with no
-\* valid computed token (num_computed_tokens == 0).
+\* valid computed token (num_computed_tokens == 0): a load that fails past
+\* block 0 and is preempted after it (LateReport) looks up again and loads
+\* the same tokens again, for ever (mutations/mark-only-no-valid-token).
 NoReload == Fixed
 Marked(aff, nc) == IF Mutation = "MarkOnlyNoValidToken"
                    THEN {q \in aff : nc[q] = 0} ELSE aff
@@ -219,7 +226,7 @@ VARIABLES
     saves,      \* table slots <<group, slot, block>> a connector save reads, per request
     held,       \* blocks kept (ref held) for an in-flight save after the table let them go (SaveHold only)
     running,    \* Scheduler.running, in order; preemption takes the last
-    failures,   \* connector load failures injected so far
+    failures,   \* connector load failures injected so far (LoadsFail: 1 once a load failed)
     bad,        \* block slots <<block, offset>> whose KV a failed load left invalid
     cachedTok,  \* Request.num_cached_tokens: set once, when first scheduled (-1 before)
     order,      \* Scheduler.waiting's order, front first (all requests; preemption moves one to the front)
@@ -635,6 +642,9 @@ Keep(v) == IF SaveHold /\ SaveMode = "async"
 \* finishes (request_finished: the free is delayed while a transfer runs).
 Execute(r) ==
   /\ step[r].on
+  \* LoadsFail: a step's synchronous load fails (SyncLoadFailed) first.
+  \* (Not a disjunction: TLC would enumerate each true disjunct.)
+  /\ ~(LoadsFail /\ step[r].e > 0)
   /\ \E a \in 0..step[r].d :
      LET st == step[r]
          sampled == st.from + st.n = len[r]
@@ -682,9 +692,12 @@ Execute(r) ==
 \* for it (can_recompute_from(0) false) is preempted after its invalid blocks
 \* leave the prefix cache. If r is not affected (only without patch 8: its
 \* range, num_cached_tokens, does not reach the invalid blocks) its step
-\* returns normally later.
+\* returns normally later. With LateReport the failure comes after the
+\* affected running requests' next steps were scheduled: patch 6 preempts
+\* them (Scheduler._preempt_request: tables freed, held blocks kept,
+\* num_computed_tokens 0; their place in the waiting queue is left open).
 SyncLoadFailed(r) ==
-  /\ step[r].on /\ step[r].e > 0 /\ failures < MaxFailures
+  /\ step[r].on /\ step[r].e > 0 /\ IF LoadsFail THEN TRUE ELSE failures < MaxFailures
   /\ \E i \in Slot(step[r].from - step[r].e)..Slot(step[r].from - 1) :
      LET inv == BlocksAt(table[r], i, Slot(step[r].from - 1))
          \* The requests holding an invalid block are in this batch: their
@@ -701,14 +714,17 @@ SyncLoadFailed(r) ==
             aff == DOMAIN sc.nc
             \* Running requests that must start over and lack blocks for it;
             \* waiting ones back from a load start over anyway (patch 5).
-            restart == {q \in aff : status[q] # "loading" /\ sc.nc[q] = 0
-                                    /\ (~CanRecomputeFrom(q, 0) \/ status[q] = "waiting")}
+            restart == {q \in aff :
+                          \/ /\ status[q] # "loading" /\ sc.nc[q] = 0
+                             /\ (~CanRecomputeFrom(q, 0) \/ status[q] = "waiting")
+                          \/ LateReport /\ status[q] = "running"}
             keep == UNION {Keep(q) : q \in restart}
             fr == SelectSeq(FreeSeq(restart), LAMBDA x : x \notin keep)
             unhash == IF SharedInvalidFix THEN sc.evict
                       ELSE UNION {Entries(q) \cap sc.evict : q \in restart}
         IN
-        /\ failures' = failures + 1
+        \* LoadsFail: failures are not bounded; failures only says one happened.
+        /\ failures' = IF LoadsFail THEN 1 ELSE failures + 1
         /\ bad' = bad \cup SlotsIn(r, (i - 1) * B, step[r].from - 1, inv)
         /\ hash' = [b \in Blocks |-> IF b \in unhash THEN NoHash ELSE hash[b]]
         /\ ref' = RefAfterFree(fr)
@@ -719,7 +735,8 @@ SyncLoadFailed(r) ==
                                      ELSE IF q \in aff THEN Uncached(ncached[q], sc.nc[q])
                                      ELSE ncached[q]]
         /\ held' = [q \in Req |-> IF q \in restart THEN held[q] \cup Keep(q) ELSE held[q]]
-        /\ computed' = [q \in Req |-> IF q \in aff THEN sc.nc[q] ELSE computed[q]]
+        /\ computed' = [q \in Req |-> IF q \in restart THEN 0
+                                      ELSE IF q \in aff THEN sc.nc[q] ELSE computed[q]]
         \* The affected lose their step's output; r's own step, if r is not
         \* affected, returns later (its load is over).
         /\ step' = [q \in Req |-> IF q \in aff /\ status[q] # "loading" THEN NoStep
@@ -732,7 +749,9 @@ SyncLoadFailed(r) ==
         /\ noLoad' = IF NoReload THEN noLoad \cup Marked(aff, sc.nc) ELSE noLoad
         /\ event' = Ev("SyncLoadFailed", r, NoBlocks,
                        [atSlot |-> i, affected |-> aff, restart |-> restart,
-                        computedTokens |-> IF r \in aff THEN sc.nc[r] ELSE computed[r]])
+                        computedTokens |-> IF r \in restart THEN 0
+                                           ELSE IF r \in aff THEN sc.nc[r]
+                                           ELSE computed[r]])
         /\ UNCHANGED <<len, loads, cachedTok, order, stallHead>>
 
 \* Scheduler.schedule, running loop: allocate_slots returned None for
@@ -846,8 +865,8 @@ LoadFailed(r) ==
          nc == IF CanRecomputeFrom(r, t) THEN t ELSE 0
          inv == BlocksAt(table[r], i, LongestTable(r)) \cap TB(loads[r])
      IN
-     \* LoadsFail: failures are not counted (not bounded).
-     /\ failures' = IF LoadsFail THEN failures ELSE failures + 1
+     \* LoadsFail: failures are not bounded; failures only says one happened.
+     /\ failures' = IF LoadsFail THEN 1 ELSE failures + 1
      /\ loads' = [loads EXCEPT ![r] = {}]
      /\ noLoad' = IF NoReload /\ status[r] # "finishing"
                   THEN noLoad \cup Marked({r}, [q \in {r} |-> nc]) ELSE noLoad
@@ -926,7 +945,8 @@ Spec == Init /\ [][Next]_vars
 (* returns every step, a request that cannot grow is eventually preempted *)
 (* and the connector finishes every transfer (weak fairness). Load        *)
 (* failures, aborts and refusals are not forced, except that a connector  *)
-(* whose loads all fail (LoadsFail) eventually reports each failure.      *)
+(* whose loads all fail (LoadsFail) eventually reports each failure,      *)
+(* asynchronous or synchronous.                                            *)
 (***************************************************************************)
 Fairness ==
     /\ \A r \in Req : SF_vars(AllocateSlots(r))
@@ -936,6 +956,7 @@ Fairness ==
     /\ \A r \in Req : WF_vars(FinishLoad(r))
     /\ \A r \in Req : WF_vars(SaveDone(r))
     /\ \A r \in Req : WF_vars(LoadsFail /\ LoadFailed(r))
+    /\ \A r \in Req : WF_vars(LoadsFail /\ SyncLoadFailed(r))
 FairSpec == Spec /\ Fairness
 
 -----------------------------------------------------------------------------
@@ -1191,7 +1212,9 @@ THEOREM (IsSeries /\ Unmutated) => (Spec => ExactAdmission)
 \* until every request is done.
 THEOREM (IsSeries /\ Unmutated /\ NoStall /\ ~CanAbort) => (Spec => [](ENABLED Next))
 \* A connector whose loads all fail: only patch 9 (NoReload) ends the loop of
-\* failed loads (series-loads-fail-alloc-only, series-loads-fail).
+\* failed loads, also for a failure past block 0 that is preempted after it
+\* (series-loads-fail-alloc-only, series-loads-fail, series-loads-fail-late;
+\* mutations/mark-only-no-valid-token).
 LoadsEnd == ~LoadsFail \/ NoReload
 THEOREM (IsSeries /\ Unmutated /\ NoStall /\ ~CanAbort /\ LoadsEnd)
             => (FairSpec => Liveness)
