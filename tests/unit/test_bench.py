@@ -631,3 +631,48 @@ def test_quick_with_the_full_count_settings_is_refused():
         bench.bench_plan(True, "full")
     assert bench.bench_plan(True, None) is bench.QUICK
     assert bench.bench_plan(True, "quick") is bench.QUICK
+
+
+def _count_row(tree: str, ratio: float, mode: str = "prefill") -> dict:
+    return {
+        "tree": tree,
+        "layout": "full",
+        "connector": "none",
+        "mode": mode,
+        "requests": 64,
+        "ratio median": ratio,
+    }
+
+
+def test_a_stage_above_the_base_without_a_named_function_fails_the_counts():
+    rows = [
+        _count_row("stage 0", 1.0),
+        _count_row("stage 3", 1.004),
+        _count_row("stage 3", 0.98, mode="decode"),
+        _count_row("stage 3.2", 1.02, mode="decode"),
+        _count_row(bench_trees.PEER_LABEL, 1.03),
+    ]
+    report = {"rows": rows, "profiles": []}
+    assert [bench_cost.to_profile(r) for r in rows] == [
+        False,
+        True,
+        False,
+        True,
+        True,
+    ]
+    failed = figures.count_failed(report)
+    assert len(failed) == 2, failed
+    assert failed[0].startswith("stage 3 full-none-prefill-64: ratio 1.004")
+    assert failed[1].startswith("stage 3.2 full-none-decode-64")
+    # A profile that names no Python function does not explain the row.
+    report["profiles"] = [
+        {"tree": "stage 3", "setting": "full-none-prefill-64", "python_functions": []},
+        {
+            "tree": "stage 3.2",
+            "setting": "full-none-decode-64",
+            "python_functions": [{"function": "vllm/v1/core/x.py:f"}],
+        },
+    ]
+    assert len(figures.count_failed(report)) == 1
+    report["profiles"][0]["python_functions"] = [{"function": "vllm/v1/core/y.py:g"}]
+    assert figures.count_failed(report) == []

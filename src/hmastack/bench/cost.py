@@ -16,6 +16,9 @@ only ``schedule()`` and ``update_from_output()`` are measured:
   :data:`THRESHOLD`, the C functions (callgrind self counts) and the Python
   functions (bytecodes executed, self and inclusive) whose counts differ most
   from the base's.
+* :func:`unnamed_rows`: every row of a stage of the series above :data:`NAMED`
+  (1.00 of the base) has a profile that names the Python function behind it;
+  a row without one fails the command.
 * the witness: a copy of the last stage with a deliberate cost in one function
   (:data:`SLOWDOWN`) must show a ratio above the threshold, and its profile
   must name that function; otherwise the command fails.
@@ -39,6 +42,9 @@ from hmastack.core.config import Config
 from hmastack.stack import env as env_mod
 
 THRESHOLD = 1.01  # a ratio above this is a cost, and gets a profile
+# A stage's ratio above this must be explained: its profile names the Python
+# function behind it (:func:`unnamed_rows`), else the command fails.
+NAMED = 1.00
 SCENARIO = "scheduler_cost"
 
 LAYOUTS = ("full", "gemma3", "gptoss")
@@ -174,6 +180,37 @@ def ratio_rows(
                 }
             )
     return rows
+
+
+def is_series(tree_label: str) -> bool:
+    """A stage of the series or a commit prefix of one (``stage 3``,
+    ``stage 3.2``), not the base (``stage 0``) nor the peer."""
+    return tree_label.startswith("stage ") and tree_label != "stage 0"
+
+
+def to_profile(row: dict) -> bool:
+    """Whether a row of the counts gets a profile: above :data:`THRESHOLD`, or
+    a stage of the series above :data:`NAMED`."""
+    ratio = row["ratio median"]
+    return ratio > THRESHOLD or (is_series(row["tree"]) and ratio > NAMED)
+
+
+def unnamed_rows(report: dict) -> list[str]:
+    """The rows of a stage of the series whose ratio is above :data:`NAMED`
+    and whose profile names no Python function (or that have no profile)."""
+    named = {
+        (p["tree"], p["setting"])
+        for p in report.get("profiles", [])
+        if p.get("python_functions")
+    }
+    return [
+        f"{r['tree']} {label(r)}: ratio {r['ratio median']} above {NAMED} and "
+        "no profile names the function behind it"
+        for r in report.get("rows", [])
+        if is_series(r["tree"])
+        and r["ratio median"] > NAMED
+        and (r["tree"], label(r)) not in named
+    ]
 
 
 # --- CPU time --------------------------------------------------------------------

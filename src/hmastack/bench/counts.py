@@ -14,6 +14,7 @@ from pathlib import Path
 
 from hmastack.bench import callgrind
 from hmastack.bench.cost import (
+    NAMED,
     SCENARIO,
     THRESHOLD,
     Witness,
@@ -21,6 +22,7 @@ from hmastack.bench.cost import (
     key,
     profiles,
     ratio_rows,
+    to_profile,
 )
 from hmastack.bench.trees import (
     BenchTree,
@@ -224,7 +226,8 @@ def instruction_counts(
     """Instructions per step of every setting on every tree in alternation,
     ``plan["reps"]`` rounds, then ``plan["repeat"]`` more rounds of the trees
     named there (the base, the last stage), each round with its own ballast;
-    then the profiles of the rows above :data:`THRESHOLD` and the witness."""
+    then the profiles of the rows above :data:`THRESHOLD` (a stage's above
+    :data:`NAMED`) and the witness."""
     started = time.monotonic()
     args = {
         "meter": "instructions",
@@ -300,18 +303,20 @@ def instruction_counts(
             else ""
         )
         + f", each round with its own ballast {BALLASTS}; ratio = tree / base "
-        f"per round; a ratio above {THRESHOLD} gets a profile",
+        f"per round; a ratio above {THRESHOLD} gets a profile, as does a "
+        f"stage's above {NAMED}, which must name a function",
         "unit": "instructions per step",
         "marker": cg.marker,
         "hardware_counters": callgrind.hardware_counters(),
         "steps": plan["steps"],
         "threshold": THRESHOLD,
+        "named_above": NAMED,
         "trees": {t.label: t.note for t in trees if t.note},
         "preload_failed": server.preload_failed,
         "errors": errors,
         "rows": rows,
     }
-    flagged = [r for r in rows if r["ratio median"] > THRESHOLD]
+    flagged = [r for r in rows if to_profile(r)]
     report["profiles"] = profiles(cfg, pyenv, trees, results, flagged, plan)
     if witness is not None:
         report["witness"] = check_witness(cfg, pyenv, witness, witness_runs, plan)

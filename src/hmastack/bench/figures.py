@@ -363,7 +363,8 @@ def memory_failed(report: dict) -> list[str]:
 
 
 def count_failed(report: dict) -> list[str]:
+    failed = bench_cost.unnamed_rows(report)
     w = report.get("witness")
     if w is not None and not w.get("caught"):
-        return [f"the witness {w['tree']} was not caught: {w.get('why')}"]
-    return []
+        failed.append(f"the witness {w['tree']} was not caught: {w.get('why')}")
+    return failed

@@ -16,8 +16,10 @@ selected stage and on the vLLM 0.14.0 peer, alternating trees:
    step counted by callgrind, per KV cache layout (full attention, Gemma-3-like,
    gpt-oss-like), connector, mode and request count, as the ratio stage/base with
    the run-to-run spread; per commit of a stage with several (full set); the rows
-   above 1.01 get a profile; a slowed copy of the last stage is the witness that
-   it bites (a missed witness fails the command). ``cost``.
+   above 1.01 get a profile, as do a stage's above 1.00, which must name the
+   Python function behind them (else the command fails); a slowed copy of the
+   last stage is the witness that it bites (a missed witness fails the
+   command). ``cost``.
 4. ``scheduler_cost``: CPU time of the same calls, noisy, beside the counts.
 5. ``eagle_hits``: the prefix cache hit (tokens) of a request whose prompt was
    cached (fully, evicted in one group, loaded by a KV connector), with eagle on
