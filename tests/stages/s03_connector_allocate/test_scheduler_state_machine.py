@@ -63,6 +63,12 @@ property per failure path of stage 03 (issue "stage 03 failure paths"):
 - `Recached` (recomputed blocks): every full block that a scheduled request
   has computed, or computes in the step, is in the prefix cache (after a
   load failure too, once the request computes the block again).
+- `LiveRecords` (the connector side of a request): every entry of a
+  per-request container of the scheduler belongs to a request it still has,
+  in the state the container stands for; a finished request stays only while
+  a delayed free or a load in flight keeps it; `num_in_flight_tokens` counts
+  the steps in flight; held blocks, which may outlive the request, are read
+  by a store the connector has not reported.
 
 CI runs a fixed, derandomized set of examples (100 examples of at most 50
 rules). A larger run with a fresh random seed each time: set
