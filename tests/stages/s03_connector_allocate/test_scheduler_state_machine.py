@@ -1053,6 +1053,12 @@ class Harness:
         ]:
             stray = set(entries) - allowed
             assert not stray, f"{name} holds {sorted(stray)}"
+        # The blocks of a request preempted or aborted while the step that
+        # loads it synchronously is in flight: owned by that step, they may
+        # outlive the request until it returned.
+        freed = getattr(scheduler, "freed_blocks_of_loads_in_flight", {})
+        stray = set(freed) - set(in_flight)
+        assert not stray, f"freed_blocks_of_loads_in_flight holds {sorted(stray)}"
         # A finished request stays only while something keeps its blocks.
         unkept = kept - scheduler.sending_kv_req_ids - scheduler.recving_kv_req_ids
         assert not unkept, f"finished requests {sorted(unkept)} are never freed"
