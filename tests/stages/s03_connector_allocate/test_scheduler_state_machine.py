@@ -63,6 +63,12 @@ property per failure path of stage 03 (issue "stage 03 failure paths"):
 - `Recached` (recomputed blocks): every full block that a scheduled request
   has computed, or computes in the step, is in the prefix cache (after a
   load failure too, once the request computes the block again).
+- `LiveRecords` (the connector side of a request): every entry of a
+  per-request container of the scheduler belongs to a request it still has,
+  in the state the container stands for; a finished request stays only while
+  a delayed free or a load in flight keeps it; `num_in_flight_tokens` counts
+  the steps in flight; held blocks, which may outlive the request, are read
+  by a store the connector has not reported.
 
 CI runs a fixed, derandomized set of examples (100 examples of at most 50
 rules). A larger run with a fresh random seed each time: set
@@ -1008,6 +1014,7 @@ class Harness:
             ("ConnectorTables", self.check_connector_tables),
             ("HoldPending", lambda: self.check_hold_pending(tables, held)),
             ("NoReload", self.check_no_reload),
+            ("LiveRecords", self.check_live_records),
         ]
         for name, check in checks:
             try:
@@ -1016,6 +1023,96 @@ class Harness:
                 raise AssertionError(f"{name} violated: {exc}") from exc
         if self.violations:
             raise AssertionError(self.violations[0])
+
+    def check_live_records(self) -> None:
+        """The connector side of a request lives no longer than the request:
+        every entry of a per-request container of the scheduler belongs to a
+        request the scheduler still has (`scheduler.requests`), in the state
+        the container stands for, and no container holds a finished request
+        except the two that keep it (a delayed free, a load in flight of an
+        aborted request), which are what keeps it in `scheduler.requests`.
+        Held blocks are the one exception the hold defines: they outlive the
+        request until the connector reports it in `finished_sending` and
+        `request_blocks_freed` no longer names them, so every held block is
+        one the connector's store still reads."""
+        scheduler = self.scheduler
+        requests = scheduler.requests
+        live = {r for r, req in requests.items() if not req.is_finished()}
+        kept = set(requests) - live
+        loading = {
+            r
+            for r in live
+            if requests[r].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        }
+        in_flight: Counter[str] = Counter()
+        for step in self.in_flight:
+            in_flight.update(step.output.num_scheduled_tokens)
+        for name, entries, allowed in [
+            (
+                "finished_recving_kv_req_ids",
+                scheduler.finished_recving_kv_req_ids,
+                loading,
+            ),
+            ("failed_recving_kv_req_ids", scheduler.failed_recving_kv_req_ids, loading),
+            ("kv_load_failed_req_ids", scheduler.kv_load_failed_req_ids, live),
+            ("recving_kv_req_ids", scheduler.recving_kv_req_ids, loading | kept),
+            (
+                "num_computed_tokens_after_recving",
+                scheduler.num_computed_tokens_after_recving,
+                loading,
+            ),
+            (
+                "num_external_tokens_in_flight",
+                scheduler.num_external_tokens_in_flight,
+                set(requests) & set(in_flight),
+            ),
+            ("sending_kv_req_ids", scheduler.sending_kv_req_ids, kept),
+            (
+                "discard_output_req_ids",
+                scheduler.discard_output_req_ids,
+                set(requests) & set(in_flight),
+            ),
+            (
+                "preempted_req_ids_to_report",
+                scheduler.preempted_req_ids_to_report,
+                live,
+            ),
+            (
+                "held_since_output",
+                scheduler.held_since_output,
+                set(self.manager.held_blocks),
+            ),
+        ]:
+            stray = set(entries) - allowed
+            assert not stray, f"{name} holds {sorted(stray)}"
+        # The blocks of a request preempted or aborted while the step that
+        # loads it synchronously is in flight: owned by that step, they may
+        # outlive the request until it returned.
+        freed = getattr(scheduler, "freed_blocks_of_loads_in_flight", {})
+        stray = set(freed) - set(in_flight)
+        assert not stray, f"freed_blocks_of_loads_in_flight holds {sorted(stray)}"
+        # A finished request stays only while something keeps its blocks.
+        unkept = kept - scheduler.sending_kv_req_ids - scheduler.recving_kv_req_ids
+        assert not unkept, f"finished requests {sorted(unkept)} are never freed"
+        # The in-flight fence counts exactly the tokens of the steps in flight.
+        for req_id, request in requests.items():
+            expected = in_flight[req_id] + scheduler.num_external_tokens_in_flight.get(
+                req_id, 0
+            )
+            assert request.num_in_flight_tokens == expected, (
+                f"{req_id}.num_in_flight_tokens",
+                request.num_in_flight_tokens,
+                expected,
+            )
+        # Held blocks: the connector still reads them (a store it has not
+        # reported), whether the request is live, finished or gone.
+        reading = self.connector.storing
+        for req_id, blocks in self.manager.held_blocks.items():
+            assert blocks, f"held_blocks holds an empty entry for {req_id}"
+            unread = {b.block_id for b in blocks} - reading.get(req_id, set())
+            assert not unread, f"{req_id}: held blocks {sorted(unread)} nobody reads"
+        if set(self.manager.held_blocks) - set(requests):
+            _note("held blocks outlive their request")
 
     def check_no_reload(self) -> None:
         """A request that held a block whose load of its failed starts no
@@ -1449,6 +1546,24 @@ def test_abort_during_async_load_keeps_blocks_until_finished_recving():
     harness.check_all()
     assert not harness.tables()
     assert block_pool.get_num_free_blocks() == 15
+
+
+def test_abort_with_a_sync_load_in_flight_leaves_no_record():
+    """Caught a tree whose `_free_blocks` keeps the external tokens in flight
+    of a request aborted while the step that loads them synchronously is in
+    flight (LiveRecords: `num_external_tokens_in_flight` holds a request the
+    scheduler no longer has)."""
+    harness = Harness(
+        Setup("gpt_oss_like", 32, 32, 0, False, 512, "recompute", True),
+    )
+    harness.add_request(**_request(num_own=40, num_external=16, max_tokens=4))
+    harness.step(accept=0, eos_pick=None, fail_sync=None)
+    assert harness.scheduler.num_external_tokens_in_flight == {"r0": 16}
+    harness.abort(0)
+    harness.check_all()
+    harness.drain()
+    harness.check_all()
+    assert not harness.scheduler.requests
 
 
 @pytest.mark.parametrize("hold", ["delayed_free", "abort_during_load"])
