@@ -59,7 +59,7 @@ CONSTANTS
     MarkRule,     \* which failed loads mark the request (kv_load_failed_req_ids): "AnyFailure" (the code) or "NoValidToken" (the code without patch 9's mark past block 0)
     Uncache,      \* TRUE (the code): a truncation also truncates num_cached_block (KVCacheManager.uncache_blocks); FALSE: the code without it
     ConnectorHMA, \* TRUE: the connector uses HMA (Scheduler.connector_uses_hma); FALSE: it declines (supports_hma_with_config False, or HMA off): a real block for every external token, as on vLLM 0.13.0
-    Mutation      \* "none", or the one protection switched off: "NoFence" (patch 4), "NoLatePreempt", "KeepPlaceholders" (patch 6), "PadDeclined" (the one HMA decision)
+    Mutation      \* "none", or the one protection switched off: "NoFence" (patch 4), "NoLatePreempt", "KeepPlaceholders" (patch 6), "PadDeclined" (the one HMA decision), "KeepFreedOutput"
 
 ASSUME /\ D \in Nat \ {0} /\ B \in Nat \ {0} /\ W \in Nat \ {0, 1}
        /\ Chunk \in Nat \ {0} /\ PromptLen \in Nat \ {0} /\ MaxLen > PromptLen
@@ -69,7 +69,7 @@ ASSUME /\ D \in Nat \ {0} /\ B \in Nat \ {0} /\ W \in Nat \ {0, 1}
        /\ MarkRule \in {"NoValidToken", "AnyFailure"} /\ Uncache \in BOOLEAN
        /\ ConnectorHMA \in BOOLEAN
        /\ Mutation \in {"none", "NoFence", "NoLatePreempt", "KeepPlaceholders",
-                        "PadDeclined"}
+                        "PadDeclined", "KeepFreedOutput"}
 
 Min(a, b) == IF a < b THEN a ELSE b
 Max(a, b) == IF a > b THEN a ELSE b
@@ -128,6 +128,12 @@ PadExternal == ConnectorHMA \/ Mutation = "PadDeclined"
 \* The null slots of a fresh sliding window table after a local hit of h
 \* tokens and e external tokens.
 FreshSkip(h, e) == IF PadExternal THEN SkippedBlocks(h + e) ELSE SkippedBlocks(h)
+\* A request preempted for memory (or aborted) while the step of its
+\* synchronous load is in flight: when that load fails, the step's output is
+\* dropped, and those of its later steps in flight
+\* (Scheduler.freed_blocks_of_loads_in_flight). Mutation "KeepFreedOutput":
+\* it holds no block, is not affected, and the output is appended.
+DropFreedOutput == Mutation # "KeepFreedOutput"
 \* AsyncScheduler (output placeholders) for a queue deeper than one step.
 Async == D > 1
 
@@ -305,8 +311,10 @@ UpdateFromOutput ==
 \* the blocks it computes again are published again). Either way
 \* its step's output is skipped
 \* (failed_kv_load_req_ids). A request preempted for memory while the step
-\* was in flight holds no block: it is not affected, and the step's output
-\* is appended like any other (its later steps read the invalid KV too).
+\* was in flight holds no block; its blocks from block j on leave the
+\* prefix cache all the same, it is marked, the step's output is dropped,
+\* and those of its later steps in flight too (discard_output_req_ids), its
+\* placeholders reset (DropFreedOutput).
 SyncLoadFailedAt(j) ==
   /\ queue # <<>> /\ Head(queue).e > 0 /\ CanFail
   /\ j \in FailBlocks(Head(queue).from - Head(queue).e, Head(queue).e)
@@ -335,6 +343,13 @@ SyncLoadFailedAt(j) ==
                      /\ ncached' = IF Uncache THEN Min(ncached, nc \div B) ELSE ncached
                      /\ UNCHANGED <<status, skip, ph, discard>>
              /\ UNCHANGED <<len, emitted>>
+        ELSE IF DropFreedOutput
+        THEN /\ queue' = Tail(queue)
+             /\ discard' = (Tail(queue) # <<>>)
+             /\ cached' = Min(cached, j)
+             /\ mark' = TRUE
+             /\ ph' = 0
+             /\ UNCHANGED <<status, len, computed, skip, ncached, emitted>>
         ELSE /\ queue' = tainted
              /\ Appended(s, TRUE, Min(cached, j))
              /\ UNCHANGED discard
@@ -486,13 +501,13 @@ WitnessMarked == [][~ReachMarked]_vars
 WitnessExternalPastWindow == [][~ReachExternalPastWindow]_vars
 
 \* What the models check (async-sched, async-sched-pp, async-loads,
-\* sync-republish-fixed, async-loads-fail-any(-pp), sync-loads-fail,
-\* declined-hma); the
-\* findings (async-memory-preempt, async-in-place-chunk, sync-republish,
-\* async-loads-fail) are where the assumptions do not hold.
+\* async-memory-preempt, sync-republish-fixed, async-loads-fail-any(-pp),
+\* sync-loads-fail, declined-hma); the findings (async-memory-preempt-keep,
+\* async-in-place-chunk, sync-republish, async-loads-fail) are where the
+\* assumptions do not hold.
 THEOREM (Mutation = "none") => (Spec => [](TypeOK /\ NoFreeInFlight))
 THEOREM (Mutation = "none") => (Spec => []RealExternalBlocks)
-THEOREM (Mutation = "none" /\ MaxPreempts = 0) => (Spec => []NoInvalidOutput)
+THEOREM (Mutation = "none") => (Spec => []NoInvalidOutput)
 THEOREM (Mutation = "none" /\ (Uncache \/ LoadMode = "async"))
             => (Spec => []Republished)
 THEOREM (MarkRule = "AnyFailure" \/ D = 1) /\ Mutation = "none"

@@ -41,6 +41,10 @@ property per failure path of stage 03 (issue "stage 03 failure paths"):
   running request reads or writes is free;
 - `InvalidOutput` (a failure reported after a later step): no token of a
   step that read invalid KV is appended or emitted;
+- `InvalidHit` (a failure reported after its request's blocks were freed):
+  once a load failure is reported, no block that a step computed on the
+  invalid KV is in the prefix cache with the block hash it got then (a
+  request preempted or aborted with the step in flight included);
 - `StoreHold` (the hold for stores): every block a store still reads is
   allocated, in the request's table or held for it;
 - `PlainConnectorBlocks` (connectors without HMA, or declining it): such a
@@ -558,6 +562,9 @@ class Step:
     fail_sync: int | None
     # Requests whose output of this step is computed on invalid KV.
     tainted: set[str] = field(default_factory=set)
+    # req_id -> block_id -> block hash at schedule of the blocks the step
+    # computes tokens into (not its loads) (InvalidHit).
+    computed: dict[str, dict[int, object]] = field(default_factory=dict)
 
 
 class Harness:
@@ -758,6 +765,9 @@ class Harness:
                     self._write(block_id, offset)
                     step.writes.setdefault(req_id, set()).add(block_id)
                     step.written.add((block_id, offset))
+                    step.computed.setdefault(req_id, {})[block_id] = self.pool.blocks[
+                        block_id
+                    ].block_hash
         for req_id, start in starts.items():
             read = step.reads.setdefault(req_id, set())
             for group, window in enumerate(self.windows):
@@ -863,6 +873,15 @@ class Harness:
         self.finished_recving.clear()
         self.finished_sending.clear()
         self.invalid_block_ids.clear()
+        # Blocks computed on the invalid KV (this step's and the later ones'
+        # in flight), with the block hash they had when they were computed.
+        computed_on_invalid = [
+            (r, block_id, block_hash)
+            for s in (step, *self.in_flight)
+            for r in s.tainted
+            for block_id, block_hash in s.computed.get(r, {}).items()
+            if block_hash is not None
+        ]
         # A request finished before this output (aborted, its blocks kept for
         # a delayed free) has no client any more: its tokens reach nobody.
         step.tainted = {
@@ -874,6 +893,13 @@ class Harness:
             r: scheduler.requests[r].num_output_tokens for r in step.tainted
         }
         engine_outputs = scheduler.update_from_output(step.output, model_runner_output)
+        for r, block_id, block_hash in computed_on_invalid:
+            if self.pool.blocks[block_id].block_hash == block_hash:
+                self.violations.append(
+                    f"InvalidHit violated: block {block_id} that {r} computed on "
+                    "KV that failed to load is still in the prefix cache"
+                )
+                break
         emitted = {
             output.request_id
             for outputs in engine_outputs.values()
