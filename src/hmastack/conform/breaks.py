@@ -203,27 +203,6 @@ BREAKS = {
             ),
         ),
         Break(
-            name="keep-output-of-freed-load",
-            protection=(
-                "a request preempted for memory while the step of its "
-                "synchronous load is in flight is affected when that load "
-                "fails: the step's output is dropped and the blocks computed "
-                "on the failed KV leave the prefix cache (broken: it holds no "
-                "block, is not affected, and the token sampled on the invalid "
-                "KV is emitted)"
-            ),
-            path="vllm/v1/core/sched/scheduler.py",
-            old=(
-                "        self._keep_blocks_of_load_in_flight(request)\n"
-                "        self.kv_cache_manager.free(request)\n"
-                "        self.encoder_cache_manager.free(request)\n"
-            ),
-            new=(
-                "        self.kv_cache_manager.free(request)\n"
-                "        self.encoder_cache_manager.free(request)\n"
-            ),
-        ),
-        Break(
             name="stale-cached-count",
             protection=(
                 "after a KV load failure a request counts as cached only its "
