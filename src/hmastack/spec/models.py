@@ -11,8 +11,10 @@ The manifest follows tlaplus/Examples: each model has a ``mode``
 * ``success``: TLC finds no violation; exhaustive runs record their exact
   ``distinct_states``, ``generated_states`` and ``depth`` (a drift fails);
 * ``safety failure`` (an invariant or action property, ``property``),
-  ``deadlock failure`` or ``liveness failure``: TLC must report exactly that,
-  with a counterexample of ``trace_length`` states.
+  ``deadlock failure`` or ``liveness failure``: TLC must report exactly that;
+  safety and deadlock failures with a counterexample of ``trace_length``
+  states (TLC checks temporal properties at intervals of wall-clock time, so a
+  liveness failure's lasso differs from run to run and is not pinned).
 
 ``deadlock = true`` lets TLC report deadlocks (off by default: models where
 clients can always abort cannot stall). ``size = "nightly"`` models run only
