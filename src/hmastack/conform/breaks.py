@@ -203,6 +203,33 @@ BREAKS = {
             ),
         ),
         Break(
+            name="keep-output-of-freed-load",
+            protection=(
+                "a request preempted for memory while the step of its "
+                "synchronous load is in flight is affected when that load "
+                "fails: the step's output and those of its later steps in "
+                "flight are dropped (broken: it holds no block, is not "
+                "affected, and the token sampled on the invalid KV is emitted)"
+            ),
+            path="vllm/v1/core/sched/scheduler.py",
+            old=(
+                "        self._keep_blocks_of_load_in_flight(request)\n"
+                "        self.kv_cache_manager.free(request)\n"
+                "        self.encoder_cache_manager.free(request)\n"
+            ),
+            new=(
+                "        self.kv_cache_manager.free(request)\n"
+                "        self.encoder_cache_manager.free(request)\n"
+            ),
+            caught_by=("replay",),
+            not_by_random=(
+                "the random test preempts a request for memory with its load's "
+                "step in flight and fails that load in no schedule of its CI "
+                "set; the replay of asynchronous scheduling follows the "
+                "behaviours of fixtures/replay-async-loads.cfg that do"
+            ),
+        ),
+        Break(
             name="stale-cached-count",
             protection=(
                 "after a KV load failure a request counts as cached only its "

@@ -20,12 +20,29 @@ oldest step's output is processed (``UpdateFromOutput``: ``update_from_output``
 with the token the step samples, or none for a prefill chunk). The token
 budget is the model's ``Chunk``.
 
+The behaviours of ``fixtures/async-replay-loads/`` (simulated from
+``fixtures/replay-async-loads.cfg``) add the model's connector side. The
+scheduler gets a ``SupportsHMA`` connector (``AsyncReplayConnector``, the
+scripted connector of test_scheduler_replay.py) that offers the first
+``Ext`` prompt tokens past the local hit at every lookup, loaded
+synchronously or asynchronously as the model chooses. A load that fails
+(the model's ``SyncLoadFailedAt(j)`` and ``LoadFailedAt(j)``) is reported
+with ``invalid_block_ids``, the request's blocks at slot ``j`` of each
+table when the load was scheduled: with the output of the step that loads
+(synchronous), or with ``finished_recving`` (asynchronous, as is a load
+that succeeded, ``FinishLoad``). ``PreemptForMemory`` is a schedule in
+which ``allocate_slots`` returns None once (memory taken by requests the
+model leaves out), so the scheduler preempts the request.
+
 After every step the scheduler is compared with the model: the request's
-status, ``num_tokens``, ``num_computed_tokens``, ``num_output_placeholders``,
-the steps in flight (their first token and size), and the leading null
-entries of its sliding window table (the model's ``skip``: null padding and
-the slots ``remove_skipped_blocks`` freed). A mismatch fails with the trace,
-the step and both states.
+status, ``num_tokens`` (the model's ``len``), ``num_computed_tokens``,
+``num_output_placeholders``, the steps in flight (their first token and
+size), the leading null entries of its sliding window table (the model's
+``skip``: null padding and the slots ``remove_skipped_blocks`` freed),
+whether it is marked for a failed load (``mark``) and whether the outputs of
+its steps in flight are dropped (``discard``), both read by
+``connector_state``. A mismatch fails with the trace, the step and both
+states.
 """
 
 from __future__ import annotations
@@ -37,17 +54,20 @@ from pathlib import Path
 
 import pytest
 from kvtest import make_cpu_vllm_config, make_kv_cache_groups
+from test_scheduler_replay import ReplayConnector
+from vllm.config import KVTransferConfig
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import KVCacheConfig
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 FIXTURES = Path(__file__).parent / "fixtures" / "async-replay"
+LOAD_FIXTURES = Path(__file__).parent / "fixtures" / "async-replay-loads"
 NUM_BLOCKS = 32  # the null block included: memory is never short
 REQ = "r"
 # A token that is neither EOS nor a prompt token.
@@ -55,8 +75,45 @@ SAMPLED = 7
 
 
 def trace_files() -> list[Path]:
-    folder = Path(os.environ.get("HMASTACK_ASYNC_REPLAY_TRACES", FIXTURES))
-    return sorted(folder.glob("trace-*.json"))
+    folder = os.environ.get("HMASTACK_ASYNC_REPLAY_TRACES")
+    if folder:
+        return sorted(Path(folder).glob("trace-*.json"))
+    return sorted(FIXTURES.glob("trace-*.json")) + sorted(
+        LOAD_FIXTURES.glob("trace-*.json")
+    )
+
+
+class AsyncReplayConnector(ReplayConnector):
+    """The scripted connector with the model's offer: the first ``ext``
+    prompt tokens past the local hit at every lookup (``ExtOffer``), loaded
+    asynchronously when ``load_async`` (the model's choice, set by the
+    replay before the schedule)."""
+
+    ext = 0
+    load_async = False
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        ext = max(0, min(self.ext, request.num_tokens - 1) - num_computed_tokens)
+        load_async = self.load_async and ext > 0
+        self.lookup[request.request_id] = (num_computed_tokens, load_async)
+        return ext, load_async
+
+
+def connector_state(sched, req_id: str) -> dict:
+    """The scheduler's connector state of one request: marked for a failed
+    load (the model's ``mark``), its outputs in flight dropped
+    (``discard``) and, while it waits for an asynchronous load, the tokens it
+    counts as computed once the load is done (``loaded``; None otherwise,
+    or once the load failed: ``num_computed_tokens`` then holds them)."""
+    return {
+        "mark": req_id in sched.kv_load_failed_req_ids,
+        "discard": req_id in sched.discard_output_req_ids,
+        "loaded": (
+            None
+            if req_id in sched.failed_recving_kv_req_ids
+            else sched.num_computed_tokens_after_recving.get(req_id)
+        ),
+    }
 
 
 STATUS = {
@@ -77,13 +134,18 @@ class AsyncReplay:
     def __init__(self, constants: dict):
         self.c = constants
         b, w = constants["B"], constants["W"]
-        assert constants["Ext"] == 0 and constants["MaxPreempts"] == 0, (
-            "the replay drives no connector and no preemption"
-        )
+        kv_transfer = None
+        if constants["Ext"] > 0:
+            assert constants["ConnectorHMA"], "the replay connector uses HMA"
+            kv_transfer = KVTransferConfig(
+                kv_connector=AsyncReplayConnector.__name__,
+                kv_connector_module_path=__name__,
+                kv_role="kv_both",
+            )
         vllm_config = make_cpu_vllm_config(
             b,
             NUM_BLOCKS,
-            None,
+            kv_transfer,
             max_num_seqs=1,
             max_num_batched_tokens=constants["Chunk"],
             max_model_len=constants["MaxLen"] + 1,
@@ -111,28 +173,78 @@ class AsyncReplay:
             eos_token_id=None,
             block_hasher=get_request_block_hasher(b, sha256),
         )
+        self.connector = self.sched.connector
+        if self.connector is not None:
+            self.connector.ext = constants["Ext"]
         self.sched.add_request(self.request)
         # The steps in flight, oldest first: (SchedulerOutput, first token,
-        # tokens scheduled).
-        self.queue: deque[tuple[SchedulerOutput, int, int]] = deque()
+        # tokens scheduled, the request's block ids when it was scheduled).
+        self.queue: deque[tuple[SchedulerOutput, int, int, tuple]] = deque()
         # The steps in flight that sample a token (ids of their outputs).
         self.sampling: set[int] = set()
         self.done = False
 
-    def schedule(self) -> None:
-        before = self.request.num_computed_tokens
+    def block_ids(self) -> tuple:
+        return self.sched.kv_cache_manager.get_block_ids(REQ)
+
+    def schedule(self, load_async: bool = False) -> None:
+        if self.connector is not None:
+            self.connector.load_async = load_async
         out = self.sched.schedule()
         n = out.num_scheduled_tokens.get(REQ, 0)
+        if load_async:
+            if n:
+                raise Mismatch("the model loads asynchronously, the scheduler runs")
+            return
         if n == 0:
             raise Mismatch("the model schedules a step, the scheduler none")
-        self.queue.append((out, before, n))
+        first = self.request.num_computed_tokens - n
+        self.queue.append((out, first, n, self.block_ids()))
 
-    def update_oldest(self) -> None:
+    def preempt_for_memory(self) -> None:
+        """A schedule in which allocate_slots finds no free block."""
+        manager = self.sched.kv_cache_manager
+        allocate = manager.allocate_slots
+        manager.allocate_slots = lambda *args, **kwargs: None
+        try:
+            out = self.sched.schedule()
+        finally:
+            manager.allocate_slots = allocate
+        if self.request.status == RequestStatus.RUNNING and not (
+            out.num_scheduled_tokens.get(REQ, 0)
+        ):
+            # It has no token to schedule (its steps in flight reach its
+            # last one), so allocate_slots is not called for it: it is the
+            # victim of another request's allocate_slots, as schedule()
+            # preempts one (the last of the running queue).
+            self.sched.running.remove(self.request)
+            self.sched._preempt_request(self.request, 0.0)
+        if out.num_scheduled_tokens.get(REQ, 0) or self.request.status not in (
+            RequestStatus.PREEMPTED,
+            RequestStatus.WAITING,
+        ):
+            raise Mismatch(
+                "the model preempts for memory, the scheduler does not "
+                f"({self.request.status}, {len(self.queue)} steps in flight)"
+            )
+
+    @staticmethod
+    def invalid_at(block_ids: tuple, j: int) -> set[int]:
+        """The blocks at slot j of each table (a load failed from block j)."""
+        return {ids[j] for ids in block_ids if j < len(ids) and ids[j] != 0}
+
+    def update_oldest(self, failed_at: int | None = None) -> None:
         """The oldest step's output: the token it samples (when it reached the
-        request's last token), or none for a prefill chunk."""
-        out, _, _ = self.queue.popleft()
+        request's last token), or none for a prefill chunk; with
+        ``failed_at``, its synchronous load failed from that block on."""
+        out, _, _, block_ids = self.queue.popleft()
         tokens = [SAMPLED] if id(out) in self.sampling else []
         self.sampling.discard(id(out))
+        kv = None
+        if failed_at is not None:
+            kv = KVConnectorOutput(
+                invalid_block_ids=self.invalid_at(block_ids, failed_at)
+            )
         runner = ModelRunnerOutput(
             req_ids=[REQ],
             req_id_to_index={REQ: 0},
@@ -140,16 +252,46 @@ class AsyncReplay:
             logprobs=None,
             prompt_logprobs_dict={},
             pooler_output=[],
+            kv_connector_output=kv,
         )
         self.sched.update_from_output(out, runner)
         if self.request.is_finished():
             self.done = True
+
+    def load_done(self, failed_at: int | None = None) -> None:
+        """The worker reports the end of the asynchronous load (no step in the
+        output); with ``failed_at``, it failed from that block on."""
+        invalid = (
+            set() if failed_at is None else self.invalid_at(self.block_ids(), failed_at)
+        )
+        self.sched.update_from_output(
+            SchedulerOutput.make_empty(),
+            ModelRunnerOutput(
+                req_ids=[],
+                req_id_to_index={},
+                sampled_token_ids=[],
+                logprobs=None,
+                prompt_logprobs_dict={},
+                pooler_output=[],
+                kv_connector_output=KVConnectorOutput(
+                    finished_recving={REQ}, invalid_block_ids=invalid
+                ),
+            ),
+        )
 
     def state(self) -> dict:
         """The model's view of the scheduler."""
         r = self.request
         manager = self.sched.kv_cache_manager
         status = "done" if self.done else STATUS[r.status]
+        conn = connector_state(self.sched, REQ)
+        loaded = conn.pop("loaded")
+        computed = 0 if self.done else r.num_computed_tokens
+        if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS and loaded is not None:
+            computed = loaded
+        if status == "loading" and REQ in self.sched.finished_recving_kv_req_ids:
+            # Reported: it waits to be scheduled (the model's FinishLoad).
+            status = "waiting"
         skip = 0
         if not self.done:
             swa = manager.coordinator.single_type_managers[1].req_to_blocks.get(REQ, [])
@@ -160,10 +302,11 @@ class AsyncReplay:
         return {
             "status": status,
             "len": r.num_tokens,
-            "computed": 0 if self.done else r.num_computed_tokens,
+            "computed": computed,
             "ph": 0 if self.done else r.num_output_placeholders,
-            "queue": [(first, n) for _, first, n in self.queue],
+            "queue": [(first, n) for _, first, n, _ in self.queue],
             "skip": skip,
+            **conn,
         }
 
 
@@ -175,6 +318,8 @@ def model_view(st: dict) -> dict:
         "ph": st["ph"],
         "queue": [(s["from"], s["n"]) for s in st["queue"]],
         "skip": st["skip"],
+        "mark": st["mark"],
+        "discard": st["discard"],
     }
 
 
@@ -182,16 +327,43 @@ def replay(doc: dict) -> int:
     """Replays one behaviour; returns the steps compared."""
     init_none_hash(sha256)
     states = doc["states"]
-    rp = AsyncReplay(doc["constants"])
+    c = doc["constants"]
+    rp = AsyncReplay(c)
+    bs = c["B"]
     for k in range(1, len(states)):
         before, after = states[k - 1], states[k]
-        if len(after["queue"]) > len(before["queue"]):
+        failed = after["failures"] > before["failures"]
+        if after["preempts"] > before["preempts"]:
+            rp.preempt_for_memory()
+        elif before["status"] == "waiting" and after["status"] == "loading":
+            rp.schedule(load_async=True)
+        elif before["status"] == "loading" and after["status"] == "waiting":
+            j = None
+            if failed:
+                lo = before["load"]["from"] // bs
+                hi = (before["load"]["from"] + before["load"]["e"]) // bs - 1
+                j = after["computed"] // bs if after["computed"] > 0 else lo
+                j = min(max(j, lo), hi)
+            rp.load_done(j)
+        elif len(after["queue"]) > len(before["queue"]):
             step = after["queue"][-1]
             rp.schedule()
             if step["sample"]:
                 rp.sampling.add(id(rp.queue[-1][0]))
         elif len(after["queue"]) < len(before["queue"]):
-            rp.update_oldest()
+            j = None
+            if failed:
+                head = before["queue"][0]
+                lo = (head["from"] - head["e"]) // bs
+                hi = head["from"] // bs - 1
+                if before["status"] == "running" and after["status"] == "running":
+                    j = after["computed"] // bs
+                elif after["cached"] < before["cached"]:
+                    j = after["cached"]
+                else:
+                    j = max(lo, before["cached"])
+                j = min(max(j, lo), hi)
+            rp.update_oldest(j)
         else:
             raise Mismatch(f"trace {doc.get('index')} step {k}: an action not replayed")
         want, got = model_view(after), rp.state()
@@ -218,9 +390,30 @@ def test_async_replay_fixtures_exist():
             if b["skip"] > a["skip"] and a["queue"] and a["status"] == "running"
         )
     assert slides > 0, "no behaviour slides the window with a step in flight"
+    # And what DropFreedOutput guards: a request preempted for memory while
+    # the step of its synchronous load is in flight, then that load fails.
+    freed_failures = 0
+    for path in files:
+        states = json.loads(path.read_text())["states"]
+        freed_failures += sum(
+            1
+            for a, b in zip(states, states[1:], strict=False)
+            if b["failures"] > a["failures"]
+            and a["status"] == "waiting"
+            and a["queue"]
+            and a["queue"][0]["e"] > 0
+            and not a["discard"]
+        )
+    assert freed_failures > 0 or os.environ.get("HMASTACK_ASYNC_REPLAY_TRACES"), (
+        "no behaviour fails the load of a request preempted with its step in flight"
+    )
 
 
-@pytest.mark.parametrize("path", trace_files(), ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "path",
+    trace_files(),
+    ids=lambda p: p.stem if p.parent == FIXTURES else f"loads-{p.stem}",
+)
 def test_async_replay(path: Path):
     doc = json.loads(path.read_text())
     assert replay(doc) > 0
