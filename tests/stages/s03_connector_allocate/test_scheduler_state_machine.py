@@ -45,6 +45,18 @@ property per failure path of stage 03 (issue "stage 03 failure paths"):
   once a load failure is reported, no block that a step computed on the
   invalid KV is in the prefix cache with the block hash it got then (a
   request preempted or aborted with the step in flight included);
+- `ValidHit` (a failed load after a preemption or abort with its step in
+  flight): once a load failure is reported, no prefix cache hit, in any
+  group, is a block whose load failed and that no step wrote since, or a
+  block a step computed on that KV (rules: `abort_load_in_flight`, and
+  `steps` with `fail_left` fails the sync load of a request that no longer
+  runs when its step returns);
+- `FinishedTables` (what the connector gets at finish): the tables given to
+  `request_finished` / `request_finished_all_groups` are the request's
+  tables in the scheduler, which extend what `update_state_after_alloc`
+  gave the connector and cover its computed tokens, or empty in every group
+  when it holds no block (the connector then offers nothing: no delayed
+  free);
 - `StoreHold` (the hold for stores): every block a store still reads is
   allocated, in the request's table or held for it;
 - `PlainConnectorBlocks` (connectors without HMA, or declining it): such a
@@ -194,6 +206,7 @@ REQUIRED_COVERAGE = (
     "drafts scheduled",
     "sync load",
     "sync load failed",
+    "sync load failed after its request finished",
     "async load started",
     "async load finished",
     "async load failed",
@@ -282,6 +295,9 @@ class ScriptedConnectorBase(KVConnectorBase_V1):
         # and the loads started for them afterwards.
         self.load_failed: set[str] = set()
         self.reload_violations: list[str] = []
+        # FinishedTables: what the connector was given at finish that is not
+        # the blocks holding the request's computed KV.
+        self.finish_violations: list[str] = []
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -389,6 +405,13 @@ class ScriptedConnectorBase(KVConnectorBase_V1):
         return held
 
     def _finished(self, request: Request, block_ids: tuple[list[int], ...]):
+        self._check_finished_tables(request, block_ids)
+        if not any(block_ids):
+            # The request holds no block: its KV is in no block, there is
+            # nothing to save (`KVConnectorBase_V1.request_finished`).
+            if request.request_id in self.script.save_req_ids:
+                _note("finished holding no block")
+            return False, None
         if request.request_id not in self.script.save_req_ids:
             return False, None
         null_id = 0
@@ -396,6 +419,43 @@ class ScriptedConnectorBase(KVConnectorBase_V1):
             b for group in block_ids for b in group if b != null_id
         }
         return True, None
+
+    def _check_finished_tables(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> None:
+        """FinishedTables: the tables given at finish are the blocks that
+        hold the request's computed KV: its tables in the scheduler, which
+        extend what `update_state_after_alloc` gave the connector since the
+        last lookup (a block the window slid past may be the null block
+        now) and cover its computed tokens; empty in every group when the
+        request holds no block."""
+        assert self.scheduler is not None
+        req_id = request.request_id
+        manager = self.scheduler.kv_cache_manager
+        null_block_id = manager.block_pool.null_block.block_id
+        tables = [list(t) for t in manager.get_block_ids(req_id)]
+        given = [list(t) for t in block_ids]
+        if given != tables[: len(given)] or len(given) not in (1, len(tables)):
+            self.finish_violations.append(
+                f"{req_id} finished with tables {given}; it holds {tables}"
+            )
+            return
+        if not any(given):
+            return
+        kept = self.block_tables.get(req_id, [])
+        num_computed = cdiv(
+            min(request.num_computed_tokens, request.num_tokens), BLOCK_SIZE
+        )
+        for group, table in enumerate(given):
+            old = kept[group] if group < len(kept) else []
+            if len(table) < max(len(old), num_computed) or any(
+                b != k and b != null_block_id for b, k in zip(table, old, strict=False)
+            ):
+                self.finish_violations.append(
+                    f"{req_id} finished with table {table} (group {group}): the "
+                    f"connector got {old}, {num_computed} blocks are computed"
+                )
+                return
 
     def start_load_kv(self, forward_context, **kwargs):
         pass
@@ -560,6 +620,9 @@ class Step:
     accept: int
     eos_pick: int | None
     fail_sync: int | None
+    # The request whose sync load fails (with fail_sync), else one picked by
+    # fail_sync.
+    fail_req: str | None = None
     # Requests whose output of this step is computed on invalid KV.
     tainted: set[str] = field(default_factory=set)
     # req_id -> block_id -> block hash at schedule of the blocks the step
@@ -596,7 +659,13 @@ class Harness:
         # were last allocated (ExclusiveOwnership).
         self.evicted: set[int] = set()
         self.violations: list[str] = []
+        # ValidHit: the prefix cache hits of the current schedule (req_id,
+        # block ids per group), and block_id -> the block hash of a block a
+        # step computed on KV that failed to load, until it leaves the cache.
+        self.hits: list[tuple[str, list[list[int]]]] = []
+        self.computed_on_failed: dict[int, object] = {}
         self.idle_steps = 0
+        self.noted: set[str] = set()
         self._wrap_allocate_slots()
         _note("example")
 
@@ -627,6 +696,7 @@ class Harness:
             blocks, num_hit_tokens = get_computed_blocks(request)
             if num_hit_tokens:
                 _note("local prefix cache hit")
+                self.hits.append((request.request_id, list(blocks.get_block_ids())))
             return blocks, num_hit_tokens
 
         coordinator.get_num_blocks_to_allocate = counted
@@ -641,10 +711,14 @@ class Harness:
                 b for b in block_ids if pool.blocks[b].block_hash is not None
             )
             evict_blocks(block_ids)
+            for b in block_ids:
+                self.computed_on_failed.pop(b, None)
 
         def allocating(num_blocks):
             blocks = get_new_blocks(num_blocks)
             self.evicted.difference_update(b.block_id for b in blocks)
+            for b in blocks:
+                self.computed_on_failed.pop(b.block_id, None)
             return blocks
 
         pool.evict_blocks = evicting
@@ -673,13 +747,22 @@ class Harness:
         self.scheduler.add_request(make_request(req_id, prompt, max_tokens))
         return req_id
 
-    def step(self, accept: int, eos_pick: int | None, fail_sync: int | None) -> None:
+    def step(
+        self,
+        accept: int,
+        eos_pick: int | None,
+        fail_sync: int | None,
+        fail_left: int | None = None,
+    ) -> None:
         """Schedule one step; process the output of the oldest step in flight
-        (the same one without asynchronous scheduling)."""
+        (the same one without asynchronous scheduling). With `fail_left`, the
+        sync load of that step of a request that no longer runs (preempted for
+        memory by this schedule, or aborted since) fails, if it has one."""
         scheduler, connector = self.scheduler, self.connector
         connector.sync_loads = {}
         num_preempted = sum(r.num_preemptions for r in scheduler.requests.values())
         num_waiting_for_load = len(connector.pending)
+        self.hits.clear()
         output = scheduler.schedule()
         if sum(r.num_preemptions for r in scheduler.requests.values()) > num_preempted:
             _note("preemption")
@@ -715,12 +798,18 @@ class Harness:
             fail_sync,
         )
         self._read_and_write(step)
+        self.check_valid_hits()
         self.check_recached(output)
         self.in_flight.append(step)
         # The model runner executes the step: sync loads write now.
         self.check_all()
         num_unfinished = scheduler.get_num_unfinished_requests()
         if not self.setup.async_scheduling or len(self.in_flight) > 1:
+            oldest = self.in_flight[0]
+            left = [r for r in sorted(oldest.sync_loads) if not self.running(r)]
+            if fail_left is not None and left:
+                oldest.fail_req = left[fail_left % len(left)]
+                oldest.fail_sync = fail_left
             self._process(self.in_flight.popleft())
         self.check_progress(
             bool(output.total_num_scheduled_tokens)
@@ -788,6 +877,12 @@ class Harness:
             if not offsets:
                 del self.invalid_slots[block_id]
 
+    def note_once(self, what: str) -> None:
+        """Note `what` once per example (a count of examples)."""
+        if what not in self.noted:
+            self.noted.add(what)
+            _note(what)
+
     def _process(self, step: Step) -> None:
         """The model runner returns `step`'s output."""
         scheduler, connector = self.scheduler, self.connector
@@ -795,11 +890,20 @@ class Harness:
         if step.fail_sync is not None and step.sync_loads:
             loads = sorted(step.sync_loads.items())
             req_id, load = loads[step.fail_sync % len(loads)]
+            if step.fail_req is not None:
+                req_id, load = step.fail_req, step.sync_loads[step.fail_req]
             groups = [g for g in load.block_ids if g]
             if groups:
                 group = groups[step.fail_sync % len(groups)]
                 invalid |= set(group[(step.fail_sync // 7) % len(group) :])
                 _note("sync load failed")
+                if not self.running(req_id):
+                    request = scheduler.requests.get(req_id)
+                    self.note_once(
+                        "sync load failed after its request was preempted"
+                        if request is not None and not request.is_finished()
+                        else "sync load failed after its request finished"
+                    )
                 if any(self.pool.blocks[b].ref_cnt > 1 for b in invalid):
                     _note("load failure on a shared block")
         if invalid:
@@ -892,6 +996,10 @@ class Harness:
         num_output_tokens = {
             r: scheduler.requests[r].num_output_tokens for r in step.tainted
         }
+        # ValidHit: until they leave the prefix cache (evicted, or allocated
+        # again).
+        for _, block_id, block_hash in computed_on_invalid:
+            self.computed_on_failed[block_id] = block_hash
         engine_outputs = scheduler.update_from_output(step.output, model_runner_output)
         for r, block_id, block_hash in computed_on_invalid:
             if self.pool.blocks[block_id].block_hash == block_hash:
@@ -968,6 +1076,22 @@ class Harness:
             _note("abort during async load")
         self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
 
+    def loads_in_flight(self) -> list[str]:
+        """Unfinished requests with a sync load in a step in flight."""
+        return sorted(
+            r
+            for step in self.in_flight
+            for r in step.sync_loads
+            if r in self.scheduler.requests
+            and not self.scheduler.requests[r].is_finished()
+        )
+
+    def abort_load_in_flight(self, pick: int) -> None:
+        loads = self.loads_in_flight()
+        req_id = loads[pick % len(loads)]
+        self.note_once("abort with a sync load in flight")
+        self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+
     def stores_to_report(self) -> list[str]:
         stores = set(self.connector.saving) | set(self.connector.storing)
         return sorted(stores - self.finished_sending)
@@ -1040,6 +1164,7 @@ class Harness:
             ("ConnectorTables", self.check_connector_tables),
             ("HoldPending", lambda: self.check_hold_pending(tables, held)),
             ("NoReload", self.check_no_reload),
+            ("FinishedTables", self.check_finished_tables),
             ("LiveRecords", self.check_live_records),
         ]
         for name, check in checks:
@@ -1145,6 +1270,37 @@ class Harness:
         load again (the connector offers the same tokens, and its load could
         fail again, for ever)."""
         assert not self.connector.reload_violations, self.connector.reload_violations[0]
+
+    def check_valid_hits(self) -> None:
+        """ValidHit, once the step ran (a block a step computes may be hit in
+        the same step): no prefix cache hit of the schedule, in any group, is
+        a block whose load failed and that no step wrote since, or a block a
+        step computed on KV that failed to load (once the failure is
+        reported, e.g. after the request was preempted or aborted with that
+        step in flight)."""
+        for req_id, groups in self.hits:
+            for group, block_ids in enumerate(groups):
+                for block_id in block_ids:
+                    block = self.pool.blocks[block_id]
+                    if block.is_null:
+                        continue
+                    if self.invalid_slots.get(block_id):
+                        self.violations.append(
+                            f"ValidHit violated: {req_id} hits block {block_id} "
+                            f"(group {group}) whose load failed"
+                        )
+                        return
+                    computed_hash = self.computed_on_failed.get(block_id)
+                    if computed_hash is not None and computed_hash == block.block_hash:
+                        self.violations.append(
+                            f"ValidHit violated: {req_id} hits block {block_id} "
+                            f"(group {group}) computed on KV that failed to load"
+                        )
+                        return
+
+    def check_finished_tables(self) -> None:
+        """FinishedTables (`ScriptedConnectorBase._check_finished_tables`)."""
+        assert not self.connector.finish_violations, self.connector.finish_violations[0]
 
     def check_recached(self, output: SchedulerOutput) -> None:
         """Right after `schedule`: every real block of the full blocks a
@@ -1487,11 +1643,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         accept=st.integers(0, 3),
         eos_pick=st.none() | st.integers(0, 7),
         fail_sync=st.none() | st.integers(0, 63),
+        fail_left=st.none() | st.integers(0, 63),
     )
-    def steps(self, num_steps, accept, eos_pick, fail_sync):
-        """Engine steps; the first may fail the sync loads it starts."""
+    def steps(self, num_steps, accept, eos_pick, fail_sync, fail_left):
+        """Engine steps; the first may fail the sync loads it starts, each may
+        fail the sync load of a request preempted or aborted while that load
+        is in flight."""
         for i in range(num_steps):
-            self.harness.step(accept, eos_pick, fail_sync if i == 0 else None)
+            self.harness.step(
+                accept, eos_pick, fail_sync if i == 0 else None, fail_left
+            )
             self.harness.check_all()
 
     @rule()
@@ -1513,6 +1674,14 @@ class SchedulerMachine(RuleBasedStateMachine):
     def abort(self, pick):
         if any(not r.is_finished() for r in self.harness.scheduler.requests.values()):
             self.harness.abort(pick)
+
+    @rule(pick=st.integers(0, 7))
+    def abort_load_in_flight(self, pick):
+        """An abort while a step that loads the request's external tokens
+        synchronously is in flight (async scheduling); the next `steps` may
+        fail that load."""
+        if self.harness.loads_in_flight():
+            self.harness.abort_load_in_flight(pick)
 
     @rule(pick=st.integers(0, 7))
     def finish_save(self, pick):
@@ -1590,6 +1759,31 @@ def test_abort_with_a_sync_load_in_flight_leaves_no_record():
     harness.drain()
     harness.check_all()
     assert not harness.scheduler.requests
+
+
+@pytest.mark.parametrize("layout", ["llama_like", "gpt_oss_like", "gemma3_like"])
+def test_failed_load_of_a_request_aborted_with_it_in_flight_is_not_hit(layout):
+    """Caught a tree that keeps no blocks of a request aborted while the step
+    that loads its external tokens synchronously is in flight (InvalidHit:
+    when that load then fails, a block computed on the failed KV stays in
+    the prefix cache), and a tree that evicts no invalid block (ValidHit: a
+    request with the same prefix hits the blocks whose load failed)."""
+    harness = Harness(Setup(layout, 32, 72, 0, False, 512, "recompute", True))
+    harness.add_request(
+        **_request(prefix=3, num_own=40, num_external=160, max_tokens=4)
+    )
+    harness.step(accept=0, eos_pick=None, fail_sync=None)
+    assert harness.loads_in_flight() == ["r0"]
+    harness.abort_load_in_flight(0)
+    harness.check_all()
+    # The model runner returns the step: its load failed.
+    harness.step(accept=0, eos_pick=None, fail_sync=None, fail_left=0)
+    harness.check_all()
+    assert "sync load failed after its request finished" in harness.noted
+    harness.add_request(**_request(prefix=3, num_own=8, max_tokens=2))
+    for _ in range(3):
+        harness.step(accept=0, eos_pick=None, fail_sync=None)
+        harness.check_all()
 
 
 @pytest.mark.parametrize("hold", ["delayed_free", "abort_during_load"])
