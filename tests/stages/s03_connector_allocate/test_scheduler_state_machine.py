@@ -1924,6 +1924,25 @@ def test_blocks_computed_again_after_a_load_failure_are_cached_again():
     assert not harness.scheduler.requests
 
 
+def test_sharer_of_blocks_computed_on_a_failed_load_fails_with_it():
+    """Caught the stage 03 tree that finds the requests a load failure
+    affects by the invalid blocks only (Recached): under the `fail` policy,
+    r2 loads 40 tokens synchronously and r3 hits r2's blocks in the same
+    step; the load fails in the sliding window group only, where r3 holds
+    null blocks. r2 fails; r3 held r2's blocks computed on the failed KV
+    (evicted from the prefix cache) and went on with them. It fails too."""
+    harness = Harness(Setup("gpt_oss_like", 32, 61, 0, False, 512, "fail"))
+    harness.add_request(**_request())
+    harness.add_request(**_request())
+    harness.add_request(**_request(prefix=3, num_external=40))
+    harness.add_request(**_request(prefix=3, max_tokens=4))
+    harness.check_all()
+    for fail_sync in (17, None, None):
+        harness.step(accept=0, eos_pick=None, fail_sync=fail_sync)
+        harness.check_all()
+    assert "r3" not in harness.scheduler.requests
+
+
 def test_one_token_prompt_loaded_whole_keeps_its_tables():
     """Caught the stage 05 tree (ConnectorTables): an async load covers a
     one-token prompt, the request resumes with 0 computed tokens (it
