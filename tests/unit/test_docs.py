@@ -219,7 +219,11 @@ def test_conformance_report_is_rendered(project):
                         "passed": 201,
                         "failed": 0,
                         "seconds": 7.8,
-                        "summary": {"steps_compared": 1666},
+                        "summary": {
+                            "steps_compared": 1666,
+                            "acts": {"Refused": 58, "Abort": 299},
+                            "stopped_by_event": {},
+                        },
                     }
                 ],
                 "breaks": [
@@ -242,6 +246,9 @@ def test_conformance_report_is_rendered(project):
     assert "200 TLC behaviours of `m.cfg` (2546 steps, seed 5) at stage 3" in block
     assert "| replay through the Scheduler | 201 passed / 0 failed | 8 |" in block
     assert "steps compared 1666" in block
+    # a count per key reads as words, not as a Python dict
+    assert "acts: Abort 299, Refused 58; stopped by event: none" in block
+    assert "{" not in block
     assert "`free-aborted-load` | keeps the blocks | caught (8 s): x.py::t" in block
 
 
