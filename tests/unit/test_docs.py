@@ -309,8 +309,9 @@ def test_model_page_lists_every_manifest_model_before_any_run(project):
 @pytest.mark.tlc
 @pytest.mark.skipif(shutil.which("java") is None, reason="TLC needs Java")
 def test_model_page_shows_the_checks_own_verdict_and_counterexamples(project):
-    """Reports written by the real `spec check` (issue 19: the page once showed
-    mutations as never run and misread simulation results)."""
+    """Reports written by the real `spec check`: the page shows each model's
+    own verdict, a mutation's and a simulation's included, and a
+    counterexample step by step."""
     _copy_spec(project)
     settings = spec_manifest.load_settings(project.root)
     models = spec_manifest.load_manifest(settings)
