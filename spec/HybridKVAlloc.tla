@@ -111,9 +111,8 @@ ASSUME /\ N \in Nat \ {0} /\ B \in Nat \ {0} /\ W \in Nat \ {0, 1}
 (* after the next step preempts) is LateReport; patches 1-3 are the     *)
 (* async-load paths below (FinishLoad, Abort while loading, resume       *)
 (* point); patches                                                        *)
-(* 10-11 (configuration) and 15 (documentation) have no state. What the   *)
-(* model once proposed and the code lacked is now in the code (patches 8, *)
-(* 9, 14); a new proposal gets its own policy again.                      *)
+(* 10-11 (configuration) and 15 (documentation) have no state. A         *)
+(* proposal the code lacks gets a policy of its own.                      *)
 (***************************************************************************)
 IsSeries == Policy \in {"SeriesAllocOnly", "SeriesAsCoded"}
 Fixed == Policy = "SeriesAsCoded"
@@ -1182,7 +1181,7 @@ Unmutated == Mutation = "none"
 SavesSafe == SaveMode # "async" \/ SaveHold
 \* Load failures cannot leave a shared block unrecomputed: every holder
 \* recomputes (patch 5) and counts what it computed before its step as
-\* computed (patch 8; before it the code counted num_cached_tokens).
+\* computed (patch 8; without it the code counts num_cached_tokens).
 FailuresSafe == MaxFailures = 0 \/ (SharedInvalidFix /\ RangeByComputed)
 \* Blocks vLLM's start-up check demands for one request of MaxLen tokens
 \* (check_enough_kv_cache_memory, KVCacheSpec.max_memory_usage_bytes per

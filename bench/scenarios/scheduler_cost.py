@@ -84,7 +84,7 @@ PREFILL_BUDGET = 8192  # max_num_batched_tokens of the prefill-heavy mode
 # Unmeasured steps before the measured ones. Python 3.11 quickens a function
 # after several calls and specializes its instructions adaptively: with only a
 # couple of warm-up steps, the first measured steps of a process still pay for
-# that (seen as 8% more instructions in the first setting of a process).
+# that (several percent more instructions in the first setting of a process).
 WARMUP_STEPS = 12
 DECODE_STEPS_AHEAD = 4096  # max_tokens of a decoding request (never reached)
 

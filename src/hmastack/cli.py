@@ -250,7 +250,7 @@ def add_spec_parser(subparsers: Subparsers) -> None:
     parser = subparsers.add_parser(
         "spec",
         help="the TLA+ model of the allocator: fetch TLC, check models",
-        description="The TLA+/PlusCal model in spec/ and TLC, which checks it.",
+        description="The TLA+ models in spec/ and TLC, which checks them.",
     )
     sub = parser.add_subparsers(dest="spec_command", metavar="SPEC_COMMAND")
     sub.required = True
@@ -510,7 +510,7 @@ def add_run_parser(subparsers: Subparsers) -> None:
     parser.set_defaults(func=run_command)
 
 
-# the subcommands in pipeline order (as before: `hmastack --help` lists them so)
+# the subcommands in pipeline order (`hmastack --help` lists them in this order)
 ADD_PARSERS: tuple[Callable[[Subparsers], None], ...] = (
     add_base_parser,
     add_env_parser,

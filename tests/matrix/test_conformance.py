@@ -1,4 +1,4 @@
-"""Spec <-> code conformance as part of the suite (issue 8), the CI-sized set.
+"""Spec <-> code conformance as part of the suite, the CI-sized set.
 
 Runs ``hmastack conform`` for real: 200 fresh TLC behaviours of the Series
 replayed through the ``KVCacheManager`` and the ``Scheduler`` of stage 03, the

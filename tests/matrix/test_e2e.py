@@ -1,4 +1,4 @@
-"""The real engine end to end as part of the suite (issue 14), the CI-sized set.
+"""The real engine end to end as part of the suite, the CI-sized set.
 
 Runs ``hmastack e2e --quick`` for real at the base and at stage 3 (HMA off
 with the plain connector, HMA on with the ``SupportsHMA`` connector) and checks

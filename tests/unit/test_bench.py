@@ -676,3 +676,19 @@ def test_a_stage_above_the_base_without_a_named_function_fails_the_counts():
     assert len(figures.count_failed(report)) == 1
     report["profiles"][0]["python_functions"] = [{"function": "vllm/v1/core/y.py:g"}]
     assert figures.count_failed(report) == []
+
+
+def test_the_last_run_line_gives_each_scenario_its_seconds():
+    from hmastack.site import bench as site_bench
+
+    run = {"quick": True, "generated": "2026-01-01 00:00:00", "seconds": 475}
+    reports = {
+        "peak_blocks": {"rows": [], "seconds": 66},
+        "admission": {"rows": [], "seconds": 72},
+        "eagle_hits": {"rows": []},  # a report without its seconds: left out
+    }
+    last = site_bench.headline(reports, run)[-1]
+    assert last.startswith("Last run: quick set, 2026-01-01 00:00:00, 475 s")
+    assert "(by scenario, from its report: peak_blocks 66 s, admission 72 s)" in last
+    assert "eagle_hits" not in last
+    assert "by scenario" not in site_bench.headline({}, run)[-1]

@@ -219,7 +219,11 @@ def test_conformance_report_is_rendered(project):
                         "passed": 201,
                         "failed": 0,
                         "seconds": 7.8,
-                        "summary": {"steps_compared": 1666},
+                        "summary": {
+                            "steps_compared": 1666,
+                            "acts": {"Refused": 58, "Abort": 299},
+                            "stopped_by_event": {},
+                        },
                     }
                 ],
                 "breaks": [
@@ -242,6 +246,9 @@ def test_conformance_report_is_rendered(project):
     assert "200 TLC behaviours of `m.cfg` (2546 steps, seed 5) at stage 3" in block
     assert "| replay through the Scheduler | 201 passed / 0 failed | 8 |" in block
     assert "steps compared 1666" in block
+    # a count per key reads as words, not as a Python dict
+    assert "acts: Abort 299, Refused 58; stopped by event: none" in block
+    assert "{" not in block
     assert "`free-aborted-load` | keeps the blocks | caught (8 s): x.py::t" in block
 
 
@@ -302,8 +309,9 @@ def test_model_page_lists_every_manifest_model_before_any_run(project):
 @pytest.mark.tlc
 @pytest.mark.skipif(shutil.which("java") is None, reason="TLC needs Java")
 def test_model_page_shows_the_checks_own_verdict_and_counterexamples(project):
-    """Reports written by the real `spec check` (issue 19: the page once showed
-    mutations as never run and misread simulation results)."""
+    """Reports written by the real `spec check`: the page shows each model's
+    own verdict, a mutation's and a simulation's included, and a
+    counterexample step by step."""
     _copy_spec(project)
     settings = spec_manifest.load_settings(project.root)
     models = spec_manifest.load_manifest(settings)

@@ -81,9 +81,8 @@ def test_manifest_covers_every_model_file_and_records_results():
 
 
 def test_each_mutation_is_a_passing_model_with_one_protection_off():
-    """The done criterion of the model-fidelity issue: every mutation (the skip
-    rule off by one among them) is caught by an exhaustive model expected to
-    pass unmutated."""
+    """Every mutation (the skip rule off by one among them) is caught by an
+    exhaustive model expected to pass unmutated."""
     mutations = {n: m for n, m in MODELS.items() if n.startswith("mutations/")}
     assert "mutations/skip-ceil" in mutations
     bases = {

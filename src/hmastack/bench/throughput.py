@@ -226,8 +226,8 @@ def summarize(runs: dict[tuple[str, str], list[dict]], labels: list[str]) -> lis
                     "predicted running": predicted_concurrency(
                         first["num_blocks"], per_request, first["batch"]["requests"]
                     ),
-                    # At once, all groups (older runs: the sum of each
-                    # group's own peak, an upper bound).
+                    # At once, all groups (a run without peak_blocks_in_use:
+                    # the sum of each group's own peak, an upper bound).
                     "peak blocks": max(_peak(r) for r in ok),
                     "peak layer blocks": max(layer_blocks([_peak(r)], hma) for r in ok),
                     "preemptions": max(r["preemptions"] for r in ok),

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 HMA_FROM_STAGE = 3
-# Scenarios the issue asks for that the CPU engine of 0.13.0 cannot run, and why.
+# Scenarios the CPU engine of 0.13.0 cannot run, and why.
 UNSUPPORTED = {
     "asynchronous scheduling": (
         "vLLM 0.13.0's model runner builds AsyncGPUModelRunnerOutput, which calls "
@@ -240,8 +240,8 @@ SCENARIOS: tuple[Scenario, ...] = (
         note=(
             "stages 3-4: two requests back from their asynchronous loads wait "
             "holding 114 of 124 blocks, each needs 48 more (8 per group) for its "
-            "next chunk; without stage-03 patch 7 the engine stalled here as the "
-            "base does (measured on the three-commit stage 03), with it they finish"
+            "next chunk; without stage-03 patch 7 the engine stalls here as the "
+            "base does, with it they finish"
         ),
     ),
     # --- negative controls: each check must bite ----------------------------------

@@ -26,10 +26,9 @@ later stage mends) is the per-commit run's to find, in ``hmastack run``.
 runs, at every commit, the selected vLLM suite (for commits of the vLLM tree)
 and ruff with the tree's own configuration on the files touched so far:
 ``build/reports/commits.json`` and a table. Our stage tests are not run there:
-they test whole stages (the stage matrix runs them). About 2.5-4 minutes per
-vLLM commit, two at a time with ``--jobs 2`` (the 25 commits of the final
-series: 33 minutes on 2 cores), so ``hmastack run`` runs it and ``make test``
-does not.
+they test whole stages (the stage matrix runs them). Each vLLM commit takes
+minutes (its seconds are in ``commits.json``), two at a time with ``--jobs
+2``, so ``hmastack run`` runs it and ``make test`` does not.
 """
 
 from __future__ import annotations

@@ -185,6 +185,7 @@ def headline(reports: dict[str, dict], run: dict) -> list[str]:
             + (f", {', '.join(run['scenarios'])}" if run.get("scenarios") else "")
             + ", "
             + f"{run.get('generated', '?')}, {run.get('seconds', '?')} s"
+            + _scenario_seconds(reports)
             + (
                 f"; failures: {'; '.join(run['failures'])}"
                 if run.get("failures")
@@ -193,6 +194,16 @@ def headline(reports: dict[str, dict], run: dict) -> list[str]:
             + "."
         )
     return out
+
+
+def _scenario_seconds(reports: dict[str, dict]) -> str:
+    """Each scenario's own wall time, as its report records it (``seconds``)."""
+    parts = [
+        f"{name} {r['seconds']} s"
+        for name, r in reports.items()
+        if isinstance(r.get("seconds"), int | float)
+    ]
+    return f" (by scenario, from its report: {', '.join(parts)})" if parts else ""
 
 
 def count_table(report: dict) -> str:

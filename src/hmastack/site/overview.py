@@ -108,6 +108,21 @@ def checklist_block(
     )
 
 
+def summary_cell(summary: dict) -> str:
+    """A suite's summary as the report holds it, in words: ``steps_compared
+    1061`` reads "steps compared 1061", a count per key (the replayed actions,
+    the stops by event) "acts: Abort 299, Finish 18" or "none"."""
+    parts = []
+    for k, v in summary.items():
+        name = k.replace("_", " ")
+        if isinstance(v, dict):
+            counts = ", ".join(f"{x} {n}" for x, n in sorted(v.items()))
+            parts.append(f"{name}: {counts or 'none'}")
+        else:
+            parts.append(f"{name} {v}")
+    return "; ".join(parts)
+
+
 def conformance_block(cfg: Config) -> str:
     """The last ``hmastack conform`` report (build/reports/conformance.json)."""
     path = cfg.reports / "conformance.json"
@@ -120,8 +135,7 @@ def conformance_block(cfg: Config) -> str:
     t = report["traces"]
     rows = []
     for r in report["series"]:
-        summary = r.get("summary") or {}
-        detail = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in summary.items())
+        detail = summary_cell(r.get("summary") or {})
         rows.append(
             [
                 r["suite"],

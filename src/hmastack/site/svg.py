@@ -1,9 +1,9 @@
 """The token-region diagram of the site, drawn as SVG at build time.
 
 One worked example (block size, window, hit lengths below) is computed with the
-brief's formulas and drawn: the token regions of one request at one scheduling
-step, and the block table each KV cache group ends up with, on vLLM 0.13.0 and
-with the series. Nothing is fetched at view time.
+formulas of ``docs/regions.md`` and drawn: the token regions of one request at
+one scheduling step, and the block table each KV cache group ends up with, on
+vLLM 0.13.0 and with the series. Nothing is fetched at view time.
 """
 
 from __future__ import annotations

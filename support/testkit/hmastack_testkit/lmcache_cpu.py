@@ -1,7 +1,8 @@
 """LMCache on CPU: the one piece the stage-04 tests
 (``tests/stages/s04_lmcache/cuda_boundary.py``) and the engine side of
 ``hmastack e2e`` (``tests/e2e/hmastack_e2e/lmcache_cpu.py``) replace in the
-same way. Facts: ``/work/shared/design/lmcache-cpu-facts.md``.
+same way; the docstring of ``cuda_boundary.py`` lists the five points of
+LMCache that need CUDA.
 
 The copy kernels stay apart: the stage tests view vLLM's paged KV cache as the
 GPU model runner lays it out (``[2, num_blocks, block_size, num_kv_heads,

@@ -1,7 +1,7 @@
 """LMCache's own storage path inside vLLM's CPU engine: the five CUDA-only points.
 
 LMCache 0.3.11 (with or without the stage-04 patch) runs on CPU unchanged
-except at five points that need a CUDA device (facts: lmcache-cpu-facts.md).
+except at five points that need a CUDA device.
 :func:`install` substitutes exactly those, at runtime, in this process; no
 LMCache or vLLM source is edited:
 

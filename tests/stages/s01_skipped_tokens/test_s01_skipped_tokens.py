@@ -26,7 +26,8 @@ SETTINGS = hypothesis_settings(150)
 
 
 def expected_skipped_tokens(kind: str, window: int, n: int) -> int:
-    """The brief's definition (design/brief.md, section 2)."""
+    """The definition per attention type (docs/regions.md, "Skipped tokens
+    per attention type"), written from the attention, not from vLLM."""
     return {
         "full": 0,
         "cross_attention": 0,

@@ -3,8 +3,7 @@
 LMCache's storage path (``LMCacheEngine`` with the local CPU backend, its
 storage manager, memory allocators, token database, lookup client and server)
 and its ``VLLMPagedMemGPUConnectorV2`` run for real on CPU. Five points need
-CUDA (``/work/shared/design/lmcache-cpu-facts.md``); each is replaced here and
-nowhere else:
+CUDA; each is replaced here and nowhere else:
 
 1. ``lmcache.c_ops.multi_layer_kv_transfer``, the copy kernel between vLLM's
    paged KV cache and LMCache's memory objects (``c_ops`` is a CUDA extension,
