@@ -369,7 +369,7 @@ CI_RUNS = sorted(
 
 @pytest.fixture(scope="module")
 def tlc_runs(request, tlc_env, build):
-    """TLC on every run this session's ``test_model_matches_manifest`` items
+    """TLC on every run that the collected ``test_model_matches_manifest`` items
     check, ``parallel`` at a time in their order: each test waits for its own."""
     java, jar = tlc_env
     wanted = [
