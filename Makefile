@@ -14,7 +14,7 @@ $(BIN)/hmastack: pyproject.toml
 	@touch $@
 
 run: $(BIN)/hmastack
-	$(BIN)/hmastack run
+	$(BIN)/hmastack run $(if $(FULL),--full)
 
 test: $(BIN)/hmastack
 	$(BIN)/pytest

@@ -1,7 +1,8 @@
 """The command line: every subcommand's parser, in one place.
 
-Each subcommand calls its pipeline step's ``cmd_*`` function with typed
-arguments; the defaults shown here are the steps' own (``DEFAULT_*``).
+Each subcommand calls its step's ``run_step`` (the function ``hmastack run``
+calls too) with typed arguments; the defaults shown here are the steps' own
+(``DEFAULT_*``).
 Subcommands are built in pipeline order. The step modules are imported when
 the parser is built (``hmastack --help`` shows every step's help text).
 
@@ -23,8 +24,10 @@ from rich.markup import escape
 from hmastack import __version__, e2e, pipeline
 from hmastack.bench import run as bench
 from hmastack.conform import run as conform
+from hmastack.core import config
 from hmastack.core.errors import HmastackError
 from hmastack.core.progress import console
+from hmastack.core.steps import StepResult
 from hmastack.matrix import stages as matrix
 from hmastack.site import docs
 from hmastack.spec import models as spec
@@ -45,24 +48,25 @@ def doc(module: ModuleType) -> str:
 # --- the commands: typed calls of the steps ------------------------------------------
 
 
-def base_command(args: argparse.Namespace) -> int:
-    return base.cmd_base(args.tree)
+def base_command(args: argparse.Namespace) -> StepResult:
+    return base.run_step(config.load(), args.tree)
 
 
-def env_command(args: argparse.Namespace) -> int:
-    return env.cmd_env()
+def env_command(args: argparse.Namespace) -> StepResult:
+    return env.run_step(config.load())
 
 
-def apply_command(args: argparse.Namespace) -> int:
-    return workspace.cmd_apply(args.upto, force=args.force)
+def apply_command(args: argparse.Namespace) -> StepResult:
+    return workspace.run_step(config.load(), args.upto, force=args.force)
 
 
 def export_command(args: argparse.Namespace) -> int:
     return workspace.cmd_export(check=args.check)
 
 
-def test_command(args: argparse.Namespace) -> int:
-    return matrix.cmd_test(
+def test_command(args: argparse.Namespace) -> StepResult:
+    return matrix.run_step(
+        config.load(),
         stage=args.stage,
         per_commit=args.per_commit,
         jobs=args.jobs,
@@ -75,9 +79,9 @@ def spec_fetch_command(args: argparse.Namespace) -> int:
     return spec.cmd_fetch()
 
 
-def spec_check_command(args: argparse.Namespace) -> int:
-    return spec.cmd_check(
-        args.model, nightly=args.nightly, witnesses=not args.no_witnesses
+def spec_check_command(args: argparse.Namespace) -> StepResult:
+    return spec.run_step(
+        config.load(), args.model, nightly=args.nightly, witnesses=not args.no_witnesses
     )
 
 
@@ -93,8 +97,9 @@ def spec_traces_command(args: argparse.Namespace) -> int:
     )
 
 
-def conform_command(args: argparse.Namespace) -> int:
-    return conform.cmd_conform(
+def conform_command(args: argparse.Namespace) -> StepResult:
+    return conform.run_step(
+        config.load(),
         args.traces,
         args.depth,
         args.seed,
@@ -105,12 +110,13 @@ def conform_command(args: argparse.Namespace) -> int:
     )
 
 
-def docs_build_command(args: argparse.Namespace) -> int:
-    return docs.cmd_build(args.site_dir)
+def docs_build_command(args: argparse.Namespace) -> StepResult:
+    return docs.run_step(config.load(), args.site_dir)
 
 
-def bench_command(args: argparse.Namespace) -> int:
-    return bench.cmd_bench(
+def bench_command(args: argparse.Namespace) -> StepResult:
+    return bench.run_step(
+        config.load(),
         quick=args.quick,
         stages=args.stages,
         no_peer=args.no_peer,
@@ -122,12 +128,14 @@ def bench_command(args: argparse.Namespace) -> int:
     )
 
 
-def e2e_command(args: argparse.Namespace) -> int:
-    return e2e.cmd_e2e(quick=args.quick, stage=args.stage, jobs=args.jobs)
+def e2e_command(args: argparse.Namespace) -> StepResult:
+    return e2e.run_step(
+        config.load(), quick=args.quick, stage=args.stage, jobs=args.jobs
+    )
 
 
 def run_command(args: argparse.Namespace) -> int:
-    return pipeline.cmd_run(jobs=args.jobs)
+    return pipeline.cmd_run(jobs=args.jobs, full=args.full)
 
 
 # --- the parsers ---------------------------------------------------------------------
@@ -223,7 +231,7 @@ def add_test_parser(subparsers: Subparsers) -> None:
         "--per-commit",
         action="store_true",
         help="every commit of the series in turn: vLLM's suite and ruff "
-        "(build/reports/commits.json; slow: part of `hmastack run`)",
+        "(build/reports/commits.json; slow: part of `hmastack run --full`)",
     )
     parser.add_argument(
         "--jobs",
@@ -488,16 +496,15 @@ def add_e2e_parser(subparsers: Subparsers) -> None:
 def add_run_parser(subparsers: Subparsers) -> None:
     parser = subparsers.add_parser(
         "run",
-        help="the main job: base, env, apply, stage matrix, every commit, model, "
-        "conformance, benchmarks, end to end, site",
+        help="the main job: base, env, apply, stage matrix, model, conformance, "
+        "quick benchmarks, quick end to end, site (--full: every commit too)",
         description=doc(pipeline)
         + "\n"
         + textwrap.fill(
             "It ends with a table of every step's outcome and seconds: the "
             "measured durations of this machine. The reports go to build/reports/, "
-            "the site to build/site/. The long steps, as measured on 2 cores: "
-            "every commit 33 minutes, the quick benchmarks 16 minutes; the end to "
-            "end step downloads ~4 GB on first use (cached per user)."
+            "the site to build/site/. The end to end step downloads ~4 GB on first "
+            "use (cached per user)."
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -506,6 +513,12 @@ def add_run_parser(subparsers: Subparsers) -> None:
         type=int,
         default=matrix.DEFAULT_JOBS,
         help=f"stages tested at once (default {matrix.DEFAULT_JOBS})",
+    )
+    parser.add_argument(
+        "--full",
+        action="store_true",
+        help="also every commit, the full end-to-end set and the throughput "
+        "benchmark (make run FULL=1)",
     )
     parser.set_defaults(func=run_command)
 
@@ -544,9 +557,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    func: Callable[[argparse.Namespace], int | None] = args.func
+    func: Callable[[argparse.Namespace], StepResult | int] = args.func
     try:
-        return int(func(args) or 0)
+        result = func(args)
+        return result.exit_status if isinstance(result, StepResult) else result
     except HmastackError as exc:
         console.print(f"[red]error:[/red] {escape(exc.message)}")
         if exc.hint:

@@ -1,17 +1,23 @@
 """``hmastack run``: the main job, every step of the pipeline in order.
 
-base → env → apply (all stages into the workspaces) → stage matrix → every
-commit (vLLM's suite and ruff per commit) → model check → conformance (TLC
-behaviours replayed, random schedules, broken copies) → quick benchmarks → end
-to end (the real CPU engine at every stage) → site, then one summary. A failing
-step is reported and the later steps still run where they can, so one run shows
-everything that is red.
+base → env → apply (all stages into the workspaces) → stage matrix → model
+check → conformance (TLC behaviours replayed, random schedules, broken copies)
+→ quick benchmarks → end to end (the quick set at every stage) → site, then one
+summary. ``--full`` (``make run FULL=1``) adds what does not fit in the main
+job: every commit (vLLM's suite and ruff per commit), the full end-to-end set
+and the benchmarks' real-engine throughput.
+
+Each step is the same function its subcommand calls (``run_step`` of its
+module). A failing step is reported and the later steps still run where they
+can, so one run shows everything that is red; a step that needs an earlier one
+green is listed as skipped, with the step that was red.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from rich.table import Table
 
@@ -19,75 +25,104 @@ from hmastack import e2e
 from hmastack.bench import run as bench
 from hmastack.conform import run as conform
 from hmastack.core import config
+from hmastack.core.config import Config
 from hmastack.core.errors import HmastackError
 from hmastack.core.progress import console
-from hmastack.matrix import reports
+from hmastack.core.steps import StepResult
 from hmastack.matrix import stages as matrix
 from hmastack.site import docs
 from hmastack.spec import models as spec
 from hmastack.stack import base, env, workspace
 
 
-def cmd_run(jobs: int = matrix.DEFAULT_JOBS) -> int:
+@dataclass(frozen=True)
+class Step:
+    """One step of ``hmastack run``: ``needs`` names the steps that must be
+    green first; ``ALL_BEFORE`` stands for every step before this one."""
+
+    name: str
+    run: Callable[[Config], StepResult]
+    needs: tuple[str, ...] = ()
+
+
+ALL_BEFORE = "*"
+
+
+def steps(jobs: int = matrix.DEFAULT_JOBS, full: bool = False) -> list[Step]:
+    """The steps of ``hmastack run`` in order (``full``: with every commit, the
+    full end-to-end set and the throughput)."""
+    chosen = [
+        Step("base", lambda cfg: base.run_step(cfg)),
+        Step("env", lambda cfg: env.run_step(cfg), ("base",)),
+        Step("apply", lambda cfg: workspace.run_step(cfg), ("env",)),
+        Step("stage matrix", lambda cfg: matrix.run_step(cfg, jobs=jobs), ("apply",)),
+    ]
+    if full:
+        chosen.append(
+            Step(
+                "every commit",
+                lambda cfg: matrix.run_step(cfg, per_commit=True, jobs=jobs),
+                ("apply",),
+            )
+        )
+    chosen += [
+        Step("model check", lambda cfg: spec.run_step(cfg)),
+        Step(
+            "conformance",
+            lambda cfg: conform.run_step(cfg, jobs=jobs),
+            (ALL_BEFORE,),
+        ),
+        Step(
+            "benchmarks (quick)",
+            lambda cfg: bench.run_step(cfg, quick=True, throughput=full),
+            (ALL_BEFORE,),
+        ),
+        Step(
+            "end to end (real engine)",
+            lambda cfg: e2e.run_step(cfg, quick=not full, jobs=jobs),
+            (ALL_BEFORE,),
+        ),
+        Step("site", lambda cfg: docs.run_step(cfg)),
+    ]
+    return chosen
+
+
+def cmd_run(jobs: int = matrix.DEFAULT_JOBS, full: bool = False) -> int:
     """``hmastack run``: every step in turn, ``jobs`` stages tested at once."""
     cfg = config.load()
     summary: list[tuple[str, str, float]] = []
-
-    def do(name: str, fn: Callable[[], str]) -> bool:
+    green: dict[str, bool] = {}
+    # The red steps that a step not green stands for: itself when it ran and
+    # failed, the red steps it waited for when it was skipped.
+    red_because: dict[str, list[str]] = {}
+    for one in steps(jobs, full):
+        needed = list(green) if ALL_BEFORE in one.needs else list(one.needs)
+        red = list(
+            dict.fromkeys(
+                cause
+                for name in needed
+                if not green.get(name, False)
+                for cause in red_because.get(name, [name])
+            )
+        )
+        if red:
+            green[one.name] = False
+            red_because[one.name] = red
+            summary.append((one.name, f"skipped: {', '.join(red)} not green", 0.0))
+            continue
         start = time.monotonic()
         try:
-            outcome = fn()
-            ok = True
+            result = one.run(cfg)
         except HmastackError as exc:
-            outcome, ok = f"error: {exc.message.splitlines()[0]}", False
-            console.print(f"[red]{name} failed:[/red] {exc}", markup=True)
-        summary.append((name, outcome, time.monotonic() - start))
-        return ok
+            result = StepResult(False, f"error: {exc.message.splitlines()[0]}")
+            console.print(f"[red]{one.name} failed:[/red] {exc}", markup=True)
+        green[one.name] = result.ok
+        summary.append((one.name, result.outcome, time.monotonic() - start))
 
-    def do_base() -> str:
-        ids = [f"{t.tag} {base.materialize(cfg, t)[:12]}" for t in cfg.trees.values()]
-        return ", ".join(ids)
-
-    def do_apply() -> str:
-        applied = workspace.apply(cfg, cfg.num_stages)
-        return ", ".join(f"{n} {t} patches" for t, n in applied.items())
-
-    def do_matrix() -> str:
-        results = matrix.run_matrix(cfg, list(range(cfg.num_stages + 1)), jobs)
-        reports.write_stage_report(cfg, results)
-        reports.print_stage_table(results)
-        red = [str(r.stage) for r in results if not r.ok]
-        if red:
-            raise HmastackError(f"stages {', '.join(red)} are red")
-        return f"stages 0..{cfg.num_stages} green"
-
-    def do_per_commit() -> str:
-        commits = matrix.run_per_commit(cfg, jobs)
-        reports.write_commit_report(cfg, commits)
-        reports.print_commit_table(commits)
-        red = [f"{c.tree} {c.index}" for c in commits if not c.ok]
-        if red:
-            raise HmastackError(f"commits {', '.join(red)} are red")
-        return f"{len(commits)} commits green"
-
-    ok = do("base", do_base) and do("env", lambda: str(env.ensure(cfg).root))
-    if ok:
-        ok = do("apply", do_apply)
-        ok = do("stage matrix", do_matrix) and ok
-        ok = do("every commit", do_per_commit) and ok
-    ok = do("model check", lambda: spec.run_all_for_pipeline(cfg)) and ok
-    if ok:
-        ok = do("conformance", lambda: conform.run_for_pipeline(cfg)) and ok
-    if ok:
-        ok = do("benchmarks (quick)", lambda: bench.run_for_pipeline(cfg)) and ok
-    if ok:
-        ok = do("end to end (real engine)", lambda: e2e.run_for_pipeline(cfg)) and ok
-    ok = do("site", lambda: docs.build_for_pipeline(cfg)) and ok
-
-    table = Table(title="hmastack run")
+    table = Table(title="hmastack run" + (" --full" if full else ""))
     for column in ("step", "outcome", "seconds"):
         table.add_column(column)
     for name, outcome, seconds in summary:
         table.add_row(name, outcome, f"{seconds:.0f}")
     console.print(table)
-    return 0 if ok else 1
+    return 0 if all(green.values()) else 1

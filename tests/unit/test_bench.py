@@ -75,12 +75,18 @@ def test_parse_stages():
 
 
 def _bench_call(monkeypatch, argv: list[str]) -> dict:
-    """The arguments `hmastack <argv>` calls :func:`bench.cmd_bench` with."""
+    """The arguments `hmastack <argv>` calls :func:`bench.run_step` with."""
     from hmastack import cli
+    from hmastack.core.steps import StepResult
 
     calls: list[dict] = []
-    monkeypatch.setattr(bench, "cmd_bench", lambda **kw: calls.append(kw) or 3)
-    assert cli.main(argv) == 3  # the step's exit status is the command's
+
+    def run_step(cfg, **kw):
+        calls.append(kw)
+        return StepResult(False, "a checked figure is off")
+
+    monkeypatch.setattr(bench, "run_step", run_step)
+    assert cli.main(argv) == 1  # a failed step is the command's exit status 1
     (call,) = calls
     return call
 

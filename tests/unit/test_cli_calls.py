@@ -5,13 +5,19 @@ from __future__ import annotations
 import pytest
 
 from hmastack import cli
+from hmastack.core.steps import StepResult
 from hmastack.matrix import stages as matrix
 
 
 @pytest.fixture
 def test_calls(monkeypatch) -> list[dict]:
     calls: list[dict] = []
-    monkeypatch.setattr(matrix, "cmd_test", lambda **kw: calls.append(kw) or 0)
+
+    def run_step(cfg, **kw):
+        calls.append(kw)
+        return StepResult(True, "stages green")
+
+    monkeypatch.setattr(matrix, "run_step", run_step)
     return calls
 
 

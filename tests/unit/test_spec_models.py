@@ -311,9 +311,15 @@ def test_select_runs_ci_models_unless_nightly():
 
 def test_spec_commands_call_their_step_with_the_flags(monkeypatch):
     from hmastack import cli
+    from hmastack.core.steps import StepResult
 
     calls = []
-    monkeypatch.setattr(spec, "cmd_check", lambda *a, **kw: calls.append((a, kw)) or 1)
+
+    def run_step(cfg, *a, **kw):
+        calls.append((a, kw))
+        return StepResult(False, "a model misses its manifest entry")
+
+    monkeypatch.setattr(spec, "run_step", run_step)
     monkeypatch.setattr(spec, "cmd_fetch", lambda: calls.append("fetch") or 0)
     assert cli.main(["spec", "check", "legacy", "series-wide"]) == 1
     assert cli.main(["spec", "check", "--nightly", "--no-witnesses"]) == 1

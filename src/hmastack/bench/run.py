@@ -32,7 +32,7 @@ Benchmarks page (``hmastack.site.bench``) shows them. Method and limits:
 ``bench/README.md``. A further scenario plugs in as one more :class:`Scenario`
 in :data:`SCENARIOS`.
 
-Optional (``--throughput``, ``--only throughput``; in ``hmastack run``, not in
+Optional (``--throughput``, ``--only throughput``; in ``hmastack run --full``, not in
 ``make test``): ``throughput``, the real engine (``build/e2e-env``) serving a
 batch whose long prefixes come from a KV connector under a memory-bound and a
 control KV budget, base (HMA off) against stages 3/4 (``throughput``).
@@ -76,10 +76,10 @@ from hmastack.bench.trees import (
     peer_tree,
     stage_tree,
 )
-from hmastack.core import config as config_mod
 from hmastack.core.config import Config
 from hmastack.core.errors import HmastackError
 from hmastack.core.progress import console, step
+from hmastack.core.steps import StepResult
 from hmastack.stack import env as env_mod
 
 SUMMARY = "summary.md"  # the results as Markdown tables, one column per tree
@@ -164,7 +164,7 @@ SCENARIOS: list[Scenario] = [
         memory_failed,
     ),
     # The real engine (build/e2e-env): only with --throughput (minutes of engine
-    # processes), in `hmastack run`, not in `make test`.
+    # processes), in `hmastack run --full`, not in `make test`.
     Scenario(
         "throughput",
         lambda ctx: bench_throughput.run(ctx.cfg, ctx.quick),
@@ -195,7 +195,8 @@ def selected_scenarios(only: str | None, throughput: bool) -> tuple[str, ...]:
     return tuple(n for n in names if n in chosen)
 
 
-def cmd_bench(
+def run_step(
+    cfg: Config,
     quick: bool = False,
     stages: str | None = None,
     no_peer: bool = False,
@@ -204,36 +205,29 @@ def cmd_bench(
     throughput: bool = False,
     count_settings: str | None = None,
     commits: bool = True,
-) -> int:
+) -> StepResult:
     """``hmastack bench``: the scenarios ``only`` names (default: all but the
     optional ones; ``throughput`` adds that one); ``commits=False`` leaves out
-    the per-commit trees of the full set."""
-    cfg = config_mod.load()
+    the per-commit trees of the full set. Fails when a checked figure (a memory
+    figure, the instruction counts' witness, a cached-token count of the
+    throughput runs) is off."""
+    chosen = selected_scenarios(only, throughput)
     failed = run_bench(
         cfg,
         quick,
         stages,
         no_peer,
         instructions,
-        selected_scenarios(only, throughput),
+        chosen,
         count_settings,
         commits,
     )
-    return 1 if failed else 0
-
-
-def run_for_pipeline(cfg: Config) -> str:
-    """`hmastack run`'s benchmark step: the quick set (memory figures checked
-    exactly, the witness of the instruction counts must be caught, ratios
-    reported only). Raises :class:`HmastackError` on a failure."""
-    chosen = selected_scenarios(None, throughput=True)
-    if run_bench(cfg, quick=True, stages_text=None, no_peer=False, only=chosen):
-        raise HmastackError(
-            "a benchmark check failed (a memory figure, the witness or a "
-            "cached-token count of the throughput runs)",
-            f"see {cfg.reports / 'bench'} and build/logs/bench/",
+    what = f"{'quick' if quick else 'full'} set: {', '.join(chosen)}"
+    if failed:
+        return StepResult(
+            False, f"{what}: a checked figure is off, see {cfg.reports / 'bench'}"
         )
-    return f"quick set, reports in {cfg.reports / 'bench'}"
+    return StepResult(True, f"{what}, reports in {cfg.reports / 'bench'}")
 
 
 def _run_scenarios(

@@ -53,6 +53,7 @@ from hmastack.core import config as config_mod
 from hmastack.core.errors import HmastackError
 from hmastack.core.gitutil import git
 from hmastack.core.progress import console, step
+from hmastack.core.steps import StepResult
 from hmastack.matrix import pytest_runs
 from hmastack.matrix import stages as matrix
 from hmastack.stack import env as env_mod
@@ -333,7 +334,8 @@ def print_report(report: dict) -> None:
     console.print(f"report: {report['path']}")
 
 
-def cmd_conform(
+def run_step(
+    cfg: config_mod.Config,
     traces: int = DEFAULT_TRACES,
     depth: int = DEFAULT_DEPTH,
     seed: int = DEFAULT_SEED,
@@ -341,10 +343,9 @@ def cmd_conform(
     break_names: list[str] | None = None,
     no_break: bool = False,
     jobs: int = matrix.DEFAULT_JOBS,
-) -> int:
+) -> StepResult:
     """``hmastack conform``: the series and the breaks ``break_names`` (default:
     every break; none with ``no_break``)."""
-    cfg = config_mod.load()
     if no_break:
         breaks = []
     elif break_names:
@@ -371,18 +372,11 @@ def cmd_conform(
             )
     report = conform(cfg, traces, depth, seed, examples, breaks, jobs)
     print_report(report)
-    return 0 if report["ok"] else 1
-
-
-def run_for_pipeline(cfg: config_mod.Config) -> str:
-    """`hmastack run`'s conformance step: the CI-sized set with every break."""
-    report = conform(
-        cfg, DEFAULT_TRACES, DEFAULT_DEPTH, DEFAULT_SEED, None, list(BREAKS.values())
+    caught = sum(1 for b in report["breaks"] if all(b["caught"].values()))
+    outcome = (
+        f"{report['traces']['count']} behaviours, "
+        f"{caught}/{len(report['breaks'])} breaks caught as expected"
     )
-    print_report(report)
     if not report["ok"]:
-        raise HmastackError(f"conformance failed, see {report['path']}")
-    return (
-        f"{report['traces']['count']} behaviours, the random test's CI set, "
-        f"{len(report['breaks'])} breaks caught"
-    )
+        outcome = f"failed ({outcome}), see {report['path']}"
+    return StepResult(report["ok"], outcome)

@@ -13,8 +13,8 @@ Modules, following the data:
 The engine-side code (models, connector, driver) is in ``tests/e2e/hmastack_e2e``;
 it runs inside build/e2e-env with a stage tree on ``PYTHONPATH``.
 
-Entry points: :func:`run` and :func:`cmd_e2e` (typed arguments; the subcommand's
-parser is in :mod:`hmastack.cli`).
+Entry points: :func:`run` (the report) and :func:`run_step` (the step of
+``hmastack e2e`` and ``hmastack run``; the parser is in :mod:`hmastack.cli`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from hmastack.core.config import Config
+from hmastack.core.steps import StepResult
 
-__all__ = ["run", "cmd_e2e", "run_for_pipeline"]
+__all__ = ["run", "run_step"]
 
 DEFAULT_JOBS = 2  # engine processes at once
 
@@ -55,30 +56,18 @@ def run(
     return runner.run_e2e(cfg, e2e, chosen, quick, jobs, trees_for)
 
 
-def run_for_pipeline(cfg: Config) -> str:
-    """``hmastack run``'s step: the full set at every stage."""
-    from hmastack.core.errors import HmastackError
-    from hmastack.e2e import runner
-
-    report = run(cfg)
-    bad = runner.failures(report)
-    if bad:
-        raise HmastackError(
-            f"{len(bad)} end-to-end verdicts failed: " + "; ".join(bad[:3])
-        )
-    return f"{len(report['verdicts'])} verdicts pass ({report['seconds']:.0f} s)"
-
-
-def cmd_e2e(
-    quick: bool = False, stage: int | None = None, jobs: int = DEFAULT_JOBS
-) -> int:
-    """``hmastack e2e``: every stage or one ``stage``."""
-    from hmastack.core import config as config_mod
+def run_step(
+    cfg: Config,
+    quick: bool = False,
+    stage: int | None = None,
+    jobs: int = DEFAULT_JOBS,
+) -> StepResult:
+    """``hmastack e2e``: every stage or one ``stage``, the full set or the
+    ``quick`` one; prints the verdicts' table and each failure."""
     from hmastack.core.progress import console
     from hmastack.e2e import runner
     from hmastack.stack.workspace import check_stage_number
 
-    cfg = config_mod.load()
     stages = None if stage is None else [check_stage_number(cfg, stage)]
     report = run(cfg, stages=stages, quick=quick, jobs=jobs)
     runner.print_table(report)
@@ -89,4 +78,9 @@ def cmd_e2e(
         f"report: {cfg.reports / runner.REPORT} ({report['seconds']:.0f} s)",
         highlight=False,
     )
-    return 1 if bad else 0
+    what = "quick set" if quick else "full set"
+    if bad:
+        failed = f"{len(bad)} end-to-end verdicts failed: " + "; ".join(bad[:3])
+        return StepResult(False, f"{what}: {failed}")
+    passed = f"{len(report['verdicts'])} verdicts pass ({report['seconds']:.0f} s)"
+    return StepResult(True, f"{what}: {passed}")

@@ -19,7 +19,7 @@ it runs the
 vLLM test files that the stage's own patches add or change and the stage's own
 tests ``tests/stages/sKK_*`` (``StageResult.scope`` "own"); ruff and the
 LMCache suite as above. What that leaves out (a stage that breaks a test a
-later stage mends) is the per-commit run's to find, in ``hmastack run``.
+later stage mends) is the per-commit run's to find, in ``hmastack run --full``.
 
 ``--per-commit`` instead applies the series one commit at a time (plain
 ``git am`` of the patch files in order, in clones under ``build/commits/``) and
@@ -28,7 +28,7 @@ and ruff with the tree's own configuration on the files touched so far:
 ``build/reports/commits.json`` and a table. Our stage tests are not run there:
 they test whole stages (the stage matrix runs them). Each vLLM commit takes
 minutes (its seconds are in ``commits.json``), two at a time with ``--jobs
-2``, so ``hmastack run`` runs it and ``make test`` does not.
+2``, so ``hmastack run --full`` runs it and ``make test`` does not.
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from hmastack.core import config as config_mod
 from hmastack.core.config import Config
 from hmastack.core.gitutil import git, is_repo, set_identity
 from hmastack.core.process import run
 from hmastack.core.progress import console, step
+from hmastack.core.steps import StepResult
 from hmastack.matrix import reports
 from hmastack.matrix.pytest_runs import (
     Deselected,
@@ -370,15 +370,15 @@ def run_per_commit(cfg: Config, jobs: int = DEFAULT_JOBS) -> list[CommitResult]:
     return sorted(results, key=lambda r: (r.tree != "vllm", r.tree, r.index))
 
 
-def cmd_test(
+def run_step(
+    cfg: Config,
     stage: int | None = None,
     per_commit: bool = False,
     jobs: int = DEFAULT_JOBS,
     ours_only: bool = False,
     quick: bool = False,
-) -> int:
+) -> StepResult:
     """``hmastack test``: every stage, one ``stage``, or every commit."""
-    cfg = config_mod.load()
     if per_commit:
         commits = run_per_commit(cfg, jobs=jobs)
         path = reports.write_commit_report(cfg, commits)
@@ -389,7 +389,10 @@ def cmd_test(
                 console.print(f"{c.tree} {c.index}: see {c.vllm.log}", highlight=False)
                 for failure in c.vllm.failures[:20]:
                     console.print(f"  {failure}", highlight=False)
-        return 0 if all(c.ok for c in commits) else 1
+        red_commits = [f"{c.tree} {c.index}" for c in commits if not c.ok]
+        if red_commits:
+            return StepResult(False, f"commits {', '.join(red_commits)} are red")
+        return StepResult(True, f"{len(commits)} commits green")
     if stage is not None:
         selected = [check_stage_number(cfg, stage)]
     else:
@@ -406,4 +409,7 @@ def cmd_test(
                 console.print(f"stage {r.stage}: see {part.log}", highlight=False)
                 for failure in part.failures[:20]:
                     console.print(f"  {failure}", highlight=False)
-    return 0 if all(r.ok for r in results) else 1
+    red = [str(r.stage) for r in results if not r.ok]
+    if red:
+        return StepResult(False, f"stages {', '.join(red)} are red")
+    return StepResult(True, f"stages {', '.join(map(str, selected))} green")

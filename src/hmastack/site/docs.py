@@ -20,12 +20,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hmastack.core import config as config_mod
 from hmastack.core.config import Config
 from hmastack.core.errors import HmastackError
 from hmastack.core.markdown import fence, md_table
 from hmastack.core.process import CommandError, run
 from hmastack.core.progress import console, step
+from hmastack.core.steps import StepResult
 from hmastack.site import bench as site_bench
 from hmastack.site import model as site_model
 from hmastack.site import reports as site_reports
@@ -187,20 +187,11 @@ def _shown(path: Path, cfg: Config) -> str:
         return str(path)
 
 
-def build_for_pipeline(cfg: Config) -> str:
-    with step("site: mkdocs build --strict"):
-        index, pages = build(cfg)
-    return f"site at {_shown(index, cfg)} ({pages} pages)"
-
-
-def cmd_build(site_dir: str | None = None) -> int:
+def run_step(cfg: Config, site_dir: str | None = None) -> StepResult:
     """``hmastack docs build``: into ``site_dir`` (default build/site)."""
-    cfg = config_mod.load()
     start = time.monotonic()
     with step("site: generate pages, mkdocs build --strict"):
         index, pages = build(cfg, Path(site_dir).resolve() if site_dir else None)
-    console.print(
-        f"site at {_shown(index, cfg)} ({pages} pages, "
-        f"{time.monotonic() - start:.1f} s)"
-    )
-    return 0
+    outcome = f"site at {_shown(index, cfg)} ({pages} pages)"
+    console.print(f"{outcome[:-1]}, {time.monotonic() - start:.1f} s)")
+    return StepResult(True, outcome)

@@ -290,8 +290,9 @@ def commits_block(info: StageInfo, commits: site_reports.CommitReport | None) ->
     head = "## Every commit\n\n"
     if commits is None:
         return head + (
-            "Not run yet: `hmastack test --per-commit` (part of `make run`) applies "
-            "the series commit by commit and runs vLLM's selected suite and ruff at "
+            "Not run yet: `hmastack test --per-commit` (part of `make run FULL=1`) "
+            "applies the series commit by commit and runs vLLM's selected suite and "
+            "ruff at "
             "each.\n"
         )
     rows = []

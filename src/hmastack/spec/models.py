@@ -42,6 +42,7 @@ from typing import Any
 
 from hmastack.core.config import Config
 from hmastack.core.errors import HmastackError
+from hmastack.core.steps import StepResult
 from hmastack.spec import tlc
 from hmastack.spec.install import fetch, find_java, resolve_jar
 from hmastack.spec.manifest import (
@@ -310,29 +311,39 @@ def cmd_fetch() -> int:
     return 0
 
 
-def cmd_check(
-    names: list[str] | None = None, nightly: bool = False, witnesses: bool = True
-) -> int:
-    """``hmastack spec check``: ``names`` (default: every ci model)."""
+def run_step(
+    cfg: Config,
+    names: list[str] | None = None,
+    nightly: bool = False,
+    witnesses: bool = True,
+) -> StepResult:
+    """``hmastack spec check``: ``names`` (default: every ci model), each
+    compared with its manifest entry; reports in build/reports/spec/."""
     from hmastack.core.progress import console
 
-    root, build, reports = paths()
-    settings = load_settings(root)
+    settings = load_settings(cfg.root)
     models = load_manifest(settings)
     selected = select(models, names or [], nightly)
     failed = check_models(
-        root,
-        build,
-        reports,
+        cfg.root,
+        cfg.build,
+        cfg.reports,
         settings,
         models,
         selected,
         witnesses=witnesses,
     )
-    console.print(
+    outcome = (
         f"{len(selected) - len(failed)}/{len(selected)} models as the manifest expects"
     )
-    return 1 if failed else 0
+    console.print(outcome)
+    if failed:
+        console.print(
+            f"models that miss spec/manifest.toml: {', '.join(failed)} "
+            "(see build/reports/spec/<model>.json)",
+            highlight=False,
+        )
+    return StepResult(not failed, outcome)
 
 
 def _summary(report: dict[str, Any]) -> str:
@@ -406,20 +417,3 @@ def check_models(
         if not all(results[n]["ok"] for n in names):
             failed.append(name)
     return failed
-
-
-def run_all_for_pipeline(cfg: Config) -> str:
-    """`hmastack run`'s model step: every ci model of the manifest, one line.
-
-    Raises :class:`HmastackError` when a model misses its manifest expectation.
-    """
-    settings = load_settings(cfg.root)
-    models = load_manifest(settings)
-    selected = select(models, [], nightly=False)
-    failed = check_models(cfg.root, cfg.build, cfg.reports, settings, models, selected)
-    if failed:
-        raise HmastackError(
-            f"models that miss spec/manifest.toml: {', '.join(failed)}",
-            "see build/reports/spec/<model>.json",
-        )
-    return f"{len(selected)} models as the manifest expects"

@@ -23,6 +23,7 @@ from hmastack.core.errors import HmastackError
 from hmastack.core.gitutil import git, identity_env, is_repo, set_identity
 from hmastack.core.process import CommandError, run
 from hmastack.core.progress import step
+from hmastack.core.steps import StepResult
 from hmastack.stack import env as env_mod
 
 
@@ -155,12 +156,13 @@ def materialize(cfg: Config, tree: Tree) -> str:
     return base_commit(cfg, tree) or ""
 
 
-def cmd_base(trees: list[str] | None = None) -> int:
+def run_step(cfg: Config, trees: list[str] | None = None) -> StepResult:
     """``hmastack base``: ``trees`` (default: every tree)."""
-    cfg = config_mod.load()
     names = trees or sorted(cfg.trees)
+    ids = []
     for name in names:
         tree = cfg.tree(name)
         commit = materialize(cfg, tree)
         print(f"{tree.name} {tree.package}=={tree.version} {tree.tag} {commit}")
-    return 0
+        ids.append(f"{tree.tag} {commit[:12]}")
+    return StepResult(True, ", ".join(ids))

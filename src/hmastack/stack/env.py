@@ -16,11 +16,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hmastack.core import config as config_mod
 from hmastack.core.config import Config
 from hmastack.core.errors import HmastackError
 from hmastack.core.process import CommandError, run
 from hmastack.core.progress import console, step
+from hmastack.core.steps import StepResult
 
 BOOTSTRAP = ("setuptools-scm", "wheel", "setuptools>=77,<81")
 HF_MODELS = "env/hf-models.json"
@@ -239,12 +239,12 @@ def ensure(cfg: Config) -> Env:
     return env
 
 
-def cmd_env() -> int:
-    cfg = config_mod.load()
+def run_step(cfg: Config) -> StepResult:
+    """``hmastack env``: build/env and the offline HF cache, made when missing."""
     env = ensure(cfg)
     console.print(f"environment: {env.root}")
     console.print(f"offline HF cache: {env.hf_home}")
-    return 0
+    return StepResult(True, str(env.root))
 
 
 def ruff(cfg: Config, version: str) -> Path:

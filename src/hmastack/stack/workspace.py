@@ -26,6 +26,7 @@ from hmastack.core.config import Config, Tree
 from hmastack.core.errors import HmastackError
 from hmastack.core.gitutil import am_in_progress, git, git_proc, is_repo, set_identity
 from hmastack.core.progress import console
+from hmastack.core.steps import StepResult
 from hmastack.stack import base as base_mod
 
 STAGE_DIR = re.compile(r"^(?P<num>\d\d)-(?P<slug>[a-z0-9][a-z0-9-]*)$")
@@ -703,15 +704,14 @@ def export(cfg: Config, check: bool) -> list[Drift]:
 # --- CLI -------------------------------------------------------------------------
 
 
-def cmd_apply(upto: int | None = None, force: bool = False) -> int:
+def run_step(cfg: Config, upto: int | None = None, force: bool = False) -> StepResult:
     """``hmastack apply``: stages 1..``upto`` (default: all)."""
-    cfg = config_mod.load()
     upto = cfg.num_stages if upto is None else upto
     applied = apply(cfg, upto, force=force)
     for name, count in applied.items():
         head = git(cfg.workspace(name), "rev-parse", "HEAD")
         console.print(f"{name}: {count} patches applied (stages 1..{upto}), {head}")
-    return 0
+    return StepResult(True, ", ".join(f"{n} {t} patches" for t, n in applied.items()))
 
 
 def cmd_export(check: bool = False) -> int:
