@@ -60,3 +60,10 @@ def test_e2e_ci_set(capfd):
             "outputs"
         )
         assert "cached tokens" in controls[(stage, "pd-load/hashseed-1")]["caught_by"]
+    # P/D with NixlConnector: the consumer's output equals a single engine's
+    # with the prompt read over NIXL, and reading the blocks in the wrong order
+    # is caught.
+    nixl = {(v["stage"], v["scenario"]): v for v in verdicts}
+    for stage in STAGES:
+        assert nixl[(stage, "nixl-consume")]["checks"]["outputs"]
+    assert nixl[(0, "control-nixl-rotated-blocks")]["caught_by"].startswith("outputs")

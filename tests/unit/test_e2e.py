@@ -218,17 +218,59 @@ def test_plan_stage_processes():
         ("gemma-5to1", True),
         ("gemma-5to1", False),
     }
-    assert {p.connector for p in procs if p.connector} == {"hma", "lmcache"}
+    assert {p.connector for p in procs if p.connector} == {"hma", "lmcache", "nixl"}
     assert not any(p.hma for p in procs if p.connector == "lmcache")
-    assert all(p.hma for p in runner.plan_stage(4, cat.selected(True)) if p.connector)
+    at_4 = runner.plan_stage(4, cat.selected(True))
+    assert all(p.hma for p in at_4 if p.connector not in (None, "nixl"))
     consumers = [p for p in procs if p.wave == 1]
     assert sorted(p.pythonhashseed for p in consumers) == ["0", "1"]
     assert [p.functions for p in procs if "pd-store" in p.functions] == [["pd-store"]]
     stall = [p for p in procs if p.connector and "stall" in p.functions]
     assert stall and stall[0].functions == ["stall"]  # isolated
     base = runner.plan_stage(0, cat.selected(quick=True))
-    assert all(p.connector in (None, "plain", "lmcache") for p in base)
+    assert all(p.connector in (None, "plain", "lmcache", "nixl") for p in base)
     assert not any(p.hma for p in base)
+
+
+def test_nixl_pairs_run_at_once_one_producer_per_consumer():
+    """A NixlConnector consumer reads its producer's memory: the two run at
+    once (wave 2), each pair with its own producer, store folder and ports."""
+    procs = runner.plan_stage(0, cat.selected(quick=True))
+    pairs = runner.nixl_pairs(procs)
+    consumers = {p.functions[0] for _, p in pairs}
+    assert consumers == {"nixl-consume", "control-nixl-rotated-blocks"}
+    for producer, consumer in pairs:
+        assert producer.producer and not consumer.producer
+        assert producer.functions == ["nixl-produce"]
+        assert producer.namespace == consumer.namespace == f"pd-{consumer.functions[0]}"
+        assert producer.connector == consumer.connector == "nixl"
+        assert producer.wave == consumer.wave == 2
+    # NixlConnector has no HMA in the series yet: HMA off at every stage.
+    assert not any(
+        p.hma
+        for p in runner.plan_stage(5, list(cat.SCENARIOS))
+        if p.connector == "nixl"
+    )
+    assert len({runner.free_port() for _ in range(3)}) >= 2
+
+
+def test_producer_freed_check_reads_the_producers_blocks():
+    s = cat.Scenario(
+        "nixl-consume", "t", connector="nixl", producer="nixl-produce",
+        checks=("producer freed",), base_bug="keeps the blocks", fixed_at=3,
+    )  # fmt: skip
+    ref = _run([_req("nixl-a", [5, 7], LP)])
+
+    def run(held):
+        producer = {"observation": {"blocks_held_after_read": held}}
+        return _run([_req("nixl-a", [5, 7], LP, 199, 199)], producer=producer)
+
+    freed, held = _judge(s, run(0), ref), _judge(s, run(13), ref)
+    assert freed.passed and freed.checks["producer freed"]
+    assert not held.passed and held.figures["producer_blocks_held_after_read"] == 13
+    assert _judge(s, run(13), ref, stage=0).passed  # the base bug shows
+    assert not _judge(s, run(0), ref, stage=0).passed
+    assert not _judge(s, _run([_req("nixl-a", [5, 7], LP, 199, 199)]), ref).passed
 
 
 def test_the_memory_witness_runs_only_at_the_base_with_hma_forced():

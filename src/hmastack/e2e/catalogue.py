@@ -103,7 +103,8 @@ class Scenario:
     # what a stall or failure of this scenario means (shown on the page)
     note: str | None = None
     # None: the stage's test connector; "lmcache": vLLM's LMCacheConnectorV1
-    # with the stage's LMCache tree (HMA on only where both support it: stage 4)
+    # with the stage's LMCache tree (HMA on only where both support it: stage 4);
+    # "nixl": vLLM's NixlConnector, a P/D pair over NIXL and UCX on 127.0.0.1
     connector: str | None = None
 
 
@@ -244,6 +245,31 @@ SCENARIOS: tuple[Scenario, ...] = (
             "base does, with it they finish"
         ),
     ),
+    Scenario(
+        "nixl-consume",
+        "P/D with NixlConnector: the consumer reads the producer's blocks over "
+        "NIXL (UCX on 127.0.0.1)",
+        connector="nixl",
+        producer="nixl-produce",
+        ci=True,
+        checks=("producer freed",),
+        base_bug=(
+            "the producer's engine stops stepping once it has no request left, so "
+            "its connector never takes the consumer's notification and the blocks "
+            "the consumer read stay held while the engine is idle"
+        ),
+        fixed_at=3,
+    ),
+    Scenario(
+        "nixl-consume",
+        "P/D with NixlConnector, chunked local attention (Llama-4-like)",
+        connector="nixl",
+        producer="nixl-produce",
+        model="llama4-chunk",
+        checks=("producer freed",),
+        base_bug="as for the Gemma-3-like model: the producer keeps the blocks",
+        fixed_at=3,
+    ),
     # --- negative controls: each check must bite ----------------------------------
     Scenario(
         "control-lmcache-skip-layer",
@@ -269,6 +295,16 @@ SCENARIOS: tuple[Scenario, ...] = (
         caught_by="cached tokens",
         producer="pd-store",
         pythonhashseed="1",
+    ),
+    Scenario(
+        "control-nixl-rotated-blocks",
+        "control: the NIXL consumer reads the producer's blocks in the wrong order",
+        connector="nixl",
+        producer="nixl-produce",
+        ci=True,
+        expect="caught",
+        caught_by="outputs",
+        stages=(0,),
     ),
     Scenario(
         "memory-window",
@@ -303,6 +339,9 @@ def selected(quick: bool) -> list[Scenario]:
 
 
 LMCACHE_HMA_FROM_STAGE = 4
+# The first stage whose NixlConnector supports HMA (None: none yet): before it
+# the series turns HMA off for it, as 0.13.0 does.
+NIXL_HMA_FROM_STAGE: int | None = None
 
 
 def hma_at(s: Scenario, stage: int) -> bool:
@@ -310,6 +349,8 @@ def hma_at(s: Scenario, stage: int) -> bool:
         return s.hma
     if s.connector == "lmcache":
         return stage >= LMCACHE_HMA_FROM_STAGE
+    if s.connector == "nixl":
+        return NIXL_HMA_FROM_STAGE is not None and stage >= NIXL_HMA_FROM_STAGE
     return stage >= HMA_FROM_STAGE
 
 

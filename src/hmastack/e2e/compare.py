@@ -201,6 +201,13 @@ def judge(
         v.checks["preempted"] = (obs.get("preemptions") or 0) > 0
     if "window" in s.checks:
         v.checks["window"] = _window_ok(v, run)
+    if "producer freed" in s.checks:
+        # The P/D producer's blocks are back in its pool after the consumer's read.
+        held = (
+            run.get("producer", {}).get("observation", {}).get("blocks_held_after_read")
+        )
+        v.figures["producer_blocks_held_after_read"] = held
+        v.checks["producer freed"] = held == 0
     expected_equal = not base_bug_shows
     if s.expect == "caught":
         failed = [name for name, ok in v.checks.items() if not ok]

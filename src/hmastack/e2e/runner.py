@@ -49,7 +49,11 @@ class Process:
     functions: list[str]
     pythonhashseed: str = "0"
     namespace: str | None = None
-    wave: int = 0  # P/D consumers run after their producer (wave 1)
+    # P/D consumers run after their producer (wave 1); a NixlConnector pair
+    # runs at once (wave 2): the consumer reads the producer's memory
+    wave: int = 0
+    side_channel_port: int | None = None  # NixlConnector, on 127.0.0.1
+    producer: bool = False  # the producer of a P/D pair
     result: dict = field(default_factory=dict)
     seconds: float = 0.0
 
@@ -68,6 +72,7 @@ class Process:
             "max_num_seqs": self.engine.max_num_seqs,
             "async_scheduling": self.engine.async_scheduling,
             "namespace": self.namespace,
+            "side_channel_port": self.side_channel_port,
         }
 
 
@@ -80,18 +85,24 @@ def plan_stage(stage: int, scenarios: list[cat.Scenario]) -> list[Process]:
         hma = cat.hma_at(s, stage)
         conn = cat.connector_at(s, stage)
         if s.producer:
-            pkey = ("producer", s.producer, s.model, hma)
+            # A NixlConnector producer serves one consumer: one pair each.
+            pair = s.name if conn == "nixl" else ""
+            namespace = f"pd-{pair}" if pair else "pd"
+            pkey = ("producer", s.producer, s.model, hma, pair)
             procs.setdefault(
                 pkey,
                 Process(
-                    f"{s.producer}-{s.model}-{'hma' if hma else 'nohma'}",
+                    f"{s.producer}-{s.model}-{'hma' if hma else 'nohma'}"
+                    + (f"-for-{pair}" if pair else ""),
                     stage,
                     s.model,
                     hma,
                     conn,
                     cat.ENGINES["default"],
                     [s.producer],
-                    namespace="pd",
+                    namespace=namespace,
+                    wave=2 if pair else 0,
+                    producer=True,
                 ),
             )
             key: tuple = ("consumer", s.name, s.model, hma, s.pythonhashseed)
@@ -104,8 +115,8 @@ def plan_stage(stage: int, scenarios: list[cat.Scenario]) -> list[Process]:
                 cat.ENGINES["default"],
                 [s.name],
                 pythonhashseed=s.pythonhashseed,
-                namespace="pd",
-                wave=1,
+                namespace=namespace,
+                wave=2 if pair else 1,
             )
         else:
             key = ("run", s.model, s.engine, hma, conn, s.name if s.isolated else "")
@@ -153,10 +164,11 @@ def run_process(
     """Run ``proc`` under a watchdog; fills ``proc.result`` (the driver's JSON,
     or a ``hang`` / ``error`` entry for every scenario)."""
     # One store per process; a P/D pair shares the producer's.
+    pd = proc.namespace is not None and proc.namespace.startswith("pd")
     store = (
         workdir
         / "store"
-        / (f"pd-{proc.model}-{proc.hma}" if proc.namespace == "pd" else proc.name)
+        / (f"{proc.namespace}-{proc.model}-{proc.hma}" if pd else proc.name)
     )
     timeout = PROCESS_TIMEOUT + SCENARIO_TIMEOUT * len(proc.functions)
     ran = run_engine_process(
@@ -229,6 +241,17 @@ def run_stage(
             ]
             for f in futures:
                 f.result()
+    # NixlConnector pairs: producer and consumer at once, one pair after another.
+    for pair in nixl_pairs(procs):
+        for p in pair:
+            p.side_channel_port = free_port()
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            futures = [
+                pool.submit(run_process, e2e, p, trees, support, models, workdir)
+                for p in pair
+            ]
+            for f in futures:
+                f.result()
     verdicts = judge_stage(stage, scenarios, procs)
     return StageRun(
         stage,
@@ -246,6 +269,26 @@ def run_stage(
         ],
         time.monotonic() - start,
     )
+
+
+def nixl_pairs(procs: list[Process]) -> list[tuple[Process, ...]]:
+    """The (producer, consumer) processes of each NixlConnector pair (wave 2)."""
+    pairs: dict[tuple, list[Process]] = {}
+    for p in procs:
+        if p.wave == 2:
+            pairs.setdefault((p.namespace, p.model, p.hma), []).append(p)
+    return [
+        tuple(sorted(pair, key=lambda p: not p.producer)) for pair in pairs.values()
+    ]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def judge_stage(
@@ -274,6 +317,8 @@ def judge_stage(
             if entry is not None:
                 run_entry = {**entry, "groups": proc.result.get("groups", [])}
         ref_entry = (ref.result.get("scenarios", {}) if ref else {}).get(s.name)
+        if run_entry is not None and "producer freed" in s.checks:
+            run_entry = {**run_entry, "producer": _producer_entry(procs, s, hma)}
         verdicts.append(
             judge(
                 s,
@@ -290,6 +335,18 @@ def judge_stage(
     return verdicts
 
 
+def _producer_entry(procs: list[Process], s: cat.Scenario, hma: bool) -> dict:
+    """The producer's entry of the P/D pair of consumer scenario ``s``."""
+    for p in procs:
+        if (
+            p.producer
+            and (p.model, p.hma, p.functions) == (s.model, hma, [s.producer])
+            and p.namespace in ("pd", f"pd-{s.name}")
+        ):
+            return dict(p.result.get("scenarios", {}).get(s.producer, {}))
+    return {}
+
+
 def _runs(p: Process, s: cat.Scenario, hma: bool, conn: str) -> bool:
     """Whether process ``p`` ran scenario ``s`` with the connector (not the
     reference, not a P/D producer)."""
@@ -297,7 +354,7 @@ def _runs(p: Process, s: cat.Scenario, hma: bool, conn: str) -> bool:
         return False
     if s.producer:
         return (
-            p.wave == 1
+            p.wave in (1, 2)
             and p.functions == [s.name]
             and p.pythonhashseed == s.pythonhashseed
         )

@@ -20,6 +20,11 @@ from hmastack_e2e.models import BLOCK_SIZE, MODELS, VOCAB
 
 TOP_K = 5
 STALL_STEPS = 200  # steps without a new token or a finished request
+# A request waiting for a transfer by another process (NixlConnector) waits in
+# wall-clock time, not in steps: idle steps then sleep, and a stall needs this
+# long without progress too.
+REMOTE_KV_SECONDS = 60.0
+IDLE_SLEEP_SECONDS = 0.02
 
 
 class Stall(Exception):
@@ -35,6 +40,9 @@ class RequestRecord:
     num_cached_tokens: int | None
     expected_cached: int | None = None  # None: not checked (reference run)
     kv_transfer_params: dict | None = None
+    # what the engine returned in RequestOutput.kv_transfer_params (a P/D
+    # producer's NixlConnector: the blocks a consumer reads, its side channel)
+    returned_kv_transfer_params: dict | None = None
 
 
 @dataclass
@@ -49,6 +57,8 @@ class Observation:
     peak_blocks: dict[str, list[int]] = field(default_factory=dict)
     # per KV cache group: most real blocks all requests held at once
     peak_total_blocks: list[int] = field(default_factory=list)
+    # a P/D producer: blocks not back in the pool after the consumer's read
+    blocks_held_after_read: int | None = None
 
 
 def prompt(seed: int, length: int) -> list[int]:
@@ -64,7 +74,7 @@ class Plan:
     model: str
     model_dir: Path
     scenarios: list[str]
-    connector: str | None  # "plain" | "hma" | "lmcache" | None (reference)
+    connector: str | None  # "plain" | "hma" | "lmcache" | "nixl" | None (reference)
     hma: bool
     store_dir: Path | None = None
     # KV cache pool in blocks of one layer (None: VLLM_CPU_KVCACHE_SPACE): the
@@ -77,6 +87,8 @@ class Plan:
     # the connector store's subfolder for every scenario (default: its name);
     # the two processes of a P/D pair name the same one
     namespace: str | None = None
+    # NixlConnector: this engine's side channel port on 127.0.0.1
+    side_channel_port: int | None = None
 
     @classmethod
     def from_json(cls, data: dict) -> Plan:
@@ -131,6 +143,19 @@ class Session:
             kwargs["kv_transfer_config"] = {
                 "kv_connector": "LMCacheConnectorV1",
                 "kv_role": "kv_both",
+            }
+        elif plan.connector == "nixl":
+            import os
+
+            # The side channel and UCX stay on the loopback interface; on
+            # CpuPlatform the KV cache itself is registered with NIXL (DRAM).
+            os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+            os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(plan.side_channel_port)
+            os.environ.setdefault("UCX_NET_DEVICES", "lo")
+            kwargs["kv_transfer_config"] = {
+                "kv_connector": "NixlConnector",
+                "kv_role": "kv_both",
+                "kv_buffer_device": "cpu",
             }
         start = time.monotonic()
         self.llm = LLM(**kwargs)
@@ -210,10 +235,13 @@ class Session:
                 extra_args=extra,
             )
             engine.add_request(req_id, {"prompt_token_ids": tokens}, sampling)
+        from vllm.v1.request import RequestStatus
+
         finished: dict[str, Any] = {}
         idle = 0
         steps = 0
         progress_mark = None
+        progress_at = time.monotonic()
         obs = observation or Observation()
         while engine.has_unfinished_requests():
             outputs = engine.step()
@@ -229,6 +257,16 @@ class Session:
             )
             idle = idle + 1 if mark == progress_mark else 0
             progress_mark = mark
+            if idle == 0:
+                progress_at = time.monotonic()
+            remote = any(
+                r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                for r in self.scheduler.waiting
+            )
+            if idle and remote and self.plan.connector == "nixl":
+                time.sleep(IDLE_SLEEP_SECONDS)
+                if time.monotonic() - progress_at < REMOTE_KV_SECONDS:
+                    continue
             if idle >= STALL_STEPS or steps >= max_steps:
                 raise Stall(
                     f"no progress for {idle} steps (step {steps}): "
@@ -257,6 +295,7 @@ class Session:
                     num_cached_tokens=out.num_cached_tokens,
                     expected_cached=expected,
                     kv_transfer_params=params,
+                    returned_kv_transfer_params=out.kv_transfer_params,
                 )
             )
         return records

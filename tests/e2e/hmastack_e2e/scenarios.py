@@ -15,7 +15,10 @@ Importable without vLLM (the host lists the names).
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hmastack_e2e.models import BLOCK_SIZE
@@ -331,3 +334,112 @@ def server_smoke(s: Session, c: bool, obs: Observation):
     instead of this function."""
     a = _prefix() + _p(201, SERVER_PROMPT - PREFIX)
     return s.run([("first", a, None, None)]) + s.run([("second", a, None, None)])
+
+
+# --- P/D with vLLM's NixlConnector: two engine processes, NIXL over UCX on
+# 127.0.0.1. The producer prefills with max_tokens=1 and hands its
+# kv_transfer_params (the blocks to read, its side channel) to the consumer
+# through a file in the pair's store folder; the consumer reads the blocks with
+# NIXL and decodes; the producer keeps stepping until the consumer is done, so
+# that its connector takes the consumer's notification and frees the blocks.
+
+NIXL_PROMPT = 200
+NIXL_WAIT_SECONDS = 200.0
+
+
+def _nixl_prompt() -> list[int]:
+    return _prefix(160) + _p(211, NIXL_PROMPT - 160)
+
+
+def _nixl_folder(s: Session) -> Path:
+    assert s.plan.store_dir is not None, "a P/D pair shares a store folder"
+    folder = s.plan.store_dir / "nixl"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.rename(path)  # the other process never reads half a file
+
+
+def _wait_for(path: Path, what: str, step=None) -> None:
+    deadline = time.monotonic() + NIXL_WAIT_SECONDS
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} after {NIXL_WAIT_SECONDS:.0f} s ({path})")
+        if step is not None:
+            step()
+        time.sleep(0.05)
+
+
+@scenario
+def nixl_produce(s: Session, c: bool, obs: Observation):
+    """P/D with NixlConnector, the producer: prefills the prompt (one token),
+    hands its kv_transfer_params to the consumer and keeps stepping until the
+    consumer has read the blocks; reports the blocks it still holds then."""
+    tokens = _nixl_prompt()
+    free_before = s.num_free_blocks()
+    out = s.run(
+        [("nixl-produce", tokens, {"do_remote_decode": True}, 0)],
+        max_tokens=1,
+        observation=obs,
+    )
+    params = out[0].returned_kv_transfer_params
+    if not params:
+        raise RuntimeError(
+            "the producer's NixlConnector returned no kv_transfer_params"
+        )
+    folder = _nixl_folder(s)
+    _write_json(folder / "handoff.json", params)
+    _wait_for(folder / "done", "consumer", step=s.llm.llm_engine.step)
+    # The consumer's notification reaches the producer's worker at its next
+    # step: a bounded number of steps to release the blocks.
+    for _ in range(100):
+        if s.num_free_blocks() == free_before:
+            break
+        s.llm.llm_engine.step()
+        time.sleep(0.02)
+    obs.blocks_held_after_read = free_before - s.num_free_blocks()
+    return out
+
+
+def _nixl_consume(s: Session, c: bool, obs: Observation, tamper=None):
+    tokens = _nixl_prompt()
+    if not c:
+        return s.run([("nixl-a", tokens, None, None)], observation=obs)
+    folder = _nixl_folder(s)
+    _wait_for(folder / "handoff.json", "kv_transfer_params from the producer")
+    params = json.loads((folder / "handoff.json").read_text())
+    if tamper is not None:
+        params = tamper(params)
+    try:
+        # NixlConnector offers every prompt token but the last.
+        return s.run([("nixl-a", tokens, params, len(tokens) - 1)], observation=obs)
+    finally:
+        (folder / "done").write_text("done")
+
+
+@scenario
+def nixl_consume(s: Session, c: bool, obs: Observation):
+    """P/D with NixlConnector, the consumer: reads the producer's blocks with
+    NIXL (the prompt but its last token) and decodes."""
+    return _nixl_consume(s, c, obs)
+
+
+def _rotate_blocks(params: dict) -> dict:
+    """The producer's blocks, each read into the slot of the next one."""
+    ids = params["remote_block_ids"]
+    if ids and isinstance(ids[0], list):  # one list per KV cache group
+        rotated = [group[1:] + group[:1] for group in ids]
+    else:
+        rotated = ids[1:] + ids[:1]
+    return {**params, "remote_block_ids": rotated}
+
+
+@scenario
+def control_nixl_rotated_blocks(s: Session, c: bool, obs: Observation):
+    """Negative control: the consumer reads the producer's blocks in the wrong
+    order (each block's KV lands in the next block's slot)."""
+    return _nixl_consume(s, c, obs, tamper=_rotate_blocks)
