@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import re
 import typing
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -28,30 +27,24 @@ DESELECT_REASONS: tuple[str, ...] = typing.get_args(DeselectReason)
 OUTCOMES = ("passed", "failed", "errors", "skipped", "deselected", "xfailed", "xpassed")
 
 
-@dataclass
-class Deselected:
-    node: str
-    reason: str
-    why: str
+NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
+
+
+class Deselected(msgspec.Struct, forbid_unknown_fields=True):
+    """One ``[[deselect]]`` of ``env/deselected.toml``: a vLLM test that cannot
+    run here, with a reason."""
+
+    node: NonEmpty
+    reason: DeselectReason
+    why: NonEmpty
 
     @property
     def is_file(self) -> bool:
         return "::" not in self.node
 
 
-NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
-
-
-class DeselectEntry(msgspec.Struct, forbid_unknown_fields=True):
-    """One ``[[deselect]]`` of ``env/deselected.toml``."""
-
-    node: NonEmpty
-    reason: DeselectReason
-    why: NonEmpty
-
-
 class DeselectFile(msgspec.Struct, forbid_unknown_fields=True):
-    deselect: list[DeselectEntry] = []
+    deselect: list[Deselected] = []
 
 
 def load_deselected(path: Path) -> list[Deselected]:
@@ -63,16 +56,17 @@ def load_deselected(path: Path) -> list[Deselected]:
         f"each [[deselect]] needs a node, a reason among {DESELECT_REASONS} and a 'why'"
     )
     data = tomlfile.load(path, DeselectFile, hint)
-    return [Deselected(e.node, e.reason, e.why) for e in data.deselect]
+    return data.deselect
 
 
-@dataclass
-class PytestResult:
-    counts: dict[str, int] = field(default_factory=dict)
-    failures: list[str] = field(default_factory=list)  # node ids, in run order
+class PytestResult(msgspec.Struct):
+    """One pytest run, as the stage and commit reports hold it."""
+
+    counts: dict[str, int] = {}
+    failures: list[str] = []  # node ids, in run order
     returncode: int = 0
     log: str = ""
-    messages: dict[str, str] = field(default_factory=dict)  # node id -> message
+    messages: dict[str, str] = {}  # node id -> message
 
     @property
     def ok(self) -> bool:

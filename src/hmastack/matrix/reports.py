@@ -1,23 +1,30 @@
-"""Reports: the stage table on the terminal and as JSON under build/reports/."""
+"""Reports: the stage table on the terminal and as JSON under build/reports/.
+
+Each report has one schema (the Structs below), which the writer encodes and the
+site decodes: :func:`read_stage_report`, :func:`read_commit_report`.
+"""
 
 from __future__ import annotations
 
 import json
 import platform
 import time
+import typing
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import msgspec
 from rich.table import Table
 
 from hmastack.core.config import Config
+from hmastack.core.markdown import md_table
 from hmastack.core.progress import console
 from hmastack.matrix.pytest_runs import PytestResult
 
 
-@dataclass
-class StageResult:
+class StageResult(msgspec.Struct):
+    """One stage's entry of build/reports/stages.json."""
+
     stage: int
     name: str
     patches: dict[str, int]
@@ -25,7 +32,7 @@ class StageResult:
     vllm: PytestResult | None = None
     lmcache: PytestResult | None = None
     ours: PytestResult | None = None
-    ruff: dict[str, str] = field(default_factory=dict)
+    ruff: dict[str, str] = {}
     seconds: float = 0.0
     # "full": the selected suites and every stage's tests up to this one;
     # "own": the vLLM test files and stage tests of this stage's patches only
@@ -40,14 +47,12 @@ class StageResult:
         )
 
     def to_json(self) -> dict:
-        data = asdict(self)
-        data["ok"] = self.ok
-        return data
+        return {**msgspec.to_builtins(self), "ok": self.ok}
 
 
-@dataclass
-class CommitResult:
-    """One commit of the series, applied with the ones before it."""
+class CommitResult(msgspec.Struct):
+    """One commit of the series, applied with the ones before it (an entry of
+    build/reports/commits.json)."""
 
     tree: str
     index: int  # 1-based position among the tree's commits
@@ -64,33 +69,73 @@ class CommitResult:
         return (self.vllm is None or self.vllm.ok) and self.ruff in ("ok", "n/a")
 
     def to_json(self) -> dict:
-        data = asdict(self)
-        data["ok"] = self.ok
-        return data
+        return {**msgspec.to_builtins(self), "ok": self.ok}
+
+
+class StageReport(msgspec.Struct):
+    """build/reports/stages.json (``ok`` of each entry is written for readers
+    of the JSON; decoding recomputes it)."""
+
+    generated: str
+    machine: str
+    stages: list[StageResult]
+
+    def stage(self, number: int) -> StageResult | None:
+        return next((s for s in self.stages if s.stage == number), None)
+
+
+class CommitReport(msgspec.Struct):
+    """build/reports/commits.json."""
+
+    generated: str
+    machine: str
+    commits: list[CommitResult]
+
+    def by_patch(self) -> dict[str, CommitResult]:
+        """The entries by patch file name."""
+        return {Path(c.patch).name: c for c in self.commits}
 
 
 STAGE_REPORT = "stages.json"
 COMMIT_REPORT = "commits.json"
 
+_R = typing.TypeVar("_R", StageReport, CommitReport)
 
-def write_stage_report(cfg: Config, results: Sequence[StageResult]) -> Path:
-    """Merge ``results`` into build/reports/stages.json (keyed by stage)."""
-    path = cfg.reports / STAGE_REPORT
+
+def _read(path: Path, type_: type[_R]) -> _R | None:
+    """The report at ``path``; None when it is missing or does not decode as
+    ``type_`` (written by another version: the next run writes it anew)."""
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=type_)
+    except (OSError, msgspec.DecodeError):
+        return None
+
+
+def read_stage_report(cfg: Config) -> StageReport | None:
+    return _read(cfg.reports / STAGE_REPORT, StageReport)
+
+
+def read_commit_report(cfg: Config) -> CommitReport | None:
+    return _read(cfg.reports / COMMIT_REPORT, CommitReport)
+
+
+def _write(path: Path, key: str, entries: Sequence[StageResult | CommitResult]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    previous = {}
-    if path.exists():
-        try:
-            previous = {s["stage"]: s for s in json.loads(path.read_text())["stages"]}
-        except (ValueError, KeyError):
-            previous = {}
-    for r in results:
-        previous[r.stage] = r.to_json()
     data = {
         "generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": f"{platform.machine()}, {platform.python_version()}",
-        "stages": [previous[k] for k in sorted(previous)],
+        key: [r.to_json() for r in entries],
     }
     path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def write_stage_report(cfg: Config, results: Sequence[StageResult]) -> Path:
+    """Merge ``results`` into build/reports/stages.json (keyed by stage)."""
+    previous = read_stage_report(cfg)
+    merged = {s.stage: s for s in (previous.stages if previous else [])}
+    merged.update((r.stage, r) for r in results)
+    path = cfg.reports / STAGE_REPORT
+    _write(path, "stages", [merged[k] for k in sorted(merged)])
     return path
 
 
@@ -138,10 +183,7 @@ def print_table(title: str, headers: list[str], rows: list[list[str]]) -> None:
         for row in rows:
             table.add_row(*row, style=None if row[-1] == "green" else "red")
         console.print(table)
-    print("| " + " | ".join(headers) + " |")
-    print("|" + "---|" * len(headers))
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
+    print(md_table(headers, rows), end="")
 
 
 def print_stage_table(results: Sequence[StageResult]) -> None:
@@ -151,13 +193,7 @@ def print_stage_table(results: Sequence[StageResult]) -> None:
 def write_commit_report(cfg: Config, results: Sequence[CommitResult]) -> Path:
     """build/reports/commits.json: one entry per commit of the series."""
     path = cfg.reports / COMMIT_REPORT
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = {
-        "generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": f"{platform.machine()}, {platform.python_version()}",
-        "commits": [r.to_json() for r in results],
-    }
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    _write(path, "commits", results)
     return path
 
 

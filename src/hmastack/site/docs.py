@@ -26,9 +26,9 @@ from hmastack.core.markdown import fence, md_table
 from hmastack.core.process import CommandError, run
 from hmastack.core.progress import console, step
 from hmastack.core.steps import StepResult
+from hmastack.matrix import reports as matrix_reports
 from hmastack.site import bench as site_bench
 from hmastack.site import model as site_model
-from hmastack.site import reports as site_reports
 from hmastack.site import svg as site_svg
 from hmastack.site.overview import (
     base_row,
@@ -72,8 +72,8 @@ def generate(cfg: Config, docs_dir: Path | None = None) -> Site:
 
     docs_dir = docs_dir or cfg.root / "docs"
     stages = load_stages(cfg)
-    report = site_reports.load_stage_report(cfg)
-    commits = site_reports.load_commit_report(cfg)
+    report = matrix_reports.read_stage_report(cfg)
+    commits = matrix_reports.read_commit_report(cfg)
     site = Site()
     for s in stages:
         site.pages[s.page] = stage_page(cfg, s, stages, report, commits)

@@ -9,6 +9,7 @@ import json
 
 from hmastack.core.config import Config
 from hmastack.core.markdown import md_table
+from hmastack.matrix.reports import HEADERS, StageReport
 from hmastack.site import reports as site_reports
 from hmastack.site import svg as site_svg
 from hmastack.site.pages import StageInfo, missing_sections, stage_tests, tree_title
@@ -17,16 +18,14 @@ from hmastack.stack.workspace import subject_stage
 
 
 def series_table(
-    stages: list[StageInfo], report: site_reports.StageReport | None, prefix: str = ""
+    stages: list[StageInfo], report: StageReport | None, prefix: str = ""
 ) -> str:
     rows = []
     for s in stages:
         files = combined_files(s.patches)
         tests = sum(len(v) for p in s.patches for v in p.added_tests.values())
-        entry = report.rows.get(s.stage.number) if report else None
-        result = (
-            "not run yet" if entry is None else ("green" if entry.get("ok") else "red")
-        )
+        entry = report.stage(s.stage.number) if report else None
+        result = "not run yet" if entry is None else ("green" if entry.ok else "red")
         rows.append(
             [
                 f"[{s.stage.number}]({prefix}{s.page})",
@@ -45,21 +44,21 @@ def series_table(
     )
 
 
-def base_row(report: site_reports.StageReport | None) -> str:
-    if report is None or 0 not in report.rows:
+def base_row(report: StageReport | None) -> str:
+    base = report.stage(0) if report else None
+    if report is None or base is None:
         return (
             "The stage matrix has not run yet (`hmastack test`), so the base has "
             "no results here.\n"
         )
     return (
         "The unpatched base (stage 0), from the last stage table "
-        f"({report.generated}):\n\n"
-        + md_table(site_reports.STAGE_HEADERS, [site_reports.stage_row(report.rows[0])])
+        f"({report.generated}):\n\n" + md_table(HEADERS, [site_reports.stage_row(base)])
     )
 
 
 def checklist_block(
-    cfg: Config, stages: list[StageInfo], report: site_reports.StageReport | None
+    cfg: Config, stages: list[StageInfo], report: StageReport | None
 ) -> str:
     rows = []
 
@@ -75,11 +74,11 @@ def checklist_block(
             else None
         )
         tests = bool(stage_tests(cfg, s)) or any(p.added_tests for p in s.patches)
-        entry = report.rows.get(s.stage.number) if report else None
+        entry = report.stage(s.stage.number) if report else None
         ruff = (
             None
             if entry is None
-            else all(v in ("ok", "n/a") for v in entry.get("ruff", {}).values())
+            else all(v in ("ok", "n/a") for v in entry.ruff.values())
         )
         rows.append(
             [
@@ -89,7 +88,7 @@ def checklist_block(
                 mark(bool(s.patches)),
                 mark(subjects_ok),
                 mark(tests if s.patches else None),
-                mark(None if entry is None else bool(entry.get("ok"))),
+                mark(None if entry is None else bool(entry.ok)),
                 mark(ruff),
             ]
         )

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from hmastack.core.config import Config
 from hmastack.core.markdown import code, fence, indent, md_table
+from hmastack.matrix.reports import HEADERS, CommitReport, StageReport
 from hmastack.site import reports as site_reports
 from hmastack.site.patches import FileChange, Patch, combined_files, parse_patch
 from hmastack.stack.workspace import Stage, discover
@@ -252,15 +253,15 @@ def stage_tests(cfg: Config, info: StageInfo) -> dict[str, list[str]]:
     return out
 
 
-def results_block(info: StageInfo, report: site_reports.StageReport | None) -> str:
+def results_block(info: StageInfo, report: StageReport | None) -> str:
     if report is None:
         return (
             '!!! note "Not run yet"\n    No stage table yet: `hmastack test` writes '
             "`build/reports/stages.json`.\n"
         )
     n = info.stage.number
-    entry = report.rows.get(n)
-    base = report.rows.get(0)
+    entry = report.stage(n)
+    base = report.stage(0)
     if entry is None:
         return (
             f'!!! note "Not run yet"\n    The last stage table '
@@ -272,7 +273,7 @@ def results_block(info: StageInfo, report: site_reports.StageReport | None) -> s
         f"Last stage table: {report.generated} on {report.machine}"
         + (" (the base, stage 0, for comparison)" if n and base else "")
         + ".\n\n"
-        + md_table(site_reports.STAGE_HEADERS, rows)
+        + md_table(HEADERS, rows)
     )
     new = site_reports.new_failures(entry, base)
     if new:
@@ -282,7 +283,7 @@ def results_block(info: StageInfo, report: site_reports.StageReport | None) -> s
     return text
 
 
-def commits_block(info: StageInfo, commits: site_reports.CommitReport | None) -> str:
+def commits_block(info: StageInfo, commits: CommitReport | None) -> str:
     """The stage's commits as ``hmastack test --per-commit`` ran them: each with
     the commits before it, vLLM's selected suite and ruff."""
     if not info.patches:
@@ -296,20 +297,19 @@ def commits_block(info: StageInfo, commits: site_reports.CommitReport | None) ->
             "each.\n"
         )
     rows = []
+    by_patch = commits.by_patch()
     for p in info.patches:
-        entry = commits.rows.get(p.path.name)
+        entry = by_patch.get(p.path.name)
         if entry is None:
             rows.append([tree_title(p.tree), p.subject, "not run", "-", "-"])
             continue
         suite = (
-            site_reports.pytest_summary(entry.get("vllm"))
-            if entry.get("vllm")
+            entry.vllm.summary()
+            if entry.vllm
             else "- (LMCache commit: LMCache's suite runs per stage)"
         )
-        verdict = "green" if entry.get("ok") else "**red**"
-        rows.append(
-            [tree_title(p.tree), p.subject, suite, entry.get("ruff", "-"), verdict]
-        )
+        verdict = "green" if entry.ok else "**red**"
+        rows.append([tree_title(p.tree), p.subject, suite, entry.ruff or "-", verdict])
     return head + (
         f"From `build/reports/commits.json` ({commits.generated}): each commit "
         "applied with `git am` onto the base with the commits before it.\n\n"
@@ -329,8 +329,8 @@ def stage_page(
     cfg: Config,
     info: StageInfo,
     stages: list[StageInfo],
-    report: site_reports.StageReport | None,
-    commits: site_reports.CommitReport | None = None,
+    report: StageReport | None,
+    commits: CommitReport | None = None,
 ) -> str:
     s = info.stage
     readme = widen_nested_lists(
@@ -340,11 +340,11 @@ def stage_page(
     h1 = lines[0] if lines and lines[0].startswith("# ") else f"# {s.name}"
     body = "\n".join(lines[1:] if lines and lines[0].startswith("# ") else lines)
     files = combined_files(info.patches)
-    entry = report.rows.get(s.number) if report else None
+    entry = report.stage(s.number) if report else None
     status = (
         "not run yet"
         if report is None or entry is None
-        else ("green" if entry.get("ok") else "**red**") + f" ({report.generated})"
+        else ("green" if entry.ok else "**red**") + f" ({report.generated})"
     )
     trees = info.trees()
     counts = (

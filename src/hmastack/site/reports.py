@@ -1,9 +1,9 @@
-"""Read the reports the site shows: the stage matrix, every commit, the
-benchmarks. (The model check's reports and the manifest are read by
-:mod:`hmastack.site.model` through :mod:`hmastack.spec.manifest`, their one
-reader.)
+"""The reports the site shows: the stage matrix and every commit (read by
+:mod:`hmastack.matrix.reports`, their writer), the benchmarks. (The model
+check's reports and the manifest are read by :mod:`hmastack.site.model` through
+:mod:`hmastack.spec.manifest`, their one reader.)
 
-Every reader tolerates a missing report (the page then says "not run yet").
+A missing report is None (the page then says "not run yet").
 """
 
 from __future__ import annotations
@@ -13,83 +13,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hmastack.core.config import Config
-from hmastack.matrix.pytest_runs import pytest_counts_summary
-from hmastack.matrix.reports import COMMIT_REPORT, HEADERS, STAGE_REPORT
-
-# --- stage matrix (build/reports/stages.json, written by `hmastack test`) --------
+from hmastack.matrix.reports import StageResult, stage_table_rows
 
 
-@dataclass
-class StageReport:
-    generated: str
-    machine: str
-    rows: dict[int, dict]  # stage number -> its entry
+def stage_row(entry: StageResult) -> list[str]:
+    """The stage's row of the terminal's stage table."""
+    return stage_table_rows([entry])[0]
 
 
-def load_stage_report(cfg: Config) -> StageReport | None:
-    path = cfg.reports / STAGE_REPORT
-    try:
-        data = json.loads(path.read_text())
-        rows = {int(s["stage"]): s for s in data["stages"]}
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return StageReport(
-        str(data.get("generated", "")), str(data.get("machine", "")), rows
-    )
-
-
-# --- every commit (build/reports/commits.json, `hmastack test --per-commit`) ----
-
-
-@dataclass
-class CommitReport:
-    generated: str
-    rows: dict[str, dict]  # patch file name -> its entry
-
-
-def load_commit_report(cfg: Config) -> CommitReport | None:
-    """The per-commit report, keyed by patch file name; None if not run yet or
-    unreadable."""
-    path = cfg.reports / COMMIT_REPORT
-    try:
-        data = json.loads(path.read_text())
-        rows = {Path(c["patch"]).name: c for c in data["commits"]}
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return CommitReport(str(data.get("generated", "")), rows)
-
-
-def pytest_summary(result: dict | None) -> str:
-    """``"292 passed / 15 failed / 2 errors"`` as the terminal table prints it."""
-    if not result:
-        return "-"
-    return pytest_counts_summary(result.get("counts", {}))
-
-
-STAGE_HEADERS = HEADERS  # the terminal's stage table
-
-
-def stage_row(entry: dict) -> list[str]:
-    patches = ", ".join(f"{n} {t}" for t, n in entry.get("patches", {}).items() if n)
-    ruff = ", ".join(f"{t} {v}" for t, v in entry.get("ruff", {}).items() if v != "n/a")
-    # `hmastack test --quick`: this stage ran only its own patches' tests.
-    own = " (the stage's own tests)" if entry.get("scope") == "own" else ""
-    return [
-        f"{entry.get('stage')} {entry.get('name', '')}",
-        patches or "-",
-        (pytest_summary(entry.get("vllm")) if entry.get("vllm") else "skipped") + own,
-        pytest_summary(entry.get("lmcache")) if entry.get("lmcache") else "-",
-        pytest_summary(entry.get("ours")) + (own if entry.get("ours") else ""),
-        ruff or "n/a",
-        f"{float(entry.get('seconds', 0)):.0f}",
-        "green" if entry.get("ok") else "RED",
-    ]
-
-
-def new_failures(entry: dict, base: dict | None) -> list[str]:
+def new_failures(entry: StageResult, base: StageResult | None) -> list[str]:
     """Failing vLLM tests of a stage that do not fail on the base."""
-    mine = set((entry.get("vllm") or {}).get("failures", []))
-    theirs = set(((base or {}).get("vllm") or {}).get("failures", []))
+    mine = set(entry.vllm.failures if entry.vllm else [])
+    theirs = set(base.vllm.failures if base and base.vllm else [])
     return sorted(f for f in mine - theirs if "::" in f or f.endswith(".py"))
 
 
