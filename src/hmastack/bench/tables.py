@@ -4,8 +4,6 @@ Markdown (``summary.md``, the ratio and eagle tables).
 
 from __future__ import annotations
 
-from tabulate import tabulate
-
 from hmastack.bench import cost as bench_cost
 from hmastack.bench.plots import (
     categories,
@@ -13,6 +11,7 @@ from hmastack.bench.plots import (
 from hmastack.bench.trees import (
     tree_stage,
 )
+from hmastack.core.markdown import md_table
 from hmastack.core.progress import console
 
 
@@ -37,12 +36,6 @@ def print_table(report: dict) -> None:
     console.print(table)
     for label, why in report.get("errors", {}).items():
         console.print(f"[red]{label} failed:[/red] {why}")
-
-
-def _table(headers: list[str], rows: list[list]) -> str:
-    return (
-        tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True) + "\n"
-    )
 
 
 def summary_markdown(reports: dict[str, dict]) -> str:
@@ -70,7 +63,7 @@ def summary_markdown(reports: dict[str, dict]) -> str:
             "### Peak blocks per SWA group (one request, external hit L, B=16)\n"
         )
         out.append(
-            _table(["pattern", "W", "L", "full group", "SWA minimum", *trees], rows)
+            md_table(["pattern", "W", "L", "full group", "SWA minimum", *trees], rows)
         )
     adm = reports.get("admission", {}).get("rows", [])
     if adm:
@@ -106,7 +99,7 @@ def summary_markdown(reports: dict[str, dict]) -> str:
                 )
             out.append(f"### {title}, budget {budget} blocks\n")
             out.append(
-                _table(
+                md_table(
                     [
                         "pattern",
                         "W",
@@ -165,7 +158,7 @@ def ratio_table(report: dict, what: str, fmt: str) -> str:
     return (
         head
         + "\n"
-        + _table(
+        + md_table(
             ["layout", "connector", "mode", "requests", trees[0], "spread", *trees[1:]],
             body,
         )
@@ -190,6 +183,6 @@ def eagle_markdown(rows: list[dict]) -> str:
             + [r["hit (eagle)"] if r else "-" for r in mine]
             + [ref["rule"], ref["hit without eagle"]]
         )
-    return "### Prefix cache hits with eagle (tokens, B=16)\n\n" + _table(
+    return "### Prefix cache hits with eagle (tokens, B=16)\n\n" + md_table(
         ["pattern", "W", "case", "prompt", *trees, "rule", "without eagle"], table
     )

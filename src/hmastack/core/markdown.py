@@ -5,13 +5,17 @@ Markdown (the end-to-end result table): tables, fences, indents.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 
-def md_table(headers: list[str], rows: list[list[str]]) -> str:
-    def cell(s: str) -> str:
-        return str(s).replace("|", "\\|").replace("\n", " ")
+def md_table(headers: Sequence[object], rows: Sequence[Sequence[object]]) -> str:
+    """The one Markdown table writer: a cell is its value as text (None is
+    empty), with ``|`` escaped and line breaks as spaces."""
 
-    out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    def cell(s: object) -> str:
+        return ("" if s is None else str(s)).replace("|", "\\|").replace("\n", " ")
+
+    out = ["| " + " | ".join(map(cell, headers)) + " |", "|" + "---|" * len(headers)]
     out += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
     return "\n".join(out) + "\n"
 

@@ -12,9 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tabulate import tabulate
-
 from hmastack.core.config import Config
+from hmastack.core.markdown import md_table
 from hmastack.site import reports as site_reports
 
 KNOWN = (
@@ -42,12 +41,6 @@ PLOT_CAPTIONS = {
     "eagle_hits": "Tokens a repeated prompt's prefix cache hit loses to eagle, per "
     "case and tree, against the rule (dashed).",
 }
-
-
-def table(headers: list[str], rows: list[list]) -> str:
-    return (
-        tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True) + "\n"
-    )
 
 
 def _load(folder: Path, name: str) -> dict:
@@ -230,7 +223,7 @@ def count_table(report: dict) -> str:
                 "" if r.get("work = base", True) else "other work",
             ]
         )
-    return table(
+    return md_table(
         [
             "tree",
             "layout",
@@ -264,7 +257,7 @@ def profile_section(profiles: list[dict], threshold: float) -> list[str]:
                 f"{p['bytecodes']:,}), largest change of their own count first:\n"
             )
             out.append(
-                table(
+                md_table(
                     [
                         "function",
                         "self base",
@@ -293,7 +286,7 @@ def profile_section(profiles: list[dict], threshold: float) -> list[str]:
         if p.get("c_functions"):
             out.append("C functions by callgrind self instructions:\n")
             out.append(
-                table(
+                md_table(
                     ["function", "base", "tree", "difference", "share"],
                     [
                         [
@@ -369,7 +362,7 @@ def page(cfg: Config, site: Any) -> str:
             )
             if witness.get("rows"):
                 out.append(
-                    table(
+                    md_table(
                         ["layout", "connector", "mode", "requests", "ratio"],
                         [
                             [
@@ -406,7 +399,9 @@ def page(cfg: Config, site: Any) -> str:
         out.append(f"### {b.title}\n")
         if b.rows:
             cols = list(dict.fromkeys(k for r in b.rows for k in r))[:12]
-            out.append(table(cols, [[str(r.get(c, "")) for c in cols] for r in b.rows]))
+            out.append(
+                md_table(cols, [[str(r.get(c, "")) for c in cols] for r in b.rows])
+            )
     return "\n".join(out)
 
 
@@ -424,7 +419,7 @@ def throughput_section(report: dict) -> list[str]:
     verdicts = report.get("verdicts", {})
     if verdicts:
         out.append(
-            table(
+            md_table(
                 [
                     "case: tree",
                     "req per CPU s, ratio to base (min-max)",
@@ -469,7 +464,7 @@ def throughput_section(report: dict) -> list[str]:
         "preemptions",
     ]
     out.append(
-        table(
+        md_table(
             cols,
             [
                 [

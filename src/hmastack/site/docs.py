@@ -22,7 +22,6 @@ from pathlib import Path
 
 from hmastack.core.config import Config
 from hmastack.core.errors import HmastackError
-from hmastack.core.markdown import fence, md_table
 from hmastack.core.process import CommandError, run
 from hmastack.core.progress import console, step
 from hmastack.core.steps import StepResult
@@ -54,7 +53,7 @@ class Site:
 
 
 def model_page(cfg: Config) -> str:
-    return site_model.model_page(cfg.root, cfg.reports, md_table, fence)
+    return site_model.model_page(cfg.root, cfg.reports)
 
 
 def bench_page(cfg: Config, site: Site) -> str:
@@ -89,7 +88,7 @@ def generate(cfg: Config, docs_dir: Path | None = None) -> Site:
         "apply-commands": apply_page_block(cfg, stages),
         "checklist-status": checklist_block(cfg, stages, report),
         "conformance-results": conformance_block(cfg),
-        "model-manifest": site_model.manifest_table(cfg.root, md_table),
+        "model-manifest": site_model.manifest_table(cfg.root),
         "generated-from": (
             f"Generated from `patches/` ({len(stages)} stages, "
             f"{sum(len(s.patches) for s in stages)} patches), `spec/` and "

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,11 +17,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from hmastack.spec.manifest import Model
 
+from hmastack.core.markdown import fence, md_table
 from hmastack.spec.cfg import read_cfg
-
-# core.markdown's md_table(headers, rows) and fence(text, lang="text")
-MdTable = Callable[[list[str], list[list[str]]], str]
-Fence = Callable[..., str]
 
 
 @dataclass
@@ -148,10 +144,6 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
 def trace_table(trace: list[dict], violated: str | None = None) -> str:
     """A counterexample step by step: the action of each step and every
     request's block table per group after it (``∅`` the null block, ``↓`` a block
@@ -161,10 +153,10 @@ def trace_table(trace: list[dict], violated: str | None = None) -> str:
         return ""
     tables = [t for s in states if isinstance(t := s.get("table"), dict)]
     if len(tables) != len(states):
-        rows = ["| step | state |", "|---|---|"]
-        for i, s in enumerate(states):
-            rows.append(f"| {i} | `{_cell(json.dumps(s, sort_keys=True))}` |")
-        return "\n".join(rows) + "\n"
+        return md_table(
+            ["step", "state"],
+            [[i, f"`{json.dumps(s, sort_keys=True)}`"] for i, s in enumerate(states)],
+        )
     reqs = sorted({r for t in tables for r in t})
     groups = sorted(
         {g for t in tables for r in t.values() if isinstance(r, dict) for g in r}
@@ -172,7 +164,7 @@ def trace_table(trace: list[dict], violated: str | None = None) -> str:
     head = (
         ["step", "action"] + [f"{r} {g}" for r in reqs for g in groups] + ["free queue"]
     )
-    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows: list[list[object]] = []
     for i, state in enumerate(states):
         ev = state.get("event") or {}
         act = str(ev.get("act", "")) if isinstance(ev, dict) else str(ev)
@@ -212,14 +204,8 @@ def trace_table(trace: list[dict], violated: str | None = None) -> str:
             if free is not None
             else ""
         )
-        out.append(
-            "| "
-            + " | ".join(
-                [str(i), _cell(action), *cells, f"`{free_text}`" if free_text else ""]
-            )
-            + " |"
-        )
-    return "\n".join(out) + "\n"
+        rows.append([i, action, *cells, f"`{free_text}`" if free_text else ""])
+    return md_table(head, rows)
 
 
 # --- the model-results page ---------------------------------------------------
@@ -341,7 +327,7 @@ def _witness_rows(
     return rows
 
 
-def model_page(root: Path, reports_dir: Path, md_table: MdTable, fence: Fence) -> str:
+def model_page(root: Path, reports_dir: Path) -> str:
     """The model-results page: what the spec says, and every manifest model
     with the verdict of the last ``hmastack spec check`` (its own ``ok``)."""
     from hmastack.spec import manifest as spec_manifest
@@ -470,7 +456,7 @@ def model_page(root: Path, reports_dir: Path, md_table: MdTable, fence: Fence) -
     return "\n".join(out)
 
 
-def manifest_table(root: Path, md_table: MdTable) -> str:
+def manifest_table(root: Path) -> str:
     """Every manifest model with what the manifest records for it (the run that
     recorded it), for docs/model.md."""
     from hmastack.spec import manifest as spec_manifest
