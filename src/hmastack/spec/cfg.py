@@ -11,9 +11,26 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SECTIONS = ("CONSTANT", "CONSTANTS", "INVARIANT", "INVARIANTS", "PROPERTY",
-            "PROPERTIES", "SPECIFICATION", "SYMMETRY", "INIT", "NEXT",
-            "CHECK_DEADLOCK", "VIEW", "CONSTRAINT", "CONSTRAINTS")  # fmt: skip
+# TLC's config keywords, the one list: each opens the section named by its
+# singular (CONSTANTS -> CONSTANT, PROPERTIES -> PROPERTY).
+SECTIONS = {
+    word: singular
+    for singular, plural in (
+        ("CONSTANT", "CONSTANTS"), ("INVARIANT", "INVARIANTS"),
+        ("PROPERTY", "PROPERTIES"), ("CONSTRAINT", "CONSTRAINTS"),
+        ("ACTION_CONSTRAINT", "ACTION_CONSTRAINTS"), ("SPECIFICATION", None),
+        ("SYMMETRY", None), ("INIT", None), ("NEXT", None), ("VIEW", None),
+        ("ALIAS", None), ("CHECK_DEADLOCK", None),
+    )
+    for word in (singular, plural)
+    if word
+}  # fmt: skip
+
+
+def section_of(code: str) -> str | None:
+    """The section a cfg line (its comment removed) opens, else None."""
+    words = code.split(maxsplit=1)
+    return SECTIONS.get(words[0]) if words else None
 
 
 @dataclass
@@ -48,11 +65,9 @@ def parse_cfg(text: str, name: str = "", path: Path | None = None) -> ModelConfi
         s = s.split("\\*", 1)[0].strip()
         if not s:
             continue
-        word = s.split()[0]
-        if word in SECTIONS:
-            # CONSTANTS -> CONSTANT, PROPERTIES -> PROPERTY, ...
-            section = {"PROPERTIES": "PROPERTY"}.get(word, word.removesuffix("S"))
-            rest = s[len(word) :].strip()
+        if opened := section_of(s):
+            section = opened
+            rest = s[len(s.split()[0]) :].strip()
             if rest:
                 _cfg_item(cfg, section, rest)
             continue

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -44,6 +43,7 @@ from hmastack.core.config import Config
 from hmastack.core.errors import HmastackError
 from hmastack.core.steps import StepResult
 from hmastack.spec import tlc
+from hmastack.spec.cfg import section_of
 from hmastack.spec.install import fetch, find_java, resolve_jar
 from hmastack.spec.manifest import (
     Model,
@@ -60,20 +60,14 @@ from hmastack.spec.manifest import (
 # Model configurations
 
 
-_SECTION = re.compile(
-    r"^(CONSTANTS?|INVARIANTS?|PROPERT(?:Y|IES)|SPECIFICATION|SYMMETRY|VIEW|INIT|"
-    r"NEXT|CONSTRAINTS?|ACTION_CONSTRAINTS?|CHECK_DEADLOCK|ALIAS)\b"
-)
-
-
 def cfg_with_properties(text: str, properties: list[str]) -> str:
     """A TLC config with its INVARIANT(S) and PROPERTY/PROPERTIES sections
     replaced by ``PROPERTY`` ``properties`` (comments kept)."""
     out, dropping = [], False
     for line in text.splitlines():
         code = line.split("\\*", 1)[0].strip()
-        if m := _SECTION.match(code):
-            dropping = m.group(1).startswith(("INVARIANT", "PROPERT"))
+        if section := section_of(code):
+            dropping = section in ("INVARIANT", "PROPERTY")
         if not dropping or not code:
             out.append(line)
     out.append("PROPERTY")
