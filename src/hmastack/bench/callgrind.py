@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hmastack.core.errors import HmastackError
+from hmastack.core.process import run
 
 # (how Python enters the marker, the C function callgrind toggles on): tried in
 # this order. glibc's qsort runs its work in qsort_r (as callgrind names it when
@@ -102,13 +102,8 @@ def hardware_counters() -> str:
     perf = shutil.which("perf")
     if perf is None:
         return "perf is not installed"
-    proc = subprocess.run(
-        [perf, "stat", "-x,", "-e", "instructions", "true"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    first = (proc.stderr.strip().splitlines() or [""])[0]
+    proc = run([perf, "stat", "-x,", "-e", "instructions", "true"], check=False)
+    first = (proc.stdout.strip().splitlines() or [""])[0]
     value = first.split(",")[0]
     if proc.returncode == 0 and value.isdigit():
         return f"supported ({value} instructions for `true`)"
@@ -144,12 +139,8 @@ def probe_marker(
             out = Path(tmp)
             cg = Callgrind(valgrind, vgdb, entry, marker)
             code = _PROBE.format(scenarios=str(scenarios), vgdb=vgdb, entry=entry)
-            proc = subprocess.run(
-                [*cg.command(out), str(python), "-S", "-c", code],
-                capture_output=True,
-                text=True,
-                env=env,
-                check=False,
+            proc = run(
+                [*cg.command(out), python, "-S", "-c", code], env=env, check=False
             )
             pids = {p.name.split(".")[1] for p in out.glob("cg.*")}
             dump = None

@@ -32,6 +32,7 @@ from hmastack.bench.trees import (
     scenario_environ,
     scenario_script,
 )
+from hmastack.core import process
 from hmastack.core.config import Config
 from hmastack.core.process import CommandError
 from hmastack.stack import env as env_mod
@@ -59,18 +60,15 @@ class ForkServer:
         self._log = (self.logs / "forkserver.log").open("w")
         self._jobs = 0
         environ = scenario_environ(cfg, pyenv, [])
-        self.proc = subprocess.Popen(
+        self.proc = process.start(
             [
                 *cg.command(out, trace_children=True),
-                str(pyenv.python),
-                str(script),
+                pyenv.python,
+                script,
                 json.dumps({"preload": preload}),
             ],
             stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**os.environ, **environ},
+            env=environ,
             cwd=cfg.root,
         )
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -172,10 +170,7 @@ class ForkServer:
     def close(self) -> None:
         if self.proc.poll() is None:
             self._stdin.close()
-            try:
-                self.proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+            process.wait(self.proc, 120)
         self._log.close()
 
     def __enter__(self):

@@ -1,16 +1,21 @@
 """Run a subprocess with its output captured (and logged); fail with its tail.
 
 The one process runner of the workbench: every step that starts a tool (git,
-pip, pytest, ruff, TLC, mkdocs) goes through :func:`run` or raises
-:class:`CommandError` the same way.
+pip, pytest, ruff, TLC, mkdocs, valgrind) goes through :func:`run` and raises
+:class:`CommandError` the same way; a child the caller talks to or gives a
+deadline (the bench's fork server, the e2e engine) is started by :func:`start`
+and ended by :func:`wait`. Each gets the caller's environment with ``env`` on top
+and its stderr merged into its stdout.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import IO
 
 from hmastack.core.errors import HmastackError
 
@@ -50,13 +55,10 @@ def run(
     The output is also written to ``log`` when given. Raises
     :class:`CommandError` when ``check`` and the command exits non-zero.
     """
-    full_env = dict(os.environ)
-    if env:
-        full_env.update(env)
     proc = subprocess.run(
         [str(c) for c in cmd],
         cwd=cwd,
-        env=full_env,
+        env={**os.environ, **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -68,3 +70,45 @@ def run(
     if check and proc.returncode != 0:
         raise CommandError([str(c) for c in cmd], proc.returncode, proc.stdout, hint)
     return proc
+
+
+def start(
+    cmd: Sequence[str | os.PathLike],
+    *,
+    cwd: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    stdout: IO[str] | int = subprocess.PIPE,
+    stdin: int = subprocess.DEVNULL,
+    session: bool = False,
+) -> subprocess.Popen[str]:
+    """Start ``cmd`` (text mode) writing to ``stdout``, a pipe or a file; with
+    ``session`` in a session of its own, so that :func:`wait` ends it with every
+    process it started."""
+    return subprocess.Popen(
+        [str(c) for c in cmd],
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+        stdin=stdin,
+        stdout=stdout,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=session,
+    )
+
+
+def wait(child: subprocess.Popen[str], timeout: float) -> bool:
+    """Wait for ``child`` up to ``timeout`` seconds, then kill it (its session,
+    when :func:`start` gave it one); True when it had to be killed."""
+    try:
+        child.wait(timeout=timeout)
+        return False
+    except subprocess.TimeoutExpired:
+        try:
+            if os.getpgid(child.pid) == child.pid:
+                os.killpg(child.pid, signal.SIGKILL)
+            else:
+                child.kill()
+        except ProcessLookupError:
+            pass  # it ended meanwhile
+        child.wait()
+        return True

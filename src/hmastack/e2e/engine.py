@@ -8,12 +8,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import signal
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from hmastack.core import process
 from hmastack.core.config import Config
 from hmastack.core.process import run
 from hmastack.core.progress import step
@@ -91,24 +90,16 @@ def run_engine_process(
     log_file = workdir / f"{name}.log"
     out_file.unlink(missing_ok=True)
     plan_file.write_text(json.dumps(plan, indent=1))
-    env = {**os.environ, **engine_environ(e2e, trees, support, seed)}
+    env = engine_environ(e2e, trees, support, seed)
     start = time.monotonic()
     with log_file.open("w") as log:
-        child = subprocess.Popen(
-            [str(e2e.python), "-m", module, plan_file, out_file],
+        child = process.start(
+            [e2e.python, "-m", module, plan_file, out_file],
             stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
             env=env,
-            start_new_session=True,
+            session=True,
         )
-        try:
-            child.wait(timeout=timeout)
-            hung = False
-        except subprocess.TimeoutExpired:
-            os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
-            hung = True
+        hung = process.wait(child, timeout)
     seconds = time.monotonic() - start
     try:
         result = json.loads(out_file.read_text())

