@@ -198,8 +198,8 @@ def test_parse_model_rejects_bad_entries(tmp_path):
 
     assert parse(result="success").mode == "exhaustive"
     for entry, message in [
-        ({}, "no result"),
-        ({"result": "pass"}, "not one of"),
+        ({}, "missing required field `result`"),
+        ({"result": "pass"}, "Invalid enum value"),
         ({"result": "success", "mode": "bfs"}, "mode"),
         ({"result": "safety failure"}, "names its property"),
         ({"result": "deadlock failure"}, "deadlock = true"),
@@ -207,8 +207,11 @@ def test_parse_model_rejects_bad_entries(tmp_path):
             {"result": "safety failure", "property": "X", "mode": "simulate"},
             "simulation",
         ),
-        ({"result": "success", "expect": "pass"}, "unknown key"),
-        ({"result": "success", "distinct_states": "7"}, "integer"),
+        ({"result": "success", "expect": "pass"}, "unknown field `expect`"),
+        (
+            {"result": "success", "distinct_states": "7"},
+            "`int | null`, got `str` - at `distinct_states`",
+        ),
         ({"result": "success", "size": "huge"}, "size"),
     ]:
         with pytest.raises(ValueError, match=message):
@@ -220,7 +223,9 @@ def test_parse_model_rejects_bad_entries(tmp_path):
 def test_malformed_manifest_names_the_model(tmp_path):
     (tmp_path / "manifest.toml").write_text('[models.x]\nresult = "pass"\n')
     settings = spec_manifest.Settings(**{**SETTINGS.__dict__, "spec_dir": tmp_path})
-    with pytest.raises(HmastackError, match="model x: result 'pass'"):
+    with pytest.raises(
+        HmastackError, match="model x: Invalid enum value 'pass' - at `result`"
+    ):
         spec_manifest.load_manifest(settings)
 
 

@@ -1,5 +1,6 @@
 """The TOML files' schemas (msgspec Structs, see hmastack.core.tomlfile): each
-kind of mismatch is a HmastackError naming the file and the offending key."""
+kind of mismatch is a HmastackError with msgspec's message, naming the file and
+the offending key by the names of its tables."""
 
 from __future__ import annotations
 
@@ -31,42 +32,41 @@ def _config_error(tmp_path: Path, old: str, new: str) -> str:
 
 def test_hmastack_toml_wrong_type_names_the_key_and_the_value(tmp_path):
     message = _config_error(tmp_path, "stages = 4", 'stages = "4"')
-    assert "series.stages must be an integer, not '4'" in message
+    assert "Expected `int`, got `str` - at `series.stages`" in message
 
 
 def test_hmastack_toml_missing_key_names_the_tree(tmp_path):
     message = _config_error(tmp_path, 'tag = "v0.3.11"\n', "")
-    assert "no trees.lmcache.tag (a required key)" in message
+    assert "missing required field `tag` - at `trees.lmcache`" in message
 
 
 def test_hmastack_toml_missing_key_of_a_nested_table(tmp_path):
     message = _config_error(tmp_path, 'member = "vllm/_C.abi3.so"\n', "")
-    assert "no e2e.kernels.member" in message
+    assert "missing required field `member` - at `e2e.kernels`" in message
 
 
 def test_hmastack_toml_wrong_type_in_a_list_and_a_peer(tmp_path):
     message = _config_error(tmp_path, '"tests/v1/core",', '"tests/v1/core", 3,')
-    assert "suite.vllm[1] must be a string, not 3" in message
+    assert "Expected `str`, got `int` - at `suite.vllm[1]`" in message
     message = _config_error(tmp_path, 'sha256 = "ed86', 'sha256 = 1\nx = "')
-    assert "peers.vllm-0-14.sha256 must be a string, not 1" in message
+    assert "Expected `str`, got `int` - at `peers.vllm-0-14.sha256`" in message
 
 
 @pytest.mark.parametrize(
     ("old", "new", "expected"),
     [
         # a misspelt key of a tree
-        ('ruff = "0.14.0"', 'rufff = "0.14.0"', "unknown key trees.vllm.rufff"),
+        ('ruff = "0.14.0"', 'rufff = "0.14.0"', "`rufff` - at `trees.vllm`"),
         # a table the file does not have
-        ("[env]\n", "[extra]\nx = 1\n\n[env]\n", "unknown key extra"),
+        ("[env]\n", "[extra]\nx = 1\n\n[env]\n", "`extra`"),
         # a typo of followups is named as such, not as a wrong stage count
-        ("followups = 1", "followup = 1", "unknown key series.followup"),
-        ("member_sha256", "member_sha", "unknown key e2e.kernels.member_sha"),
+        ("followups = 1", "followup = 1", "`followup` - at `series`"),
+        ("member_sha256", "member_sha", "`member_sha` - at `e2e.kernels`"),
     ],
 )
 def test_hmastack_toml_refuses_unknown_keys_and_tables(tmp_path, old, new, expected):
     message = _config_error(tmp_path, old, new)
-    assert expected in message
-    assert "(known keys: " in message
+    assert "Object contains unknown field " + expected in message
 
 
 def test_every_configuration_file_refuses_unknown_keys(tmp_path):
@@ -75,13 +75,13 @@ def test_every_configuration_file_refuses_unknown_keys(tmp_path):
     (tmp_path / "spec" / "tlc.toml").write_text(
         tlc.replace("[run]", "[run]\nworker = 2", 1)
     )
-    with pytest.raises(HmastackError, match=r"unknown key run\.worker \(known"):
+    with pytest.raises(HmastackError, match=r"unknown field `worker` - at `run`"):
         spec_manifest.load_settings(tmp_path)
     deselected = tmp_path / "deselected.toml"
     deselected.write_text(
         '[[deselect]]\nnode = "a"\nreason = "needs GPU"\nwhy = "b"\nwhy_not = "c"\n'
     )
-    with pytest.raises(HmastackError, match=r"unknown key deselect\[0\]\.why_not"):
+    with pytest.raises(HmastackError, match=r"`why_not` - at `deselect\[0\]`"):
         pytest_runs.load_deselected(deselected)
 
 
@@ -128,15 +128,15 @@ def _manifest_error(tmp_path: Path, table: str) -> str:
     "table, expected",
     [
         # a wrong type
-        ('result = "success"\ndepth = 1.5', "depth must be an integer, not 1.5"),
-        ('result = "success"\ndeadlock = "yes"', "deadlock must be true or false"),
+        ('result = "success"\ndepth = 1.5', "Expected `int | null`, got `float`"),
+        ('result = "success"\ndeadlock = "yes"', "`bool`, got `str` - at `deadlock`"),
         # an unknown key (the manifest refuses them)
-        ('result = "success"\nexpect = "pass"', "unknown key expect (known keys: cfg"),
-        # a missing required key, with its allowed values
-        ('mode = "simulate"', "no result (a required key, one of success, safety"),
+        ('result = "success"\nexpect = "pass"', "unknown field `expect`"),
+        # a missing required key
+        ('mode = "simulate"', "Object missing required field `result`"),
         # a bad enum value
-        ('result = "pass"', "result 'pass' is not one of success, safety failure"),
-        ('result = "success"\nsize = "huge"', "size 'huge' is not one of ci, nightly"),
+        ('result = "pass"', "Invalid enum value 'pass' - at `result`"),
+        ('result = "success"\nsize = "huge"', "Invalid enum value 'huge' - at `size`"),
         # the rules across keys are kept
         ('result = "safety failure"', "a safety failure names its property"),
     ],
@@ -148,10 +148,12 @@ def test_manifest_errors_name_the_file_the_model_and_the_key(tmp_path, table, ex
 def test_manifest_without_models_table(tmp_path):
     settings = _settings(tmp_path)
     (tmp_path / "manifest.toml").write_text("[model.x]\n")
-    with pytest.raises(HmastackError, match=r"manifest.toml: unknown key model \("):
+    with pytest.raises(HmastackError, match=r"manifest.toml: .* unknown field `model`"):
         spec_manifest.load_manifest(settings)
     (tmp_path / "manifest.toml").write_text("")
-    with pytest.raises(HmastackError, match=r"manifest.toml: no models \(a required"):
+    with pytest.raises(
+        HmastackError, match=r"manifest.toml: .* required field `models`"
+    ):
         spec_manifest.load_manifest(settings)
 
 
@@ -164,9 +166,13 @@ def test_missing_manifest_says_restore_it(tmp_path):
 @pytest.mark.parametrize(
     "old, new, expected",
     [
-        ("workers = 1", 'workers = "1"', "run.workers must be an integer, not '1'"),
-        ('module = "HybridKVAlloc"\n', "", "no spec.module (a required key)"),
-        ("java_opts = [", "java_opts = [1, ", "run.java_opts[0] must be a string"),
+        ("workers = 1", 'workers = "1"', "`int`, got `str` - at `run.workers`"),
+        ('module = "HybridKVAlloc"\n', "", "required field `module` - at `spec`"),
+        (
+            "java_opts = [",
+            "java_opts = [1, ",
+            "`str`, got `int` - at `run.java_opts[0]`",
+        ),
     ],
 )
 def test_tlc_toml_errors_name_the_file_and_the_key(tmp_path, old, new, expected):
@@ -183,10 +189,13 @@ def test_tlc_toml_errors_name_the_file_and_the_key(tmp_path, old, new, expected)
 @pytest.mark.parametrize(
     "entry, expected",
     [
-        ('node = "t.py"\nreason = "needs ray"\nwhy = 3', "deselect[0].why must be a"),
-        ('node = "t.py"\nreason = "needs ray"', "no deselect[0].why (a required key)"),
-        ('node = "t.py"\nreason = "flaky"\nwhy = "w"', "deselect[0].reason 'flaky'"),
-        ('node = ""\nreason = "needs ray"\nwhy = "w"', "deselect[0].node must not be"),
+        ('node = "t.py"\nreason = "needs ray"\nwhy = 3', "at `deselect[0].why`"),
+        ('node = "t.py"\nreason = "needs ray"', "`why` - at `deselect[0]`"),
+        (
+            'node = "t.py"\nreason = "flaky"\nwhy = "w"',
+            "'flaky' - at `deselect[0].reason`",
+        ),
+        ('node = ""\nreason = "needs ray"\nwhy = "w"', ">= 1 - at `deselect[0].node`"),
     ],
 )
 def test_deselected_errors_name_the_file_and_the_entry(tmp_path, entry, expected):
