@@ -37,7 +37,13 @@ def test_hmastack_toml_wrong_type_names_the_key_and_the_value(tmp_path):
 
 def test_hmastack_toml_missing_key_names_the_tree(tmp_path):
     message = _config_error(tmp_path, 'tag = "v0.3.11"\n', "")
-    assert "missing required field `tag` - at `trees.lmcache`" in message
+    assert "trees.lmcache: a tree needs its tag" in message
+
+
+def test_a_tree_is_named_by_its_table_only(tmp_path):
+    message = _config_error(tmp_path, 'ruff = "0.14.0"', 'name = "x"\nruff = "0.14.0"')
+    assert "trees.vllm: the name is the table's key" in message
+    assert config.load(ROOT).trees["lmcache"].name == "lmcache"
 
 
 def test_hmastack_toml_missing_key_of_a_nested_table(tmp_path):

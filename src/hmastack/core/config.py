@@ -14,50 +14,34 @@ from hmastack.core.errors import HmastackError
 CONFIG_NAME = "hmastack.toml"
 
 
-@dataclass(frozen=True)
-class Tree:
-    """One source release the series patches (``vllm`` or ``lmcache``)."""
-
-    name: str
-    package: str
-    version: str
-    sha256: str
-    tag: str
-    pip_env: dict[str, str] = field(default_factory=dict)
-    ruff: str | None = None
-
-    @property
-    def sdist_name(self) -> str:
-        return f"{self.package}-{self.version}.tar.gz"
-
-
-# --- the schema of hmastack.toml (msgspec checks it, see core.tomlfile) -------------
-
 # pip_env values are given to pip as strings; numbers and booleans are written out.
 EnvValue = str | int | float | bool
 
 
-class TreeTable(msgspec.Struct, forbid_unknown_fields=True):
-    """``[trees.NAME]``."""
+class Tree(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``[trees.NAME]``, one source release the series patches (``vllm`` or
+    ``lmcache``), or ``[peers.NAME]``, a release the benchmarks compare with.
+    ``name`` is the table's key and ``tag`` defaults to ``v<version>`` for a peer
+    (both set by :class:`ConfigFile`); checksums are lowered."""
 
+    name: str = ""
     package: str
     version: str
     sha256: str
-    tag: str
+    tag: str = ""
     pip_env: dict[str, EnvValue] = {}
     ruff: str | None = None
 
+    def __post_init__(self) -> None:
+        self.sha256 = self.sha256.lower()
 
-class PeerTable(msgspec.Struct, forbid_unknown_fields=True):
-    """``[peers.NAME]``: a release the benchmarks compare with; ``tag`` defaults
-    to ``v<version>``."""
+    @property
+    def pip_environ(self) -> dict[str, str]:
+        return {k: str(v) for k, v in self.pip_env.items()}
 
-    package: str
-    version: str
-    sha256: str
-    tag: str | None = None
-    pip_env: dict[str, EnvValue] = {}
-    ruff: str | None = None
+    @property
+    def sdist_name(self) -> str:
+        return f"{self.package}-{self.version}.tar.gz"
 
 
 class SeriesTable(msgspec.Struct, forbid_unknown_fields=True):
@@ -107,23 +91,20 @@ class ConfigFile(msgspec.Struct, forbid_unknown_fields=True):
     """The whole of ``hmastack.toml``."""
 
     series: SeriesTable
-    trees: dict[str, TreeTable]
+    trees: dict[str, Tree]
     env: EnvTable
     suite: SuiteTable
-    peers: dict[str, PeerTable] = {}
+    peers: dict[str, Tree] = {}
     e2e: E2ETable | None = None
 
-
-def _tree(name: str, t: TreeTable | PeerTable) -> Tree:
-    return Tree(
-        name=name,
-        package=t.package,
-        version=t.version,
-        sha256=t.sha256.lower(),
-        tag=t.tag if t.tag is not None else f"v{t.version}",
-        pip_env={k: str(v) for k, v in t.pip_env.items()},
-        ruff=t.ruff,
-    )
+    def __post_init__(self) -> None:
+        for table, entries in (("trees", self.trees), ("peers", self.peers)):
+            for key, tree in entries.items():
+                if tree.name:
+                    raise ValueError(f"{table}.{key}: the name is the table's key")
+                if table == "trees" and not tree.tag:
+                    raise ValueError(f"{table}.{key}: a tree needs its tag")
+                tree.name, tree.tag = key, tree.tag or f"v{tree.version}"
 
 
 @dataclass(frozen=True)
@@ -228,7 +209,7 @@ def load(root: Path | None = None) -> Config:
     series, env, suite = data.series, data.env, data.suite
     return Config(
         root=root,
-        trees={name: _tree(name, t) for name, t in data.trees.items()},
+        trees=data.trees,
         title_tag=series.title_tag,
         num_series_stages=series.stages,
         num_followups=series.followups,
@@ -242,6 +223,6 @@ def load(root: Path | None = None) -> Config:
         vllm_suite=list(suite.vllm),
         deselected=root / suite.deselected,
         lmcache_suite=list(suite.lmcache),
-        peers={name: _tree(name, t) for name, t in data.peers.items()},
+        peers=data.peers,
         e2e=data.e2e,
     )

@@ -70,7 +70,7 @@ def fetch(cfg: Config, tree: Tree) -> Path:
                     tmp,
                     f"{tree.package}=={tree.version}",
                 ],
-                env={**tree.pip_env, "PIP_CACHE_DIR": str(cfg.cache / "pip")},
+                env={**tree.pip_environ, "PIP_CACHE_DIR": str(cfg.cache / "pip")},
                 log=cfg.build / "logs" / f"download-{tree.name}.log",
             )
         except CommandError as exc:
