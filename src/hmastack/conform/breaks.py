@@ -221,13 +221,6 @@ BREAKS = {
                 "        self.kv_cache_manager.free(request)\n"
                 "        self.encoder_cache_manager.free(request)\n"
             ),
-            caught_by=("replay",),
-            not_by_random=(
-                "the random test preempts a request for memory with its load's "
-                "step in flight and fails that load in no schedule of its CI "
-                "set; the replay of asynchronous scheduling follows the "
-                "behaviours of fixtures/replay-async-loads.cfg that do"
-            ),
         ),
         Break(
             name="stale-cached-count",
@@ -243,14 +236,6 @@ BREAKS = {
                 "req_id, request.num_computed_tokens)\n"
             ),
             new="",
-            caught_by=("replay",),
-            not_by_random=(
-                "the random test's CI set passes on the broken tree; the file's "
-                "explicit "
-                "test_blocks_computed_again_after_a_load_failure_are_cached_again "
-                "and test_failed_sync_load_shares_the_blocks_after_it_uncached "
-                "(Recached) catch it"
-            ),
         ),
         Break(
             name="free-held-blocks",

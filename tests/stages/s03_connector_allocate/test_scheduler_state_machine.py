@@ -3,7 +3,10 @@
 
 Hypothesis drives `vllm.v1.core.sched.scheduler.Scheduler` or, with
 `async_scheduling`, `AsyncScheduler` (the next step is scheduled before the
-previous one's output is processed: steps in flight, output placeholders).
+previous one's output is processed: steps in flight, output placeholders);
+with `batch_queue`, the `Scheduler` with a batch queue of depth 2 (the
+engine core's `step_with_batch_queue`, as with pipeline parallelism: steps
+in flight without output placeholders).
 The KVCacheConfig is built directly: Gemma-3-like (5 sliding window groups :
 1 full attention group) or gpt-oss-like (one group of each; the explicit
 tests also use Llama-like, one full attention group), with a scripted
@@ -21,7 +24,11 @@ synchronously or asynchronously), run engine steps (`schedule`, a fake model
 runner output with sampled and accepted draft tokens, EOS or max_tokens,
 `update_from_output`, new draft tokens), finish an async load
 (`finished_recving`), fail a load (`invalid_block_ids`, async or sync), abort
-a request, report a store (`finished_sending`). A request created with
+a request, report a store (`finished_sending`), and `fail_sync_load`: a
+request with a sync load that mostly fails when its step returns, preempted
+for memory (the pool is short of blocks for every running request's
+allocation that takes any) or aborted while that step is in flight, and its
+prompt sent again afterwards. A request created with
 `save=True` is stored by the connector: the blocks that become full in each
 of its steps (a store planned in `build_connector_meta`, still reading them
 until reported, so the scheduler must hold them when they leave the tables,
@@ -48,9 +55,9 @@ property per failure path of stage 03 (issue "stage 03 failure paths"):
 - `ValidHit` (a failed load after a preemption or abort with its step in
   flight): once a load failure is reported, no prefix cache hit, in any
   group, is a block whose load failed and that no step wrote since, or a
-  block a step computed on that KV (rules: `abort_load_in_flight`, and
-  `steps` with `fail_left` fails the sync load of a request that no longer
-  runs when its step returns);
+  block a step computed on that KV (rules: `abort_load_in_flight`,
+  `fail_sync_load`, and `steps` with `fail_left` fails the sync load of a
+  request that no longer runs when its step returns);
 - `FinishedTables` (what the connector gets at finish): the tables given to
   `request_finished` / `request_finished_all_groups` are the request's
   tables in the scheduler, which extend what `update_state_after_alloc`
@@ -101,6 +108,7 @@ sequence (and a reproduction blob); record it as an explicit test below.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -212,6 +220,11 @@ REQUIRED_COVERAGE = (
     "async load failed",
     "load failure reported after a later step",
     "abort during async load",
+    "batch queue",
+    "pool short of blocks",
+    "preempted for memory with a sync load in flight",
+    "sync load failed after its request was preempted",
+    "prompt sent again",
     "store planned",
     "blocks held for a store",
     "store reads a block outside the table",
@@ -540,10 +553,20 @@ class Setup:
     max_num_batched_tokens: int
     fail_policy: str  # kv_load_failure_policy
     async_scheduling: bool = False
+    # Synchronous scheduling with a batch queue of depth 2 (the engine core's
+    # step_with_batch_queue, as with pipeline parallelism): the next step is
+    # scheduled before the previous one's output is processed, without output
+    # placeholders. Without speculative decoding.
+    batch_queue: bool = False
 
     @property
     def plain(self) -> bool:
         return self.layout in PLAIN_LAYOUTS
+
+    @property
+    def steps_in_flight(self) -> bool:
+        """A step is in flight while the next one is scheduled."""
+        return self.async_scheduling or self.batch_queue
 
 
 def make_vllm_config(setup: Setup, connector_cls: type) -> VllmConfig:
@@ -587,6 +610,9 @@ def make_scheduler(setup: Setup) -> Scheduler:
         log_stats=False,
     )
     assert type(scheduler.connector) is connector_cls
+    assert not setup.batch_queue or not (
+        setup.async_scheduling or setup.num_spec_tokens
+    )
     assert scheduler.use_eagle == (setup.num_spec_tokens > 0 and setup.eagle)
     scheduler.connector.scheduler = scheduler
     return scheduler
@@ -666,6 +692,18 @@ class Harness:
         self.computed_on_failed: dict[int, object] = {}
         self.idle_steps = 0
         self.noted: set[str] = set()
+        # req_id -> (prompt, max_tokens) of every request added (add_again).
+        self.prompts: dict[str, tuple[list[int], int]] = {}
+        # req_id -> fail_sync of the sync load of its that fails when the step
+        # that loads it returns (`fail_sync_load`).
+        self.fail_load_of: dict[str, int] = {}
+        # While the step that loads this request's external tokens
+        # synchronously is in flight and the request runs, the pool is short
+        # of blocks for every running request's allocation that takes any:
+        # the scheduler preempts for memory (`preempt_for_memory`).
+        self.short_of_blocks_for: str | None = None
+        # Requests a step loaded synchronously.
+        self.sync_loaded: set[str] = set()
         self._wrap_allocate_slots()
         _note("example")
 
@@ -678,7 +716,12 @@ class Harness:
 
         def counted(*args, **kwargs):
             predicted = get_num_blocks_to_allocate(*args, **kwargs)
-            seen.append((predicted, pool.get_num_free_blocks()))
+            free = pool.get_num_free_blocks()
+            if predicted and self._pool_short(kwargs["request_id"]):
+                # allocate_slots refuses, as with `free` blocks fewer.
+                _note("pool short of blocks")
+                return free + 1
+            seen.append((predicted, free))
             return predicted
 
         def measured(*args, **kwargs):
@@ -724,6 +767,17 @@ class Harness:
         pool.evict_blocks = evicting
         pool.get_new_blocks = allocating
 
+    def _pool_short(self, req_id: str) -> bool:
+        """The pool is short of blocks for a running request's allocation
+        while the step that loads `short_of_blocks_for` synchronously is in
+        flight and that request runs."""
+        target = self.short_of_blocks_for
+        return (
+            target is not None
+            and self.running(req_id)
+            and self._pool_short_possible(target)
+        )
+
     # -- actions
     def add_request(
         self,
@@ -744,8 +798,26 @@ class Harness:
             self.connector.script.external[req_id] = (num_external, load_async)
         if save:
             self.connector.script.save_req_ids.add(req_id)
+        self.prompts[req_id] = (prompt, max_tokens)
         self.scheduler.add_request(make_request(req_id, prompt, max_tokens))
         return req_id
+
+    def add_again(self, req_id: str) -> str:
+        """A new request with the prompt of `req_id` (and the same external
+        tokens, stored or not): it hits what `req_id` left in the prefix
+        cache."""
+        again = f"r{self.next_id}"
+        self.next_id += 1
+        prompt, max_tokens = self.prompts[req_id]
+        script = self.connector.script
+        if req_id in script.external:
+            script.external[again] = script.external[req_id]
+        if req_id in script.save_req_ids:
+            script.save_req_ids.add(again)
+        self.prompts[again] = (prompt, max_tokens)
+        self.scheduler.add_request(make_request(again, list(prompt), max_tokens))
+        _note("prompt sent again")
+        return again
 
     def step(
         self,
@@ -770,6 +842,7 @@ class Harness:
             _note("async load started")
         if connector.sync_loads:
             _note("sync load")
+            self.sync_loaded.update(connector.sync_loads)
         if output.scheduled_spec_decode_tokens:
             _note("drafts scheduled")
         if self.in_flight:
@@ -804,7 +877,7 @@ class Harness:
         # The model runner executes the step: sync loads write now.
         self.check_all()
         num_unfinished = scheduler.get_num_unfinished_requests()
-        if not self.setup.async_scheduling or len(self.in_flight) > 1:
+        if not self.setup.steps_in_flight or len(self.in_flight) > 1:
             oldest = self.in_flight[0]
             left = [r for r in sorted(oldest.sync_loads) if not self.running(r)]
             if fail_left is not None and left:
@@ -887,6 +960,11 @@ class Harness:
         """The model runner returns `step`'s output."""
         scheduler, connector = self.scheduler, self.connector
         invalid = set(self.invalid_block_ids)
+        for req_id in sorted(step.sync_loads) if step.fail_req is None else ():
+            if req_id in self.fail_load_of:
+                step.fail_req = req_id
+                step.fail_sync = self.fail_load_of.pop(req_id)
+                break
         if step.fail_sync is not None and step.sync_loads:
             loads = sorted(step.sync_loads.items())
             req_id, load = loads[step.fail_sync % len(loads)]
@@ -1091,6 +1169,63 @@ class Harness:
         req_id = loads[pick % len(loads)]
         self.note_once("abort with a sync load in flight")
         self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+
+    def fail_sync_load(
+        self,
+        args: dict,
+        fail: int | None,
+        leaves: str | None,
+        again: bool,
+        num_steps: int,
+    ) -> str:
+        """Add a request whose external tokens load synchronously (`args`) and
+        run `num_steps` engine steps. Its load fails when the step that loads
+        it returns (`fail` picks the blocks, as `fail_sync`; None: it does
+        not). While that step is in flight and the request runs, it may
+        leave the running requests: with `leaves="memory"` the pool is short
+        of blocks for every running request's allocation that takes any (the
+        scheduler preempts for memory until the request is preempted, or
+        nothing needs a block); with `leaves="abort"` it is aborted. With
+        `again`, its prompt is sent again once that step returned.
+
+        An aborted request here is not stored: one that is, and whose
+        finish the connector delays, keeps blocks computed on the failed KV
+        in the prefix cache
+        (test_failed_load_of_a_stored_request_aborted_with_it_in_flight_is_not_hit).
+        """
+        if leaves == "abort":
+            args = {**args, "save": False}
+        req_id = self.add_request(**args)
+        if fail is not None:
+            self.fail_load_of[req_id] = fail
+        request = self.scheduler.requests[req_id]
+        sent_again = False
+        preempt = leaves == "memory"
+        for _ in range(num_steps):
+            if leaves == "abort" and self._pool_short_possible(req_id):
+                self.abort_load_in_flight(self.loads_in_flight().index(req_id))
+                self.check_all()
+            pressed = preempt and self._pool_short_possible(req_id)
+            num_preemptions = request.num_preemptions
+            self.short_of_blocks_for = req_id if preempt else None
+            try:
+                self.step(accept=0, eos_pick=None, fail_sync=None)
+            finally:
+                self.short_of_blocks_for = None
+            if pressed and request.num_preemptions > num_preemptions:
+                self.note_once("preempted for memory with a sync load in flight")
+            self.check_all()
+            returned = req_id in self.sync_loaded and not any(
+                req_id in s.sync_loads for s in self.in_flight
+            )
+            if again and returned and not sent_again:
+                sent_again = True
+                if len(self.scheduler.requests) < 8:
+                    self.add_again(req_id)
+        return req_id
+
+    def _pool_short_possible(self, req_id: str) -> bool:
+        return self.running(req_id) and req_id in self.loads_in_flight()
 
     def stores_to_report(self) -> list[str]:
         stores = set(self.connector.saving) | set(self.connector.storing)
@@ -1603,6 +1738,14 @@ setups = st.builds(
     max_num_batched_tokens=st.sampled_from([64, 128, 512]),
     fail_policy=st.sampled_from(["recompute", "recompute", "fail"]),
     async_scheduling=st.booleans(),
+    batch_queue=st.booleans(),
+).map(
+    lambda setup: dataclasses.replace(
+        setup,
+        batch_queue=setup.batch_queue
+        and not setup.async_scheduling
+        and not setup.num_spec_tokens,
+    )
 )
 
 request_args = st.fixed_dictionaries(
@@ -1611,6 +1754,21 @@ request_args = st.fixed_dictionaries(
         num_own=st.integers(1, 120),
         num_external=st.sampled_from([0, 0, 16, 40, 64, 100, 160, 240]),
         load_async=st.booleans(),
+        max_tokens=st.integers(1, 12),
+        save=st.booleans(),
+    )
+)
+
+# A request whose external tokens load synchronously (`fail_sync_load`):
+# prompts that end at a block boundary or run past the token budget need a
+# block in the step after the load's (a decode with a step in flight, or the
+# next chunk of the prompt), so that a pool short of blocks preempts them.
+sync_load_args = st.fixed_dictionaries(
+    dict(
+        prefix=st.integers(0, len(PREFIX_BLOCKS) - 1),
+        num_own=st.sampled_from([16, 32, 48, 96, 112]) | st.integers(1, 120),
+        num_external=st.sampled_from([16, 40, 64, 100, 160]),
+        load_async=st.just(False),
         max_tokens=st.integers(1, 12),
         save=st.booleans(),
     )
@@ -1630,6 +1788,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.harness = Harness(setup)
         if setup.async_scheduling:
             _note("async scheduling")
+        if setup.batch_queue:
+            _note("batch queue")
         for args in first:
             self.harness.add_request(**args)
 
@@ -1682,6 +1842,23 @@ class SchedulerMachine(RuleBasedStateMachine):
         fail that load."""
         if self.harness.loads_in_flight():
             self.harness.abort_load_in_flight(pick)
+
+    @rule(
+        args=sync_load_args,
+        # Mostly a failing load.
+        fail=st.integers(0, 63) | st.integers(0, 63) | st.none(),
+        leaves=st.sampled_from([None, "memory", "memory", "abort"]),
+        again=st.booleans(),
+        num_steps=st.integers(2, 4),
+    )
+    def fail_sync_load(self, args, fail, leaves, again, num_steps):
+        """A request loads its external tokens synchronously and the load may
+        fail when its step returns; with steps in flight, the request may be
+        preempted for memory or aborted while that step is in flight; its
+        prompt may be sent again once that step returned (ValidHit,
+        InvalidHit, InvalidOutput, Recached)."""
+        if len(self.harness.scheduler.requests) < 8:
+            self.harness.fail_sync_load(args, fail, leaves, again, num_steps)
 
     @rule(pick=st.integers(0, 7))
     def finish_save(self, pick):
@@ -1784,6 +1961,89 @@ def test_failed_load_of_a_request_aborted_with_it_in_flight_is_not_hit(layout):
     for _ in range(3):
         harness.step(accept=0, eos_pick=None, fail_sync=None)
         harness.check_all()
+
+
+@pytest.mark.parametrize("layout", ["gpt_oss_like", "gemma3_like"])
+@pytest.mark.parametrize("scheduling", ["async", "batch_queue"])
+def test_failed_load_of_a_request_preempted_with_it_in_flight_is_not_hit(
+    layout, scheduling
+):
+    """Caught a tree whose `_preempt_request` keeps no blocks of a request
+    preempted for memory while the step that loads its external tokens
+    synchronously is in flight (InvalidHit: when that load then fails, a
+    block computed on the failed KV stays in the prefix cache; InvalidOutput:
+    the token that step sampled is appended). The pool is short of blocks
+    while that step is in flight; the prompt is sent again afterwards
+    (ValidHit)."""
+    harness = Harness(
+        Setup(
+            layout,
+            32,
+            72,
+            0,
+            False,
+            64,
+            "recompute",
+            scheduling == "async",
+            scheduling == "batch_queue",
+        )
+    )
+    harness.add_request(**_request(num_own=40, max_tokens=12))
+    harness.step(accept=0, eos_pick=None, fail_sync=None)
+    harness.fail_sync_load(
+        _request(prefix=1, num_own=112, num_external=40, max_tokens=4),
+        fail=14,
+        leaves="memory",
+        again=True,
+        num_steps=5,
+    )
+    assert "preempted for memory with a sync load in flight" in harness.noted
+    assert "sync load failed after its request was preempted" in harness.noted
+    for _ in range(4):
+        harness.step(accept=0, eos_pick=None, fail_sync=None)
+        harness.check_all()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "a stored request aborted while the step of its sync load is in "
+        "flight keeps its blocks for the connector's delayed free; when that "
+        "load fails, _handle_invalid_blocks looks only at waiting and running "
+        "requests and at the blocks kept by _keep_blocks_of_load_in_flight, "
+        "so the blocks computed on the failed KV stay in the prefix cache"
+    ),
+)
+@pytest.mark.parametrize("scheduling", ["async", "batch_queue"])
+def test_failed_load_of_a_stored_request_aborted_with_it_in_flight_is_not_hit(
+    scheduling,
+):
+    """InvalidHit: r1 loads 15 external tokens synchronously and its
+    connector stores it (a delayed free); it is aborted while that step is
+    in flight, and the load fails: no block computed on the failed KV may
+    stay in the prefix cache."""
+    harness = Harness(
+        Setup(
+            "gemma3_like",
+            32,
+            16,
+            0,
+            False,
+            64,
+            "recompute",
+            scheduling == "async",
+            scheduling == "batch_queue",
+        )
+    )
+    harness.add_request(**_request())
+    harness.add_request(**_request(num_own=16, num_external=16, save=True))
+    harness.step(accept=0, eos_pick=None, fail_sync=None)
+    assert harness.loads_in_flight() == ["r1"]
+    harness.abort_load_in_flight(0)
+    harness.check_all()
+    harness.step(accept=0, eos_pick=None, fail_sync=None, fail_left=0)
+    assert "sync load failed after its request finished" in harness.noted
+    harness.check_all()
 
 
 @pytest.mark.parametrize("hold", ["delayed_free", "abort_during_load"])
