@@ -25,10 +25,10 @@ CONSTANTS
     W,        \* sliding window in tokens (the window counts the token itself)
     C,        \* attention_chunk_size of chunked local attention, in tokens
     MaxLen,   \* longest request, in tokens
-    Mutation  \* "none", or "Base": vLLM 0.13.0's lookup (each type drops EAGLE's block on its own)
+    Mutation  \* "none"; "Base": vLLM 0.13.0's lookup (each type drops EAGLE's block on its own); "NoKeep": a connector-loaded prefix keeps no block before its window
 
 ASSUME /\ B \in Nat \ {0} /\ W \in Nat \ {0, 1} /\ C \in Nat \ {0} /\ C % B = 0
-       /\ MaxLen \in Nat \ {0} /\ Mutation \in {"none", "Base"}
+       /\ MaxLen \in Nat \ {0} /\ Mutation \in {"none", "Base", "NoKeep"}
 
 Kinds == {"swa", "chunked", "mamba"}     \* attention type of the second group
 Groups == {"full", "other"}
@@ -51,7 +51,7 @@ Hashed(n) == {i \in 0..(MaxLen \div B - 1) : (i + 1) * B <= n}
 (***************************************************************************)
 (* The code. Fix == patch 5A is applied (Mutation = "none").               *)
 (***************************************************************************)
-Fix == Mutation = "none"
+Fix == Mutation # "Base"
 \* Block hashes a hit may use (KVCacheCoordinator.hit_block_hashes): with
 \* EAGLE (patch 5A) those ending at or before max_cache_hit_length; 0.13.0
 \* passes all of them.
@@ -151,12 +151,55 @@ TypeOK ==
 LongestServableHit ==
     hit = SetMax({L \in 0..(len - 1) : Servable(kind, eagle, len, cached, L)})
 
+(***************************************************************************)
+(* A prefix a KV connector loaded (stage 03, allocate_slots): the request *)
+(* computes from x = min(external, num_tokens - 1) on, and a sliding      *)
+(* window group gets blocks only from a window on; the blocks before it   *)
+(* are never real, so never cached. The null-prefix rule with EAGLE: the  *)
+(* tables start at the window of the last block boundary before x (the    *)
+(* end of the hit a later request takes in the loaded tokens, the block   *)
+(* after it computed again); without EAGLE at the window of x.            *)
+(* NullPrefix and WindowBound of spec/HybridKVAlloc.tla are stated for    *)
+(* that start: at most one block more (KeptAtMostOneBlock).               *)
+(***************************************************************************)
+HitEnd(x) == ((x - 1) \div B) * B
+SkipStart(x, e) == IF e /\ Mutation # "NoKeep" THEN HitEnd(x) ELSE x
+FirstReal(x, e) == Max(0, SkipStart(x, e) - W + 1) \div B
+\* The blocks each group caches once the request computed its prompt:
+\* full attention all of them, the sliding window group from FirstReal on.
+LoadedCache(x, e) ==
+    [g \in Groups |-> IF g = "full" THEN Hashed(len)
+                      ELSE {i \in Hashed(len) : i >= FirstReal(x, e)}]
+AllCached == [g \in Groups |-> Hashed(len)]
+\* The same prompt again, after a load of x tokens: it hits as if the
+\* request had computed its prompt itself (every block cached), unless the
+\* prompt ends in the block after HitEnd(x) with x inside a block (its
+\* longest hit is then one block shorter and reads a block before the kept
+\* one: the stated limitation).
+LoadedPrefixHit ==
+    kind = "swa" =>
+      \A x \in 1..(len - 1) :
+        (x % B = 0 \/ HitEnd(x) + B <= len - 1)
+          => Coordinator(kind, eagle, len, LoadedCache(x, eagle))
+               = Coordinator(kind, eagle, len, AllCached)
+\* The memory the rule costs: at most one block per sliding window group.
+KeptAtMostOneBlock ==
+    \A x \in 1..(len - 1) : FirstReal(x, FALSE) - FirstReal(x, eagle) \in {0, 1}
+
 \* Witnesses: lookups the property must see (each "never happens" is
 \* expected to be violated).
 WitnessEagleHit == [](~(eagle /\ hit > 0))
 WitnessEagleSwaRun == [](~(eagle /\ kind = "swa" /\ hit >= W))
+\* A loaded prefix whose hit needs the kept block (the window of HitEnd(x)
+\* starts a block before the window of x) and gets a hit.
+WitnessEagleLoadedKept ==
+    [](~(eagle /\ kind = "swa" /\ hit > 0
+         /\ \E x \in 1..(len - 1) :
+              /\ x % B = 0 /\ FirstReal(x, TRUE) < FirstReal(x, FALSE)
+              /\ Coordinator(kind, eagle, len, LoadedCache(x, TRUE)) > 0))
 WitnessEagleChunkBack ==
     [](~(eagle /\ kind = "chunked" /\ hit > 0 /\ hit < ((len - 1) \div C) * C))
 
 THEOREM (Mutation = "none") => (Spec => []LongestServableHit)
+THEOREM (Mutation = "none") => (Spec => [](LoadedPrefixHit /\ KeptAtMostOneBlock))
 =============================================================================

@@ -547,10 +547,13 @@ def _eagle_row(case: str, **kw) -> dict:
         # before it, with block 246 computed again.
         (_eagle_row("swa evicted", evict=[[1, 247]]), 128, 3936),
         (_eagle_row("swa evicted", evict=[[1, 223]]), 512, 3552),
-        # A connector's prefix: the sliding window group holds only the window
-        # of token 4096 (blocks 248~255), the hit of 4080 tokens needs 247.
-        (_eagle_row("async", external=4096, load="async"), 128, 0),
-        (_eagle_row("sync", external=4096, load="sync"), 128, 0),
+        # A connector's prefix: the sliding window group holds the window of
+        # token 4080 (blocks 247~255), the last block boundary before the
+        # loaded tokens: the hit of 4080 tokens, as fully cached.
+        (_eagle_row("async", external=4096, load="async"), 128, 4080),
+        (_eagle_row("sync", external=4096, load="sync"), 128, 4080),
+        # Loaded tokens inside a block (4090): the window of token 4080 too.
+        (_eagle_row("inside", external=4090, load="sync"), 128, 4080),
     ],
 )
 def test_expected_eagle_hit(row, window, want):

@@ -146,12 +146,14 @@ def eagle_first_cached_block(kind: str, window: int, B: int, row: dict) -> int:
     """The first block of the first request's prompt that a group holds in the
     prefix cache on a tree with the eagle rule: all of them, except after a
     connector load in a sliding window group, which allocated (and cached)
-    only the window of the first computed token, x = min(external, prompt - 1)
-    (stage 3)."""
+    only the window of the last block boundary before the first computed
+    token, x = min(external, prompt - 1): the end of the hit a later request
+    takes in the loaded tokens (stage 3, EagleKeep in spec/HybridKVAlloc.tla)."""
     if kind == "full" or not row.get("load"):
         return 0
     x = min(row["external"], row["prompt"] - 1)
-    return max(0, x - window + 1) // B
+    hit_end = (x - 1) // B * B
+    return max(0, hit_end - window + 1) // B
 
 
 def expected_eagle_hit(kinds: list[str], window: int, B: int, row: dict) -> int:

@@ -101,6 +101,7 @@ class Driver:
     def __init__(self, layout: str, window: int, num_blocks: int, use_eagle: bool):
         self.kinds = LAYOUTS[layout]
         self.window = window
+        self.use_eagle = use_eagle
         groups = make_kv_cache_groups(self.kinds, BLOCK_SIZE, window)
         self.manager = KVCacheManager(
             KVCacheConfig(
@@ -166,6 +167,11 @@ class Driver:
         )
         num_computed = num_hit_tokens + num_external
         num_skip_tokens = min(num_computed, request.num_tokens - 1)
+        if self.use_eagle and num_external > 0:
+            # The window of the hit a later request takes in these tokens
+            # (EagleKeep in spec/HybridKVAlloc.tla): the last block boundary
+            # before them.
+            num_skip_tokens = (num_skip_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
         new_blocks = self.allocate(
             request,
             dict(
