@@ -74,6 +74,7 @@ class EnvTable(msgspec.Struct, forbid_unknown_fields=True):
     lock: str
     plugin: str
     no_deps: list[str] = []
+    connectors_lock: str | None = None
 
 
 class SuiteTable(msgspec.Struct, forbid_unknown_fields=True):
@@ -152,6 +153,8 @@ class Config:
     peers: dict[str, Tree] = field(default_factory=dict)
     # [e2e], None when absent (hmastack.e2e.environment.load_config).
     e2e: E2ETable | None = None
+    # [env] connectors_lock: hashed pins installed after ``lock`` (None: none).
+    connectors_lock: Path | None = None
 
     @property
     def num_stages(self) -> int:
@@ -244,4 +247,5 @@ def load(root: Path | None = None) -> Config:
         lmcache_suite=list(suite.lmcache),
         peers={name: _tree(name, t) for name, t in data.peers.items()},
         e2e=data.e2e,
+        connectors_lock=root / env.connectors_lock if env.connectors_lock else None,
     )
