@@ -129,6 +129,35 @@ def test_committed_deselect_list_gives_a_known_reason_for_each(tmp_path):
         assert entry.reason in pytest_runs.DESELECT_REASONS
 
 
+def test_connectors_lock_pins_every_file_by_sha256():
+    """The KV connectors' test dependencies (NIXL, ray) go in with
+    --require-hashes: every entry names one version and a sha256."""
+    from hmastack.core import config
+    from hmastack.e2e import environment
+
+    cfg = config.load(ROOT)
+    assert cfg.connectors_lock is not None
+    entries = environment.lock_entries(cfg.connectors_lock)
+    assert {"nixl", "nixl-cu12", "ray"} <= set(entries)
+    for name, (_, entry) in entries.items():
+        assert " --hash=sha256:" in entry, f"{name} has no sha256 in the lock"
+
+
+def test_env_key_follows_the_connectors_lock(tmp_path):
+    """Changing a pin of the connectors' lock rebuilds build/env."""
+    from dataclasses import replace
+
+    from hmastack.core import config
+    from hmastack.stack import env as env_mod
+
+    cfg = config.load(ROOT)
+    lock = tmp_path / "connectors.lock"
+    lock.write_text(cfg.connectors_lock.read_text())
+    before = env_mod._key(replace(cfg, connectors_lock=lock))
+    lock.write_text(lock.read_text().replace("ray==2.60.0", "ray==2.60.1"))
+    assert env_mod._key(replace(cfg, connectors_lock=lock)) != before
+
+
 def test_deselect_entry_without_reason_is_refused(tmp_path):
     path = tmp_path / "d.toml"
     path.write_text('[[deselect]]\nnode = "tests/x.py::t"\nreason = "flaky"\n')

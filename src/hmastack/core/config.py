@@ -58,6 +58,7 @@ class EnvTable(msgspec.Struct, forbid_unknown_fields=True):
     lock: str
     plugin: str
     no_deps: list[str] = []
+    connectors_lock: str | None = None
 
 
 class SuiteTable(msgspec.Struct, forbid_unknown_fields=True):
@@ -133,6 +134,8 @@ class Config:
     peers: dict[str, Tree] = field(default_factory=dict)
     # [e2e], None when absent (hmastack.e2e.environment.load_config).
     e2e: E2ETable | None = None
+    # [env] connectors_lock: hashed pins installed after ``lock`` (None: none).
+    connectors_lock: Path | None = None
 
     @property
     def num_stages(self) -> int:
@@ -225,4 +228,5 @@ def load(root: Path | None = None) -> Config:
         lmcache_suite=list(suite.lmcache),
         peers=data.peers,
         e2e=data.e2e,
+        connectors_lock=root / env.connectors_lock if env.connectors_lock else None,
     )

@@ -1,9 +1,11 @@
 """The pinned CPU environment the vLLM tests run in.
 
 ``build/env`` is a virtualenv with torch (CPU build), vLLM 0.13.0's locked Python
-dependencies, the packages that must go in with ``--no-deps``, and our test-support
-plugin. ``build/hf-home`` is the offline Hugging Face cache the tests read. Both are
-rebuilt only when an input changes (the key is a hash of the inputs).
+dependencies, the packages that must go in with ``--no-deps``, the KV connectors'
+test dependencies (NIXL, ray: ``[env] connectors_lock``, every file checked by
+sha256), and our test-support plugin. ``build/hf-home`` is the offline Hugging Face
+cache the tests read. Both are rebuilt only when an input changes (the key is a
+hash of the inputs).
 """
 
 from __future__ import annotations
@@ -166,6 +168,8 @@ def _key(cfg: Config) -> str:
     digest.update(f"torch={cfg.torch};no_deps={cfg.no_deps};".encode())
     digest.update(sys.version.encode())
     digest.update(cfg.lock.read_bytes())
+    if cfg.connectors_lock is not None:
+        digest.update(cfg.connectors_lock.read_bytes())
     digest.update((cfg.root / HF_MODELS).read_bytes())
     update_with_tree(digest, cfg.plugin)
     return digest.hexdigest()
@@ -213,6 +217,22 @@ def ensure(cfg: Config) -> Env:
     if cfg.no_deps:
         with step(f"install {', '.join(cfg.no_deps)} without dependencies"):
             _pip(cfg, env, "--no-deps", *cfg.no_deps, what=", ".join(cfg.no_deps))
+    if cfg.connectors_lock is not None:
+        lock = cfg.connectors_lock
+        if not lock.exists():
+            raise HmastackError(f"the dependency lock {lock} is missing")
+        with step(f"install the KV connectors' test dependencies ({lock.name})"):
+            # Every file is checked against its sha256 in the lock; pip keeps the
+            # wheels in the per-user cache, so a fresh clone finds them again.
+            _pip(
+                cfg,
+                env,
+                "--no-deps",
+                "--require-hashes",
+                "-r",
+                str(lock),
+                what=f"the hashed pins of {lock.name}",
+            )
     with step("install the test-support plugin (CpuPlatform)"):
         _pip(
             cfg,
