@@ -245,12 +245,11 @@ def test_nixl_pairs_run_at_once_one_producer_per_consumer():
         assert producer.namespace == consumer.namespace == f"pd-{consumer.functions[0]}"
         assert producer.connector == consumer.connector == "nixl"
         assert producer.wave == consumer.wave == 2
-    # NixlConnector has no HMA in the series yet: HMA off at every stage.
-    assert not any(
-        p.hma
-        for p in runner.plan_stage(5, list(cat.SCENARIOS))
-        if p.connector == "nixl"
-    )
+    # NixlConnector supports HMA from stage 06: HMA off before it, on there.
+    for stage in (5, 6):
+        nixl = [p for p in runner.plan_stage(stage, list(cat.SCENARIOS))
+                if p.connector == "nixl"]  # fmt: skip
+        assert nixl and all(p.hma == (stage >= 6) for p in nixl)
     assert len({runner.free_port() for _ in range(3)}) >= 2
 
 

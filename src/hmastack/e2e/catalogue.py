@@ -252,7 +252,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         connector="nixl",
         producer="nixl-produce",
         ci=True,
-        checks=("producer freed",),
+        checks=("producer freed", "window"),
         base_bug=(
             "the producer's engine stops stepping once it has no request left, so "
             "its connector never takes the consumer's notification and the blocks "
@@ -266,7 +266,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         connector="nixl",
         producer="nixl-produce",
         model="llama4-chunk",
-        checks=("producer freed",),
+        checks=("producer freed", "window"),
         base_bug="as for the Gemma-3-like model: the producer keeps the blocks",
         fixed_at=3,
     ),
@@ -339,9 +339,9 @@ def selected(quick: bool) -> list[Scenario]:
 
 
 LMCACHE_HMA_FROM_STAGE = 4
-# The first stage whose NixlConnector supports HMA (None: none yet): before it
-# the series turns HMA off for it, as 0.13.0 does.
-NIXL_HMA_FROM_STAGE: int | None = None
+# The first stage whose NixlConnector supports HMA (stage 06): before it the
+# series turns HMA off for it, as 0.13.0 does.
+NIXL_HMA_FROM_STAGE = 6
 
 
 def hma_at(s: Scenario, stage: int) -> bool:
@@ -350,7 +350,7 @@ def hma_at(s: Scenario, stage: int) -> bool:
     if s.connector == "lmcache":
         return stage >= LMCACHE_HMA_FROM_STAGE
     if s.connector == "nixl":
-        return NIXL_HMA_FROM_STAGE is not None and stage >= NIXL_HMA_FROM_STAGE
+        return stage >= NIXL_HMA_FROM_STAGE
     return stage >= HMA_FROM_STAGE
 
 

@@ -200,7 +200,10 @@ def judge(
     if "preempted" in s.checks:
         v.checks["preempted"] = (obs.get("preemptions") or 0) > 0
     if "window" in s.checks:
-        v.checks["window"] = _window_ok(v, run)
+        # the long request of memory-window; the consumer of a NIXL P/D pair
+        v.checks["window"] = _window_ok(
+            v, run, "nixl-a" if s.connector == "nixl" else "long-b"
+        )
     if "producer freed" in s.checks:
         # The P/D producer's blocks are back in its pool after the consumer's read.
         held = (
@@ -227,12 +230,12 @@ def judge(
     return v
 
 
-def _window_ok(v: Verdict, run: dict) -> bool:
+def _window_ok(v: Verdict, run: dict, key: str = "long-b") -> bool:
     """Every sliding-window group held at most :func:`window_bound` blocks for
-    the long request (HMA on); with one group (HMA off) there is nothing to
-    bound and the check passes only if that group held every block."""
-    long = [r for r in run.get("requests", []) if r["key"] == "long-b"]
-    peak = v.peak_blocks.get("long-b")
+    the long request ``key`` (HMA on); with one group (HMA off) there is
+    nothing to bound and the check passes only if that group held every block."""
+    long = [r for r in run.get("requests", []) if r["key"] == key]
+    peak = v.peak_blocks.get(key)
     if not long or not peak:
         return False
     new_tokens = long[0]["prompt_len"] - (long[0]["expected_cached"] or 0)
