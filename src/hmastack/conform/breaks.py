@@ -112,9 +112,9 @@ BREAKS = {
                 "blocks until the connector reports the load finished (broken: "
                 "they are freed at once, while the load still writes them)"
             ),
-            path="vllm/v1/core/sched/scheduler.py",
-            old="elif request_id not in self.recving_kv_req_ids:",
-            new="else:",
+            path="vllm/v1/core/sched/kv_connector_requests.py",
+            old="return not record.sending and not record.recving",
+            new="return not record.sending",
         ),
         Break(
             name="keep-skipped-blocks",
@@ -187,12 +187,12 @@ BREAKS = {
             path="vllm/v1/core/sched/scheduler.py",
             old=(
                 "            # could fail again.\n"
-                "            self.kv_load_failed_req_ids.add(req_id)\n"
+                "            self.kv_connector_requests.load_failed(req_id)\n"
             ),
             new=(
                 "            # could fail again.\n"
                 "            if request.num_computed_tokens == 0:\n"
-                "                self.kv_load_failed_req_ids.add(req_id)\n"
+                "                self.kv_connector_requests.load_failed(req_id)\n"
             ),
             caught_by=("replay",),
             not_by_random=(

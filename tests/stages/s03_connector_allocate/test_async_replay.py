@@ -105,13 +105,14 @@ def connector_state(sched, req_id: str) -> dict:
     (``discard``) and, while it waits for an asynchronous load, the tokens it
     counts as computed once the load is done (``loaded``; None otherwise,
     or once the load failed: ``num_computed_tokens`` then holds them)."""
+    record = sched.kv_connector_requests.get(req_id)
+    if record is None:
+        return {"mark": False, "discard": False, "loaded": None}
     return {
-        "mark": req_id in sched.kv_load_failed_req_ids,
-        "discard": req_id in sched.discard_output_req_ids,
+        "mark": record.load_failed,
+        "discard": record.discard_output,
         "loaded": (
-            None
-            if req_id in sched.failed_recving_kv_req_ids
-            else sched.num_computed_tokens_after_recving.get(req_id)
+            None if record.failed_recving else record.num_computed_tokens_after_recving
         ),
     }
 
@@ -289,7 +290,9 @@ class AsyncReplay:
         computed = 0 if self.done else r.num_computed_tokens
         if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS and loaded is not None:
             computed = loaded
-        if status == "loading" and REQ in self.sched.finished_recving_kv_req_ids:
+        if status == "loading" and self.sched.kv_connector_requests.is_finished_recving(
+            REQ
+        ):
             # Reported: it waits to be scheduled (the model's FinishLoad).
             status = "waiting"
         skip = 0

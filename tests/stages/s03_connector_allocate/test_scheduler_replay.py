@@ -54,7 +54,7 @@ state: every table of every request (null entries, real blocks through a
 bijection model block <-> real block built from the new blocks' positions),
 ``ref_cnt`` of every model block, the free queue size, the number of distinct
 prefix-cache keys, the blocks each in-flight load writes into (the connector's
-pending loads) and ``recving_kv_req_ids``, each request's status (waiting /
+pending loads) and each record's ``recving``, each request's status (waiting /
 loading / running / finishing / done), ``num_tokens``, ``num_computed_tokens``
 (not while loading: the model counts the external tokens already), and the
 order of ``Scheduler.running``. A mismatch fails with the trace, the step and
@@ -418,7 +418,11 @@ class Replay:
         # Requests a load failure preempted (_handle_invalid_blocks) are
         # reported with the next output, whichever requests it schedules: the
         # model's SyncLoadFailed step took them out already.
-        reported = set(s.preempted_req_ids_to_report)
+        reported = {
+            r
+            for r, record in s.kv_connector_requests.items()
+            if record.preempted_to_report
+        }
         try:
             out = s.schedule()
             if not reported <= out.preempted_req_ids:
@@ -761,11 +765,16 @@ class Replay:
             if q != r and before["step"][q]["on"]:
                 self.inflight.pop(q, None)
         restarted = {q for q in a["restart"] if before["status"][q] == "running"}
-        if not restarted <= self.sched.preempted_req_ids_to_report:
+        to_report = {
+            r
+            for r, record in self.sched.kv_connector_requests.items()
+            if record.preempted_to_report
+        }
+        if not restarted <= to_report:
             raise Mismatch(
                 f"the model preempts {sorted(restarted)} (they must start over "
                 f"and lack blocks for it); the scheduler will report "
-                f"{sorted(self.sched.preempted_req_ids_to_report)}"
+                f"{sorted(to_report)}"
             )
 
     def preempt(self, states: list[dict], k: int) -> int:
@@ -888,15 +897,15 @@ class Replay:
                 problems.append(
                     f"held {r}: model {sorted(state['held'][r])}, vLLM {held}"
                 )
-            if (r in self.sched.kv_load_failed_req_ids) != (r in state["noLoad"]):
+            records = self.sched.kv_connector_requests
+            if records.has_load_failed(r) != (r in state["noLoad"]):
                 problems.append(
-                    "kv_load_failed_req_ids "
-                    f"{sorted(self.sched.kv_load_failed_req_ids)}, "
+                    f"load_failed of {r}: {records.has_load_failed(r)}, "
                     f"model noLoad {sorted(state['noLoad'])}"
                 )
-            if (r in self.sched.recving_kv_req_ids) != bool(state["loads"][r]):
+            if records.is_recving(r) != bool(state["loads"][r]):
                 problems.append(
-                    f"recving_kv_req_ids {sorted(self.sched.recving_kv_req_ids)}, "
+                    f"recving of {r}: {records.is_recving(r)}, "
                     f"model loads {state['loads']}"
                 )
             if state["status"][r] in ("waiting", "running"):

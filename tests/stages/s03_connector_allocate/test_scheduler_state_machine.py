@@ -242,6 +242,17 @@ def _note(what: str) -> None:
 # -- the connector ------------------------------------------------------------
 
 
+def connector_state(scheduler: Scheduler, name: str) -> dict[str, Any]:
+    """The connector side of the scheduler's requests, one field of their
+    records (`KVConnectorRequest`): each request whose record has it set,
+    with its value."""
+    return {
+        req_id: getattr(record, name)
+        for req_id, record in scheduler.kv_connector_requests.items()
+        if getattr(record, name)
+    }
+
+
 @dataclass
 class Load:
     """Blocks a load writes into (per group, without the null block), and the
@@ -1312,15 +1323,16 @@ class Harness:
 
     def check_live_records(self) -> None:
         """The connector side of a request lives no longer than the request:
-        every entry of a per-request container of the scheduler belongs to a
-        request the scheduler still has (`scheduler.requests`), in the state
-        the container stands for, and no container holds a finished request
-        except the two that keep it (a delayed free, a load in flight of an
-        aborted request), which are what keeps it in `scheduler.requests`.
-        Held blocks are the one exception the hold defines: they outlive the
-        request until the connector reports it in `finished_sending` and
-        `request_blocks_freed` no longer names them, so every held block is
-        one the connector's store still reads."""
+        every record of `scheduler.kv_connector_requests` belongs to a request
+        the scheduler still has (`scheduler.requests`) and is not empty, each
+        of its fields is set only in the state the field stands for, and no
+        record of a finished request holds more than what keeps the request
+        (a delayed free, a load in flight of an aborted request) and what its
+        steps in flight own. The blocks of a load in flight and held blocks
+        are the exceptions that may outlive the request: the first until the
+        loading step returned, the second until the connector reports it in
+        `finished_sending` and `request_blocks_freed` no longer names them,
+        so every held block is one the connector's store still reads."""
         scheduler = self.scheduler
         requests = scheduler.requests
         live = {r for r, req in requests.items() if not req.is_finished()}
@@ -1333,44 +1345,27 @@ class Harness:
         in_flight: Counter[str] = Counter()
         for step in self.in_flight:
             in_flight.update(step.output.num_scheduled_tokens)
-        for name, entries, allowed in [
-            (
-                "finished_recving_kv_req_ids",
-                scheduler.finished_recving_kv_req_ids,
-                loading,
-            ),
-            ("failed_recving_kv_req_ids", scheduler.failed_recving_kv_req_ids, loading),
-            ("kv_load_failed_req_ids", scheduler.kv_load_failed_req_ids, live),
-            ("recving_kv_req_ids", scheduler.recving_kv_req_ids, loading | kept),
-            (
-                "num_computed_tokens_after_recving",
-                scheduler.num_computed_tokens_after_recving,
-                loading,
-            ),
-            (
-                "num_external_tokens_in_flight",
-                scheduler.num_external_tokens_in_flight,
-                set(requests) & set(in_flight),
-            ),
-            ("sending_kv_req_ids", scheduler.sending_kv_req_ids, kept),
-            (
-                "discard_output_req_ids",
-                scheduler.discard_output_req_ids,
-                set(requests) & set(in_flight),
-            ),
-            (
-                "preempted_req_ids_to_report",
-                scheduler.preempted_req_ids_to_report,
-                live,
-            ),
-            (
-                "held_since_output",
-                scheduler.held_since_output,
-                set(self.manager.held_blocks),
-            ),
+        records = scheduler.kv_connector_requests
+        gone = set(records) - set(requests)
+        assert not gone, f"records of requests the scheduler no longer has: {gone}"
+        empty = sorted(r for r, record in records.items() if record.is_empty())
+        assert not empty, f"empty records {empty}"
+        stepping = set(requests) & set(in_flight)
+        for name, allowed in [
+            ("finished_recving", loading),
+            ("failed_recving", loading),
+            ("load_failed", live),
+            ("recving", loading | kept),
+            ("num_computed_tokens_after_recving", loading),
+            ("num_external_tokens_in_flight", stepping),
+            ("sending", kept),
+            ("discard_output", stepping),
+            ("preempted_to_report", live),
         ]:
-            stray = set(entries) - allowed
-            assert not stray, f"{name} holds {sorted(stray)}"
+            stray = set(connector_state(scheduler, name)) - allowed
+            assert not stray, f"records of {sorted(stray)} have {name}"
+        stray = set(scheduler.held_since_output) - set(self.manager.held_blocks)
+        assert not stray, f"held_since_output holds {sorted(stray)}"
         # The blocks of a request preempted or aborted while the step that
         # loads it synchronously is in flight: owned by that step, they may
         # outlive the request until it returned.
@@ -1378,13 +1373,15 @@ class Harness:
         stray = set(freed) - set(in_flight)
         assert not stray, f"freed_blocks_of_loads_in_flight holds {sorted(stray)}"
         # A finished request stays only while something keeps its blocks.
-        unkept = kept - scheduler.sending_kv_req_ids - scheduler.recving_kv_req_ids
+        unkept = (
+            kept
+            - set(connector_state(scheduler, "sending"))
+            - set(connector_state(scheduler, "recving"))
+        )
         assert not unkept, f"finished requests {sorted(unkept)} are never freed"
         # The in-flight fence counts exactly the tokens of the steps in flight.
         for req_id, request in requests.items():
-            expected = in_flight[req_id] + scheduler.num_external_tokens_in_flight.get(
-                req_id, 0
-            )
+            expected = in_flight[req_id] + records.num_external_tokens_in_flight(req_id)
             assert request.num_in_flight_tokens == expected, (
                 f"{req_id}.num_in_flight_tokens",
                 request.num_in_flight_tokens,
@@ -1481,7 +1478,7 @@ class Harness:
                 request.num_cached_tokens,
                 end,
             )
-        for req_id in scheduler.failed_recving_kv_req_ids:
+        for req_id in connector_state(scheduler, "failed_recving"):
             request = scheduler.requests[req_id]
             start = connector.async_load_start[req_id]
             assert request.num_external_computed_tokens == max(
@@ -1923,14 +1920,16 @@ def test_abort_during_async_load_keeps_blocks_until_finished_recving():
 def test_abort_with_a_sync_load_in_flight_leaves_no_record():
     """Caught a tree whose `_free_blocks` keeps the external tokens in flight
     of a request aborted while the step that loads them synchronously is in
-    flight (LiveRecords: `num_external_tokens_in_flight` holds a request the
-    scheduler no longer has)."""
+    flight (LiveRecords: a record with `num_external_tokens_in_flight` of a
+    request the scheduler no longer has)."""
     harness = Harness(
         Setup("gpt_oss_like", 32, 32, 0, False, 512, "recompute", True),
     )
     harness.add_request(**_request(num_own=40, num_external=16, max_tokens=4))
     harness.step(accept=0, eos_pick=None, fail_sync=None)
-    assert harness.scheduler.num_external_tokens_in_flight == {"r0": 16}
+    assert connector_state(harness.scheduler, "num_external_tokens_in_flight") == {
+        "r0": 16
+    }
     harness.abort(0)
     harness.check_all()
     harness.drain()
