@@ -248,6 +248,28 @@ BREAKS = {
             new="        if False:\n",
         ),
         Break(
+            name="free-stored-load-untracked",
+            protection=(
+                "a request whose connector stores it, aborted while the step of "
+                "its synchronous load is in flight, keeps the blocks of that load "
+                "tracked, so that a failure of the load takes the blocks computed "
+                "on it out of the prefix cache (broken: the delayed free tracks "
+                "nothing, and they stay prefix cache hits)"
+            ),
+            path="vllm/v1/core/sched/scheduler.py",
+            old=(
+                "            # blocks computed on it.\n"
+                "            self._keep_blocks_of_load_in_flight(request)\n"
+            ),
+            new="            # blocks computed on it.\n            pass\n",
+            caught_by=("random",),
+            not_by_replay=(
+                "the model has no delayed free of a request whose synchronous "
+                "load's step is in flight: no replayed behaviour aborts a stored "
+                "request with its load in flight"
+            ),
+        ),
+        Break(
             name="multi-report-early",
             protection=(
                 "MultiConnector lets the scheduler see a connector's report of a "

@@ -1198,14 +1198,7 @@ class Harness:
         scheduler preempts for memory until the request is preempted, or
         nothing needs a block); with `leaves="abort"` it is aborted. With
         `again`, its prompt is sent again once that step returned.
-
-        An aborted request here is not stored: one that is, and whose
-        finish the connector delays, keeps blocks computed on the failed KV
-        in the prefix cache
-        (test_failed_load_of_a_stored_request_aborted_with_it_in_flight_is_not_hit).
         """
-        if leaves == "abort":
-            args = {**args, "save": False}
         req_id = self.add_request(**args)
         if fail is not None:
             self.fail_load_of[req_id] = fail
