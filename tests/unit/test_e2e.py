@@ -52,6 +52,18 @@ def test_the_committed_locks_pin_the_configured_torch_and_no_vllm():
     assert e2e.wheelhouse == config.cache_dir() / "wheels"
 
 
+def test_both_environments_pin_the_same_nixl():
+    """The stage environment (connectors lock) and the end-to-end one load
+    the same NIXL wheels: a version or a hash that differs is a drift."""
+    cfg = config.load(ROOT)
+    e2e = environment.load_config(cfg)
+    assert cfg.connectors_lock is not None
+    stage = environment.lock_entries(cfg.connectors_lock)
+    engine = environment.lock_entries(e2e.lock)
+    for name in ("nixl", "nixl-cu12"):
+        assert name in engine and engine[name] == stage[name], name
+
+
 def _e2e(tmp_path, **kernels) -> environment.E2EConfig:
     lock = tmp_path / "e2e.lock"
     lock.write_text("torch==2.9.0 \\\n    --hash=sha256:" + "0" * 64 + "\n")
