@@ -2,7 +2,7 @@
 (***************************************************************************)
 (* The scheduler's side of one request's KV connector lifecycle under     *)
 (* asynchronous scheduling (AsyncScheduler; pipeline parallelism), as     *)
-(* stage 03's fifteen commits code it (patches/03-connector-allocate):    *)
+(* stage 03's commits code it (patches/03-connector-allocate):           *)
 (* steps in flight, the in-flight fence (patch 4), preemption of a        *)
 (* request whose load failure is reported after its next step was         *)
 (* scheduled (patch 6), load failures at any block with the recovery of   *)
@@ -56,7 +56,7 @@ CONSTANTS
     LoadsFail,    \* TRUE: every load fails (at a block the connector chooses), without bound
     MaxFailures,  \* load failures allowed in one behaviour when ~LoadsFail
     MaxPreempts,  \* preemptions for memory allowed in one behaviour
-    MarkRule,     \* which failed loads mark the request (kv_load_failed_req_ids): "AnyFailure" (the code) or "NoValidToken" (the code without patch 9's mark past block 0)
+    MarkRule,     \* which failed loads mark the request (KVConnectorRequest.load_failed): "AnyFailure" (the code) or "NoValidToken" (the code without patch 9's mark past block 0)
     Uncache,      \* TRUE (the code): a truncation also truncates num_cached_block (KVCacheManager.uncache_blocks); FALSE: the code without it
     ConnectorHMA, \* TRUE: the connector uses HMA (Scheduler.connector_uses_hma); FALSE: it declines (supports_hma_with_config False, or HMA off): a real block for every external token, as on vLLM 0.13.0
     Mutation      \* "none", or the one protection switched off: "NoFence" (patch 4), "NoLatePreempt", "KeepPlaceholders" (patch 6), "PadDeclined" (the one HMA decision), "KeepFreedOutput"
@@ -90,12 +90,12 @@ VARIABLES
     computed,  \* Request.num_computed_tokens
     ph,        \* Request.num_output_placeholders (AsyncScheduler): tokens steps in flight will sample
     queue,     \* EngineCore.batch_queue: this request's steps in flight, oldest first
-    discard,   \* the request is in Scheduler.discard_output_req_ids (patch 6)
+    discard,   \* KVConnectorRequest.discard_output: the outputs of the request's steps in flight are dropped (patch 6)
     load,      \* the asynchronous load in flight: [from, e] (local hit tokens, external tokens), or NoLoad
     skip,      \* leading null slots of the sliding window table (null padding, or freed by remove_skipped_blocks)
     cached,    \* leading blocks of the request's tokens in the prefix cache (BlockPool hash chain)
     ncached,   \* SingleTypeKVCacheManager.num_cached_block of the request (blocks it published)
-    mark,      \* the request is in Scheduler.kv_load_failed_req_ids: it takes 0 external tokens
+    mark,      \* KVConnectorRequest.load_failed: the request takes 0 external tokens
     failures,  \* load failures so far (bounded by MaxFailures unless LoadsFail)
     preempts,  \* preemptions for memory so far (bounded by MaxPreempts)
     emitted    \* TRUE once a token sampled on invalid KV was appended (read by NoInvalidOutput)
@@ -214,9 +214,9 @@ ScheduleRunning ==
 \* the tokens skipped before its first computed token, patch 13) and
 \* update_state_after_alloc. A synchronous load runs inside the step; an
 \* asynchronous one makes it WAITING_FOR_REMOTE_KVS, its tokens counted as
-\* computed (num_computed_tokens_after_recving). A request back from an
+\* computed (KVConnectorRequest.num_computed_tokens_after_recving). A request back from an
 \* asynchronous load resumes after its computed tokens. A request in
-\* discard_output_req_ids is skipped (patch 6), and one preempted for
+\* discard_output is skipped (patch 6), and one preempted for
 \* memory waits for its steps in flight (see the header).
 ScheduleWaiting ==
   /\ status = "waiting" /\ queue = <<>> /\ ~discard
@@ -280,7 +280,7 @@ Appended(s, inv, c) ==
 
 \* Scheduler.update_from_output of the oldest step in flight, its
 \* synchronous load (if any) successful. A request in
-\* discard_output_req_ids drops the output (patch 6) and leaves the set
+\* discard_output drops the output (patch 6) and leaves it
 \* when its last step in flight returned; the output of a finished request
 \* is dropped (the request is gone); otherwise the output is appended
 \* (also for a request preempted for memory meanwhile).
@@ -305,7 +305,7 @@ UpdateFromOutput ==
 \* steps in flight (patch 8), or to 0 if can_recompute_from says so
 \* (patch 13); patch 9 (MarkRule) marks it. With later steps
 \* in flight it is preempted: their outputs are dropped (patch 6,
-\* discard_output_req_ids), its placeholders reset; one that must start
+\* KVConnectorRequest.discard_output), its placeholders reset; one that must start
 \* over and cannot recompute from 0 is preempted too; otherwise it is
 \* truncated in place (patch 5, Uncache: num_cached_block truncated too, so
 \* the blocks it computes again are published again). Either way
@@ -313,7 +313,7 @@ UpdateFromOutput ==
 \* (failed_kv_load_req_ids). A request preempted for memory while the step
 \* was in flight holds no block; its blocks from block j on leave the
 \* prefix cache all the same, it is marked, the step's output is dropped,
-\* and those of its later steps in flight too (discard_output_req_ids), its
+\* and those of its later steps in flight too (discard_output), its
 \* placeholders reset (DropFreedOutput).
 SyncLoadFailedAt(j) ==
   /\ queue # <<>> /\ Head(queue).e > 0 /\ CanFail

@@ -2,15 +2,16 @@
 (***************************************************************************)
 (* Block allocation of vLLM's hybrid KV cache manager (HMA) with a KV      *)
 (* connector: as on vLLM 0.13.0 ("Legacy"), as stage 03's per-group      *)
-(* allocation alone ("SeriesAllocOnly"), and as stage 03's fifteen        *)
-(* commits do it ("SeriesAsCoded"; see the policies below).               *)
+(* allocation alone ("SeriesAllocOnly"), and as stage 03's commits do it *)
+(* ("SeriesAsCoded"; see the policies below).                             *)
 (*                                                                         *)
 (* Modelled:                                                               *)
 (*  - one BlockPool of N physical blocks (ids 1..N) plus the null block   *)
 (*    (id 0); per block its ref_cnt and its prefix-cache key; a key may   *)
 (*    name several blocks (BlockHashToBlockMap), a hit takes any of them; *)
 (*  - two KV cache groups drawing from that pool: "full" (full attention) *)
-(*    and "swa" (sliding window of W tokens); both use block size B;      *)
+(*    and "swa" (sliding window of W tokens); both use block size B; with *)
+(*    a connector that declines HMA, "swa" alone (ConnectorHMA);          *)
 (*  - per request: prefix-cache lookup, connector hits loaded             *)
 (*    synchronously (inside the step) or asynchronously                  *)
 (*    (WAITING_FOR_REMOTE_KVS), load completion, load failure from any    *)
@@ -41,7 +42,8 @@
 (*    except where the stall fix reads it (`order`, `stallHead`);         *)
 (*  - num_computed_tokens of a request waiting for an asynchronous load   *)
 (*    already counts the loaded tokens (stage 03 records them when the    *)
-(*    load starts, Scheduler.num_computed_tokens_after_recving).          *)
+(*    load starts: num_computed_tokens_after_recving of the request's     *)
+(*    KVConnectorRequest).                                                *)
 (*                                                                         *)
 (* Every step sets `event` (action, request, blocks per group, args whose *)
 (* names carry their unit: ...Tokens, ...Blocks, atSlot), so a behaviour  *)
@@ -70,6 +72,7 @@ CONSTANTS
     CanAbort,    \* TRUE: a client may abort its request
     Refusals,    \* TRUE: a refused allocation of a waiting request is a step (replays)
     Policy,      \* "Legacy" (0.13.0), "SeriesAllocOnly", "SeriesAsCoded" (below)
+    ConnectorHMA, \* TRUE: the connector uses HMA (two KV cache groups); FALSE: it declines it, on a model whose only group is a sliding window (below)
     Mutation     \* "none", or the one protection of the code that is switched off
 
 ASSUME /\ N \in Nat \ {0} /\ B \in Nat \ {0} /\ W \in Nat \ {0, 1}
@@ -81,11 +84,13 @@ ASSUME /\ N \in Nat \ {0} /\ B \in Nat \ {0} /\ W \in Nat \ {0, 1}
        /\ SaveMode \in {"none", "step", "async"}
        /\ CanAbort \in BOOLEAN /\ Refusals \in BOOLEAN
        /\ Policy \in {"Legacy", "SeriesAllocOnly", "SeriesAsCoded"}
+       /\ ConnectorHMA \in BOOLEAN
        /\ Mutation \in {"none", "EarlyPublish", "PublishDraft", "LateClaim",
                         "FreeInFlight", "EagerFree", "AllocSkipped", "PadFull",
                         "UnderCount", "SkipTouch", "LeakSkipped", "SkipCeil",
                         "RangeByCached", "IgnoreZeroedLoad",
-                        "KeepLoadFailedMark", "MarkOnlyNoValidToken"}
+                        "KeepLoadFailedMark", "MarkOnlyNoValidToken",
+                        "PadDeclined"}
 
 -----------------------------------------------------------------------------
 (***************************************************************************)
@@ -97,7 +102,7 @@ ASSUME /\ N \in Nat \ {0} /\ B \in Nat \ {0} /\ W \in Nat \ {0, 1}
 (*    a running request's load-failure range is num_cached_tokens, a     *)
 (*    request whose load failed loads again. Its models are the          *)
 (*    witnesses that each fix bites;                                      *)
-(*  - "SeriesAsCoded": the fifteen commits of stage 03: patch 14 holds    *)
+(*  - "SeriesAsCoded": the commits of stage 03: patch 14 holds           *)
 (*    the blocks a connector's store still reads (request_blocks_freed),  *)
 (*    patch 7 frees the blocks of waiting requests back from async loads  *)
 (*    when the first waiting request cannot be allocated and nothing runs,*)
@@ -143,8 +148,8 @@ Uncache == Fixed
 \* not external), not num_cached_tokens (which preemption never resets:
 \* series-stale-read-preempt). Mutation "RangeByCached" switches it off.
 RangeByComputed == Fixed /\ Mutation # "RangeByCached"
-\* Patch 9: Scheduler._update_requests_with_invalid_blocks adds every request
-\* a load failure affects to Scheduler.kv_load_failed_req_ids; a marked
+\* Patch 9: Scheduler._update_requests_with_invalid_blocks marks every request
+\* a load failure affects (KVConnectorRequest.load_failed); a marked
 \* request takes no external tokens any more (it computes them); the mark
 \* goes when the request finishes (Scheduler._free_request). Without it, a
 \* connector that offers the same tokens and fails at every attempt keeps the
@@ -156,11 +161,40 @@ RangeByComputed == Fixed /\ Mutation # "RangeByCached"
 NoReload == Fixed
 Marked(aff, nc) == IF Mutation = "MarkOnlyNoValidToken"
                    THEN {q \in aff : nc[q] = 0} ELSE aff
+\* Patches 11 and 13: one HMA decision. VllmConfig leaves the hybrid KV cache
+\* manager on with a connector only if the connector supports it
+\* (connector_supports_hma: a SupportsHMA subclass whose
+\* supports_hma_with_config returns True); the scheduler's allocation and
+\* its finish path read that decision (kv_connector_uses_hma, kept in
+\* Scheduler.connector_uses_hma).
+\*  - ConnectorHMA TRUE: the two KV cache groups; external tokens the
+\*    sliding window skips get the null block (FreshSkip); a finish calls
+\*    request_finished_all_groups with the table of every group.
+\*  - ConnectorHMA FALSE: HMA is off. A model with full-attention layers then
+\*    has one full-attention group (its sliding-window layers are unified
+\*    into it), which skips no token; the difference shows on a model whose
+\*    only KV cache group is a sliding window, so that is the layout here
+\*    (Groups = {"swa"}). The scheduler allocates the external tokens as new
+\*    tokens (num_new_tokens + num_external_computed_tokens, and no
+\*    num_external_computed_tokens): a real block for every external token,
+\*    only the local hit null-padded, as on vLLM 0.13.0; a finish calls
+\*    request_finished with the table of the one group (block_ids[0]).
+\* Mutation "PadDeclined": the null padding of skipped external tokens for
+\* every connector (an allocation that asks isinstance(connector,
+\* SupportsHMA) while the configuration asked supports_hma_with_config).
+PadExternal == ConnectorHMA \/ Mutation = "PadDeclined"
+\* The full-attention group exists (HMA on).
+HasFull == ConnectorHMA
+\* The connector method a finish (or abort) calls (Scheduler._connector_finished).
+FinishCall == IF ConnectorHMA THEN "request_finished_all_groups"
+              ELSE "request_finished"
 
 -----------------------------------------------------------------------------
 Null == 0                                 \* the null block (BlockPool.null_block)
 Blocks == 1..N                            \* the physical blocks
-Groups == {"full", "swa"}                 \* kv_cache_group_id, by attention type
+\* kv_cache_group_id, by attention type: full attention and a sliding window,
+\* or with HMA off the sliding window alone (ConnectorHMA).
+Groups == IF HasFull THEN {"full", "swa"} ELSE {"swa"}
 NoHash == <<>>                            \* block_hash of a block not in the cache
 NoStep == [on |-> FALSE, from |-> 0, n |-> 0, d |-> 0, e |-> 0]  \* no step in flight
 EmptyTables == [g \in Groups |-> <<>>]
@@ -230,7 +264,7 @@ VARIABLES
     cachedTok,  \* Request.num_cached_tokens: set once, when first scheduled (-1 before)
     order,      \* Scheduler.waiting's order, front first (all requests; preemption moves one to the front)
     stallHead,  \* StallFix: the request patch 7 could not allocate (first in Scheduler.waiting) and those it freed (behind it)
-    noLoad,     \* NoReload: requests a load failure affected (kv_load_failed_req_ids)
+    noLoad,     \* NoReload: requests a load failure affected (KVConnectorRequest.load_failed)
     event       \* the step just taken: action, request, blocks per group, arguments
 
 vars == <<ref, hash, freeQ, status, len, computed, table, ncached, step, loads,
@@ -252,7 +286,7 @@ Ev(act, r, blks, args) == [act |-> act, req |-> r, blocks |-> blks, args |-> arg
 -----------------------------------------------------------------------------
 (* Prefix cache (BlockPool.get_cached_block, find_longest_cache_hit). *)
 Lookup(h) == {b \in Blocks : hash[b] = h}
-FullHit(r, h) == \A i \in 1..h : Lookup(Hash("full", r, i)) # {}
+FullHit(r, h) == ~HasFull \/ \A i \in 1..h : Lookup(Hash("full", r, i)) # {}
 SwaHit(r, h) ==
     \A i \in (Max(h - Contig, 0) + 1)..h : Lookup(Hash("swa", r, i)) # {}
 \* HybridKVCacheCoordinator.find_longest_cache_hit, in blocks: the longest
@@ -265,12 +299,13 @@ HitLen(r) ==
 \* sliding window's hit is null-padded before its last Contig blocks.
 HitChoices(r, h) ==
     {[g \in Groups |-> IF g = "full" THEN f ELSE s] :
-        f \in ChoiceSeqs([i \in 1..h |-> Lookup(Hash("full", r, i))]),
+        f \in IF HasFull THEN ChoiceSeqs([i \in 1..h |-> Lookup(Hash("full", r, i))])
+              ELSE {<<>>},
         s \in ChoiceSeqs([i \in 1..h |-> IF i <= h - Contig THEN {Null}
                                           ELSE Lookup(Hash("swa", r, i))])}
 
 Entries(r) == UNION {Real(table[r][g]) : g \in Groups}
-AllOf(r) == table[r]["full"] \o table[r]["swa"]
+AllOf(r) == IF HasFull THEN table[r]["full"] \o table[r]["swa"] ELSE table[r]["swa"]
 \* The real blocks at slots lo..hi of tables tbls (all groups).
 BlocksAt(tbls, lo, hi) ==
     {tbls[x[1]][x[2]] : x \in {x \in Groups \X (lo..hi) : x[2] <= Len(tbls[x[1]])}}
@@ -316,11 +351,14 @@ DraftChoices(r) ==
 (* get_num_blocks_to_allocate's count (`predicted`), computed as the code  *)
 (* computes it, apart from the allocation itself.                         *)
 (***************************************************************************)
-\* The skipped prefix of a fresh table (save_new_computed_blocks).
+\* The skipped prefix of a fresh table (save_new_computed_blocks) after a
+\* local hit of h blocks, with c tokens computed (hit and external).
 FreshSkip(g, c, h) ==
     IF g = "full" THEN 0
     ELSE IF Policy = "Legacy" \/ Mutation = "AllocSkipped"
          THEN Max(h - Contig, 0)          \* 0.13.0: only the hit is padded
+         ELSE IF ~PadExternal
+         THEN SkippedBlocks(g, h * B)      \* HMA off: the external tokens are new tokens
          ELSE SkippedBlocks(g, c)          \* the series: everything skipped
 Plan(r, e, async, d, hit) ==
   LET fresh == Fresh(r)
@@ -361,16 +399,17 @@ Plan(r, e, async, d, hit) ==
       async |-> async, nb |-> nb, base |-> base, claimed |-> claimed,
       newCount |-> newCount, removed |-> removed, toHeld |-> toHeld,
       toFree |-> removed \ toHeld,
-      predicted |-> count("full") + count("swa")]
+      predicted |-> (IF HasFull THEN count("full") ELSE 0) + count("swa")]
 
 \* Free queue after remove_skipped_blocks returned the plan's blocks.
 FreeAfterRemove(p) ==
     IF Mutation = "LeakSkipped" THEN freeQ
     ELSE freeQ \cup {b \in p.toFree : ref[b] = 1}
 \* Hits claimed (touched) before any group allocates, and after.
-ClaimFirst(p) == IF Mutation = "LateClaim" THEN p.claimed["full"]
-                 ELSE p.claimed["full"] \cup p.claimed["swa"]
-ClaimLate(p) == IF Mutation = "LateClaim" THEN p.claimed["swa"] ELSE {}
+ClaimedIn(p, g) == IF g \in Groups THEN p.claimed[g] ELSE {}
+ClaimFirst(p) == IF Mutation = "LateClaim" THEN ClaimedIn(p, "full")
+                 ELSE ClaimedIn(p, "full") \cup ClaimedIn(p, "swa")
+ClaimLate(p) == IF Mutation = "LateClaim" THEN ClaimedIn(p, "swa") ELSE {}
 \* BlockPool.get_new_blocks(k) from free set Q: the lowest uncached ids,
 \* or any evictable cached blocks instead (eviction).
 NewBlockChoices(Q, k) ==
@@ -453,7 +492,8 @@ SlotsIn(r, lo, hi, S) ==
 \* The 1-based slots of r's tables (any group) naming a block of S, up to rng.
 SlotsOf(q, S, rng) ==
     {i \in 1..rng : \E g \in Groups : i <= Len(table[q][g]) /\ table[q][g][i] \in S}
-LongestTable(q) == Max(Len(table[q]["full"]), Len(table[q]["swa"]))
+LongestTable(q) == IF HasFull THEN Max(Len(table[q]["full"]), Len(table[q]["swa"]))
+                   ELSE Len(table[q]["swa"])
 SetMin(S) == CHOOSE x \in S : \A y \in S : x <= y
 
 (***************************************************************************)
@@ -498,11 +538,12 @@ NoScan == [nc |-> <<>>, marked |-> {}, first |-> {}, evict |-> {}]
 (* (patches 5, 12, 13): every request that counts an invalid block as    *)
 (* computed truncates at its own first invalid slot (over all groups), or *)
 (* starts over when can_recompute_from says no; no request counts on      *)
-(* another one. Counted as computed: num_computed_tokens_after_recving    *)
-(* (loading, = computed in the model), num_cached_tokens (running; with    *)
-(* RangeByComputed, the tokens computed before its step), computed        *)
-(* (waiting with blocks). Its blocks from the first invalid slot on leave *)
-(* the prefix cache (evict_blocks, for every affected request).            *)
+(* another one. Counted as computed: KVConnectorRequest's                *)
+(* num_computed_tokens_after_recving (loading, = computed in the model),  *)
+(* num_cached_tokens (running; with RangeByComputed, the tokens computed  *)
+(* before its step), computed (waiting with blocks). Its blocks from the  *)
+(* first invalid slot on leave the prefix cache (evict_blocks, for every *)
+(* affected request).                                                     *)
 (***************************************************************************)
 FixedScan(inv) ==
   LET rng(q) == IF status[q] = "running"
@@ -562,7 +603,8 @@ AllocateSlots(r) ==
      \E p \in {Plan(r, e, async, d, hit)} :
      \E q1 \in {FreeAfterRemove(p)} :
      /\ p.predicted <= Cardinality(q1)
-     /\ \E nf \in NewBlockChoices(q1 \ ClaimFirst(p), p.newCount["full"]) :
+     /\ \E nf \in NewBlockChoices(q1 \ ClaimFirst(p),
+                                 IF HasFull THEN p.newCount["full"] ELSE 0) :
         \E ns \in NewBlockChoices(q1 \ (ClaimFirst(p) \cup nf \cup ClaimLate(p)),
                                   p.newCount["swa"]) :
         \E tbl \in {[g \in Groups |-> p.base[g] \o SeqOf(IF g = "full" THEN nf ELSE ns)]} :
@@ -669,16 +711,18 @@ Execute(r) ==
              /\ held' = [held EXCEPT ![r] = {}]
              /\ status' = [status EXCEPT ![r] = "done"]
              /\ running' = Without(running, r)
-             /\ event' = Ev("Finish", r, table[r], [acceptedTokens |-> a])
+             /\ event' = Ev("Finish", r, table[r], [acceptedTokens |-> a, call |-> FinishCall])
         ELSE IF fin
         THEN /\ status' = [status EXCEPT ![r] = "finishing"]
              /\ running' = Without(running, r)
-             /\ event' = Ev("FinishDelayed", r, NoBlocks, [acceptedTokens |-> a])
+             /\ event' = Ev("FinishDelayed", r, NoBlocks,
+                               [acceptedTokens |-> a, call |-> FinishCall])
              /\ UNCHANGED <<ref, freeQ, table, ncached, held>>
         ELSE /\ event' = Ev("Execute", r, NoBlocks, [acceptedTokens |-> a])
              /\ UNCHANGED <<ref, freeQ, table, ncached, held, status, running>>
-     \* Scheduler._free_request (called when the request finishes) forgets it
-     \* (mutation KeepLoadFailedMark: it does not).
+     \* Scheduler._free_request (called when the request finishes) clears its
+     \* KVConnectorRequest.load_failed (KVConnectorRequests.finish; mutation
+     \* KeepLoadFailedMark: it does not).
      /\ noLoad' = IF fin /\ Mutation # "KeepLoadFailedMark" THEN noLoad \ {r}
                   ELSE noLoad
   /\ UNCHANGED <<hash, loads, failures, cachedTok, order, stallHead>>
@@ -910,16 +954,17 @@ SaveDone(r) ==
 
 \* Scheduler.finish_requests(FINISHED_ABORTED): the client aborts request r
 \* (not while its step is in flight); the free is delayed while a transfer
-\* runs (recving_kv_req_ids, request_finished -> delay_free_blocks).
+\* runs (KVConnectorRequest.recving, request_finished -> delay_free_blocks:
+\* KVConnectorRequest.sending).
 Abort(r) ==
   /\ CanAbort /\ status[r] \in {"waiting", "loading", "running"} /\ ~step[r].on
   /\ running' = Without(running, r)
   /\ IF Mutation # "EagerFree" /\ (Transfers(r) \cup held[r]) # {}
      THEN /\ status' = [status EXCEPT ![r] = "finishing"]
-          /\ event' = Ev("AbortDelayed", r, NoBlocks, [none |-> 0])
+          /\ event' = Ev("AbortDelayed", r, NoBlocks, [call |-> FinishCall])
           /\ UNCHANGED <<ref, freeQ, table, ncached, held>>
      ELSE /\ FreeFinished(r)
-          /\ event' = Ev("Abort", r, table[r], [none |-> 0])
+          /\ event' = Ev("Abort", r, table[r], [call |-> FinishCall])
   /\ stallHead' = IF stallHead # NoHead /\ stallHead.h = r THEN NoHead ELSE stallHead
   /\ noLoad' = IF Mutation = "KeepLoadFailedMark" THEN noLoad ELSE noLoad \ {r}
   /\ UNCHANGED <<hash, len, computed, step, loads, saves, failures, bad, cachedTok,
@@ -1022,7 +1067,7 @@ ExclusiveOwnership ==
     /\ \A r \in Req, g \in Groups :          \* once per table
           \A b \in Real(table[r][g]) : Cardinality(At(table[r][g], b)) = 1
     /\ \A r \in Req :                        \* never in two groups of a request
-          /\ Real(table[r]["full"]) \cap Real(table[r]["swa"]) = {}
+          /\ HasFull => Real(table[r]["full"]) \cap Real(table[r]["swa"]) = {}
           /\ \A b \in held[r] \cap Entries(r) : WasHit(b)
     /\ \A r1, r2 \in Req : r1 # r2 =>        \* shared only as the same hit
           /\ \A g1, g2 \in Groups :
@@ -1053,7 +1098,7 @@ RefCount ==
 \* sliding-window table; a full-attention table never holds one.
 NullPrefix ==
     \A r \in Req :
-      /\ Null \notin Range(table[r]["full"])
+      /\ HasFull => Null \notin Range(table[r]["full"])
       /\ \A i, j \in DOMAIN table[r]["swa"] :
             i < j /\ table[r]["swa"][j] = Null => table[r]["swa"][i] = Null
 
@@ -1101,11 +1146,25 @@ NoPrematurePublish ==
 
 \* SlidingWindowManager, an action property: right after allocate_slots
 \* the request's sliding-window table holds at most ceil((W-1)/B) + 1 real
-\* blocks plus those of the tokens scheduled now.
+\* blocks plus those of the tokens scheduled now (and, for a connector that
+\* declines HMA, those of the external tokens: it gets a block for each).
+WindowMax(args) ==
+    Contig + 1 + CeilDiv(args.newTokens + args.draftTokens
+                         + (IF ConnectorHMA THEN 0 ELSE args.extTokens), B)
 WindowBound ==
     [][event'.act = "AllocateSlots" =>
-         Cardinality(Real(table'[event'.req]["swa"]))
-             <= Contig + 1 + CeilDiv(event'.args.newTokens + event'.args.draftTokens, B)]_vars
+         Cardinality(Real(table'[event'.req]["swa"])) <= WindowMax(event'.args)]_vars
+
+\* A connector that declines HMA (ConnectorHMA FALSE) gets what vLLM 0.13.0
+\* gave it, an action property: right after allocate_slots every slot of
+\* the external tokens (the slots after the local hit up to the last
+\* external token) is a real block, so the connector loads each of them.
+ExternalSlots(args) ==
+    (args.hitBlocks + 1)..CeilDiv(args.hitBlocks * B + args.extTokens, B)
+RealExternalBlocks ==
+    [][(event'.act = "AllocateSlots" /\ ~ConnectorHMA) =>
+         \A i \in ExternalSlots(event'.args) :
+            i <= Len(table'[event'.req]["swa"]) /\ table'[event'.req]["swa"][i] # Null]_vars
 
 \* KVCacheManager.allocate_slots, an action property:
 \* get_num_blocks_to_allocate (computed as the code does) equals the blocks
@@ -1127,18 +1186,24 @@ Symmetry == Permutations(Req)
 (* spec/manifest.toml (TLC's trace is the shortest way there).             *)
 (***************************************************************************)
 AllocNow == event'.act = "AllocateSlots"
-NewNow == Range(event'.blocks["full"]) \cup Range(event'.blocks["swa"])
+NewNow == UNION {Range(event'.blocks[g]) : g \in Groups}
 ReachHeld == \E r \in Req : held'[r] # {}
 ReachPreemptOther == event'.act = "Preempt" /\ event'.args.by # event'.req
 ReachEviction == AllocNow /\ \E b \in NewNow : hash[b] # NoHash
 ReachWindowAtBound ==
-    AllocNow /\ Cardinality(Real(table'[event'.req]["swa"]))
-                  = Contig + 1 + CeilDiv(event'.args.newTokens + event'.args.draftTokens, B)
+    AllocNow /\ Cardinality(Real(table'[event'.req]["swa"])) = WindowMax(event'.args)
 ReachSwaBeyondTwo == \E r \in Req : Cardinality(Real(table'[r]["swa"])) > 2
 ReachNullPadExternal ==
     AllocNow /\ event'.args.extTokens > 0
     /\ \E i \in (event'.args.hitBlocks + 1)..Len(table'[event'.req]["swa"]) :
           table'[event'.req]["swa"][i] = Null
+\* External tokens past the window, each with a real block (a declining connector).
+ReachRealPastWindow ==
+    AllocNow /\ event'.args.extTokens > 0
+    /\ \E i \in ExternalSlots(event'.args) :
+          /\ i <= SkippedBlocks("swa", event'.args.hitBlocks * B + event'.args.extTokens)
+          /\ i <= Len(table'[event'.req]["swa"])
+          /\ table'[event'.req]["swa"][i] # Null
 ReachDraft == AllocNow /\ event'.args.draftTokens > 0
 ReachAsyncSave == \E r \in Req : saves'[r] # {} /\ status'[r] = "running" /\ ~step'[r].on
 ReachLoadFailure == event'.act \in {"LoadFailed", "SyncLoadFailed"}
@@ -1158,6 +1223,7 @@ WitnessEviction == [][~ReachEviction]_vars
 WitnessWindowAtBound == [][~ReachWindowAtBound]_vars
 WitnessSwaBeyondTwo == [][~ReachSwaBeyondTwo]_vars
 WitnessNullPadExternal == [][~ReachNullPadExternal]_vars
+WitnessRealPastWindow == [][~ReachRealPastWindow]_vars
 WitnessDraft == [][~ReachDraft]_vars
 WitnessAsyncSave == [][~ReachAsyncSave]_vars
 WitnessLoadFailure == [][~ReachLoadFailure]_vars
@@ -1187,7 +1253,8 @@ FailuresSafe == MaxFailures = 0 \/ (SharedInvalidFix /\ RangeByComputed)
 \* (check_enough_kv_cache_memory, KVCacheSpec.max_memory_usage_bytes per
 \* group: full attention ceil(max_model_len/B), a sliding window
 \* ceil(min(W-1+max_num_batched_tokens, max_model_len)/B)+1).
-OneRequestBlocks == CeilDiv(MaxLen, B) + CeilDiv(Min(W - 1 + Chunk, MaxLen), B) + 1
+OneRequestBlocks == (IF HasFull THEN CeilDiv(MaxLen, B) ELSE 0)
+                    + CeilDiv(Min(W - 1 + Chunk, MaxLen), B) + 1
 PoolChecked == N >= OneRequestBlocks
 \* No request waits for an async load while others hold the blocks it
 \* needs: no async loads, or the stall fix (patch 7) on a pool that passes
@@ -1207,6 +1274,9 @@ THEOREM (IsSeries /\ Unmutated /\ FailuresSafe) => (Spec => []NoStaleRead)
 THEOREM (IsSeries /\ Unmutated) => (Spec => []NoPrematurePublish)
 THEOREM (IsSeries /\ Unmutated) => (Spec => WindowBound)
 THEOREM (IsSeries /\ Unmutated) => (Spec => ExactAdmission)
+\* The one HMA decision (patches 11, 13): a connector that declines HMA gets
+\* a real block for every external token (mutations/series-pad-declined).
+THEOREM (Unmutated) => (Spec => RealExternalBlocks)
 \* Deadlock freedom (TLC's deadlock check): some action is always enabled
 \* until every request is done.
 THEOREM (IsSeries /\ Unmutated /\ NoStall /\ ~CanAbort) => (Spec => [](ENABLED Next))

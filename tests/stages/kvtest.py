@@ -22,7 +22,7 @@ from vllm.v1.core.kv_cache_utils import init_none_hash
 
 # The model policies (spec/HybridKVAlloc.tla) that describe this tree's stage
 # 03: "SeriesAllocOnly" (stage 03's allocation alone, patches 12-13 of the series) and
-# "SeriesAsCoded" (the fifteen commits). A replay fixture names the one it was
+# "SeriesAsCoded" (stage 03's commits). A replay fixture names the one it was
 # generated for (fixtures/replay-small.cfg).
 REPLAY_POLICIES = ("SeriesAllocOnly", "SeriesAsCoded")
 

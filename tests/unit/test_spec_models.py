@@ -120,7 +120,7 @@ def test_exhaustive_series_models_are_big_enough():
         "SyncFailKeep", "SyncFailRestart", "SharedInvalid", "FailAfterAbort",
         "FreeWaiting", "EagleHit", "EagleSwaRun", "EagleChunkBack",
         "LatePreempt", "Discard", "FailRestart", "InPlace",
-        "SlideInFlight", "MemoryPreempt", "Republish", "Marked",
+        "SlideInFlight", "MemoryPreempt", "Republish", "Marked", "RealPastWindow",
     }  # fmt: skip
 
 
@@ -133,7 +133,7 @@ def test_passing_series_models_check_every_safety_property_they_claim():
 
 def test_each_fix_of_stage_03_bites():
     """A model of stage 03's allocation alone (SeriesAllocOnly) fails where the
-    fifteen commits (SeriesAsCoded) pass with the same constants: the save
+    commits of stage 03 (SeriesAsCoded) pass with the same constants: the save
     race (patch 14), the stale read after an abort (patch 5), the stall as a
     deadlock and as a liveness failure (patch 7), a connector whose loads all
     fail (patch 9: without it the request loads again for ever). Patch 8 is

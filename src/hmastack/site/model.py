@@ -92,9 +92,8 @@ def read_spec(path: Path) -> SpecInfo:
         if name not in seen:
             seen.add(name)
             info.actions.append((name, comments.get(name, "")))
-    for name in re.findall(
-        r"^(SaveHold|StallFix|SharedInvalidFix|RangeByComputed) ==", text, flags=re.M
-    ):
+    switches = r"SaveHold|StallFix|SharedInvalidFix|RangeByComputed|PadExternal"
+    for name in re.findall(rf"^({switches}) ==", text, flags=re.M):
         info.switches.append((name, comments.get(name, "")))
     theorem = re.compile(
         r"^THEOREM\s+(?:\((?P<assume>[^)]*)\)\s*=>\s*\()?(?P<spec>\w+)\s*=>\s*"
@@ -237,7 +236,7 @@ COUNTEREXAMPLES = [
     ),
     (
         "series-stall-small-pool",
-        "The fifteen commits on a pool below vLLM's start-up check",
+        "Stage 03's commits on a pool below vLLM's start-up check",
         "A request preempted after its prefill loads one token asynchronously; its "
         "next chunk needs more blocks than the pool has left, and patch 7 frees the "
         "blocks of the other waiting requests, never those of the request it cannot "
@@ -277,7 +276,7 @@ COUNTEREXAMPLES = [
         "series-liveness-2-alloc-only",
         "Liveness fails for two requests (stage 03's allocation alone)",
         "Under the fairness assumptions, the behaviour ends in the stall above and "
-        "stutters there: neither request finishes. `series-liveness-2` (the fifteen "
+        "stutters there: neither request finishes. `series-liveness-2` (stage 03's "
         "commits, patch 7) passes.",
     ),
     (
@@ -367,7 +366,7 @@ def model_page(root: Path, reports_dir: Path) -> str:
     out += section("## State\n", "", ["variable", "stands for"], info.variables)
     out += section(
         "## Stage 03: allocation alone and as coded\n",
-        '`Policy = "SeriesAsCoded"` is the fifteen commits of stage 03, '
+        '`Policy = "SeriesAsCoded"` models the commits of stage 03, '
         '`"SeriesAllocOnly"` its per-group allocation alone (none of the '
         "mechanisms below). Each mechanism, with the patch that brings it:\n\n",
         ["switch", "mechanism"],

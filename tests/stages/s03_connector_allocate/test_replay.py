@@ -104,6 +104,9 @@ class Replay:
 
     def __post_init__(self):
         c = self.constants
+        # A connector that uses HMA, with two KV cache groups (the model's
+        # ConnectorHMA, TRUE where a behaviour does not name it).
+        assert c.get("ConnectorHMA", True), "the replay drives two KV cache groups"
         self.B, self.N = c["B"], c["N"]
         specs = [
             KVCacheGroupSpec(["full"], FullAttentionSpec(self.B, 1, 1, torch.float32)),

@@ -335,6 +335,9 @@ class Replay:
         self.steer = True
         c = self.c = constants
         assert c["Policy"] in REPLAY_POLICIES and c["Mutation"] == "none", c
+        # A connector that uses HMA, with two KV cache groups (the model's
+        # ConnectorHMA, TRUE where a behaviour does not name it).
+        assert c.get("ConnectorHMA", True), "the replay drives two KV cache groups"
         self.B, self.N = c["B"], c["N"]
         groups = [
             KVCacheGroupSpec(["full"], FullAttentionSpec(self.B, 1, 1, torch.float32)),
