@@ -2035,6 +2035,96 @@ def test_failed_load_of_a_stored_request_aborted_with_it_in_flight_is_not_hit(
     harness.check_all()
 
 
+@pytest.mark.parametrize("layout", ["gpt_oss_like", "gemma3_like"])
+@pytest.mark.parametrize("scheduling", ["async", "batch_queue"])
+def test_sharer_preempted_for_a_late_failure_whose_own_load_fails(layout, scheduling):
+    """LiveRecords: r0 loads its prefix synchronously in step 1; r1 hits
+    r0's blocks and loads its own external tokens in step 2, scheduled while
+    step 1 is in flight. Step 1's load fails: r1 is preempted and the output
+    of its step 2 is dropped (`discard_output`). Step 2's load (r1's own)
+    fails too: the output of r1's last step in flight ends the mark, r1 is
+    scheduled again and finishes (a tree that keeps the mark never schedules
+    it again)."""
+    harness = Harness(
+        Setup(
+            layout,
+            32,
+            72,
+            0,
+            False,
+            512,
+            "recompute",
+            scheduling == "async",
+            scheduling == "batch_queue",
+        )
+    )
+    harness.add_request(**_request(prefix=3, num_own=1, num_external=160))
+    harness.step(accept=0, eos_pick=None, fail_sync=0)
+    harness.add_request(
+        **_request(prefix=3, num_own=40, num_external=160, max_tokens=4)
+    )
+    harness.step(accept=0, eos_pick=None, fail_sync=None)
+    harness.check_all()
+    assert "r1" in connector_state(harness.scheduler, "discard_output")
+    harness.step(accept=0, eos_pick=None, fail_sync=None, fail_left=0)
+    assert "sync load failed after its request was preempted" in harness.noted
+    harness.check_all()
+    for _ in range(8):
+        harness.step(accept=0, eos_pick=None, fail_sync=None)
+        harness.check_all()
+    harness.drain()
+    harness.check_all()
+    assert not harness.scheduler.requests
+
+
+def test_failed_loads_of_two_steps_in_flight_end_the_mark():
+    """The shrunk schedule of a fresh-seed run (Mistral-like, HMA off, batch
+    queue), replayed through the state machine's rules: a request preempted
+    for a load failure reported a step late, whose own load in its step in
+    flight fails too, kept `discard_output` with no step in flight
+    (LiveRecords) and was never scheduled again."""
+    state = SchedulerMachine()
+    state.start(
+        setup=Setup("mistral_like", 32, 34, 0, False, 64, "recompute", False, True),
+        first=[
+            _request(num_own=113, save=True),
+            _request(),
+            _request(num_own=69, num_external=64, load_async=True),
+            _request(prefix=2, num_own=86, num_external=100, load_async=True),
+        ],
+    )
+    state.safety()
+    state.abort(pick=1)
+    state.safety()
+    state.add_request(
+        args=_request(prefix=3, num_own=116, num_external=100, max_tokens=4, save=True)
+    )
+    state.safety()
+    state.steps(accept=0, eos_pick=None, fail_sync=0, fail_left=0, num_steps=1)
+    state.safety()
+    state.abort_load_in_flight(pick=0)
+    state.safety()
+    state.fail_sync_load(
+        args=_request(prefix=1, num_own=16, num_external=40),
+        fail=0,
+        leaves=None,
+        again=False,
+        num_steps=4,
+    )
+    state.safety()
+    state.abort_load_in_flight(pick=0)
+    state.safety()
+    state.fail_sync_load(
+        args=_request(num_own=16, num_external=16),
+        fail=0,
+        leaves=None,
+        again=False,
+        num_steps=2,
+    )
+    state.safety()
+    state.teardown()
+
+
 @pytest.mark.parametrize("hold", ["delayed_free", "abort_during_load"])
 def test_holds_with_no_request_left_are_pending_work(hold):
     """HoldPending: a finished request whose blocks wait for the connector's
