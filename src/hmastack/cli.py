@@ -130,7 +130,11 @@ def bench_command(args: argparse.Namespace) -> StepResult:
 
 def e2e_command(args: argparse.Namespace) -> StepResult:
     return e2e.run_step(
-        config.load(), quick=args.quick, stage=args.stage, jobs=args.jobs
+        config.load(),
+        quick=args.quick,
+        stage=args.stage,
+        jobs=args.jobs,
+        only=args.only,
     )
 
 
@@ -484,6 +488,11 @@ def add_e2e_parser(subparsers: Subparsers) -> None:
         "--quick", action="store_true", help="the CI-sized set (a few minutes)"
     )
     parser.add_argument("--stage", type=int, metavar="K", help="only stage K")
+    parser.add_argument(
+        "--only",
+        metavar="TEXT",
+        help="only the scenarios whose id contains TEXT (with their producers)",
+    )
     parser.add_argument(
         "--jobs",
         type=int,

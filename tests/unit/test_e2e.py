@@ -250,7 +250,11 @@ def test_nixl_pairs_run_at_once_one_producer_per_consumer():
     procs = runner.plan_stage(0, cat.selected(quick=True))
     pairs = runner.nixl_pairs(procs)
     consumers = {p.functions[0] for _, p in pairs}
-    assert consumers == {"nixl-consume", "control-nixl-rotated-blocks"}
+    assert consumers == {
+        "nixl-consume",
+        "control-nixl-rotated-blocks",
+        "nixl-consume-failed-read",
+    }
     for producer, consumer in pairs:
         assert producer.producer and not consumer.producer
         assert producer.functions == ["nixl-produce"]
@@ -259,10 +263,41 @@ def test_nixl_pairs_run_at_once_one_producer_per_consumer():
         assert producer.wave == consumer.wave == 2
     # NixlConnector supports HMA from stage 06: HMA off before it, on there.
     for stage in (5, 6):
-        nixl = [p for p in runner.plan_stage(stage, list(cat.SCENARIOS))
-                if p.connector == "nixl"]  # fmt: skip
+        same = [s for s in cat.SCENARIOS if s.hma is None and s.producer_hma is None]
+        nixl = [p for p in runner.plan_stage(stage, same) if p.connector == "nixl"]
         assert nixl and all(p.hma == (stage >= 6) for p in nixl)
     assert len({runner.free_port() for _ in range(3)}) >= 2
+
+
+def test_a_nixl_pair_may_differ_in_hma():
+    """A control whose producer has another KV cache group layout (HMA on,
+    the consumer off, and the reverse): one pair each, the producer with its
+    own HMA setting, the reference with the consumer's."""
+    controls = [s for s in cat.SCENARIOS if s.producer_hma is not None]
+    assert len(controls) == 2
+    procs = runner.plan_stage(6, controls)
+    pairs = runner.nixl_pairs(procs)
+    assert len(pairs) == 2
+    for producer, consumer in pairs:
+        assert producer.producer and producer.hma != consumer.hma
+    refs = {p.hma for p in procs if p.connector is None}
+    assert refs == {True, False}
+
+
+def test_read_check_needs_blocks_read_and_no_failure():
+    s = cat.Scenario(
+        "control-nixl-other-layout", "t", connector="nixl",
+        producer="nixl-produce", checks=("read",),
+    )  # fmt: skip
+    ref = _run([_req("nixl-a", [5, 7], LP)])
+
+    def run(read, failed):
+        conn = {"nixl_blocks_read": read, "failed_loads": failed}
+        return _run([_req("nixl-a", [5, 7], LP, 199, 199)], connector=conn)
+
+    assert _judge(s, run({"nixl-a": 18}, {}), ref).checks["read"]
+    assert not _judge(s, run({"nixl-a": 0}, {"nixl-a": [3, 4]}), ref).checks["read"]
+    assert not _judge(s, run({}, {}), ref).checks["read"]
 
 
 def test_producer_freed_check_reads_the_producers_blocks():
@@ -389,6 +424,12 @@ def test_window_check():
     good = _run([req], groups=groups, observation={"peak_blocks": {"long-b": [5, 67]}})
     assert _judge(s, good, ref).checks["window"]
     bad = _run([req], groups=groups, observation={"peak_blocks": {"long-b": [67, 67]}})
+    assert not _judge(s, bad, ref).checks["window"]
+    # chunked local attention groups (Llama-4-like) are bounded the same way
+    chunked = ["ChunkedLocalAttentionSpec(32)", "FullAttentionSpec"]
+    good = _run([req], groups=chunked, observation={"peak_blocks": {"long-b": [3, 67]}})
+    assert _judge(s, good, ref).checks["window"]
+    bad = _run([req], groups=chunked, observation={"peak_blocks": {"long-b": [67, 67]}})
     assert not _judge(s, bad, ref).checks["window"]
 
 

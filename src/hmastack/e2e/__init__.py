@@ -34,6 +34,7 @@ def run(
     stages: list[int] | None = None,
     quick: bool = False,
     jobs: int = DEFAULT_JOBS,
+    only: str | None = None,
 ) -> dict:
     """Build the environment, run the set at ``stages`` (default: every stage)
     and write ``build/reports/e2e.json``; returns the report.
@@ -53,7 +54,7 @@ def run(
     def trees_for(k: int) -> dict[str, Path]:
         return matrix.stage_trees(cfg, all_stages, k, root=cfg.build / "e2e" / "stages")
 
-    return runner.run_e2e(cfg, e2e, chosen, quick, jobs, trees_for)
+    return runner.run_e2e(cfg, e2e, chosen, quick, jobs, trees_for, only)
 
 
 def run_step(
@@ -61,6 +62,7 @@ def run_step(
     quick: bool = False,
     stage: int | None = None,
     jobs: int = DEFAULT_JOBS,
+    only: str | None = None,
 ) -> StepResult:
     """``hmastack e2e``: every stage or one ``stage``, the full set or the
     ``quick`` one; prints the verdicts' table and each failure."""
@@ -69,7 +71,7 @@ def run_step(
     from hmastack.stack.workspace import check_stage_number
 
     stages = None if stage is None else [check_stage_number(cfg, stage)]
-    report = run(cfg, stages=stages, quick=quick, jobs=jobs)
+    report = run(cfg, stages=stages, quick=quick, jobs=jobs, only=only)
     runner.print_table(report)
     bad = runner.failures(report)
     for line in bad:

@@ -95,6 +95,9 @@ class Scenario:
     hma: bool | None = None  # None: on from stage 3 (the stage's connector)
     # P/D pair: the producer scenario run first in another process
     producer: str | None = None
+    # the producer's HMA setting when it differs from the consumer's (None: the
+    # same): a producer with another KV cache group layout
+    producer_hma: bool | None = None
     pythonhashseed: str = "0"
     checks: tuple[str, ...] = field(default_factory=tuple)
     # its own engine process: it may stall the engine (the scenarios after it
@@ -252,7 +255,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         connector="nixl",
         producer="nixl-produce",
         ci=True,
-        checks=("producer freed", "window"),
+        checks=("producer freed", "window", "read"),
         base_bug=(
             "the producer's engine stops stepping once it has no request left, so "
             "its connector never takes the consumer's notification and the blocks "
@@ -266,9 +269,39 @@ SCENARIOS: tuple[Scenario, ...] = (
         connector="nixl",
         producer="nixl-produce",
         model="llama4-chunk",
-        checks=("producer freed", "window"),
+        checks=("producer freed", "window", "read"),
         base_bug="as for the Gemma-3-like model: the producer keeps the blocks",
         fixed_at=3,
+    ),
+    Scenario(
+        "nixl-consume",
+        "P/D with NixlConnector, gpt-oss-like layout (sliding window and full "
+        "attention alternating 1:1)",
+        connector="nixl",
+        producer="nixl-produce",
+        model="gemma-1to1",
+        checks=("producer freed", "window", "read"),
+        base_bug="as for the Gemma-3-like model: the producer keeps the blocks",
+        fixed_at=3,
+    ),
+    Scenario(
+        "server-pd-nixl",
+        "vllm serve pair with NixlConnector and a proxy on 127.0.0.1, openai "
+        "client: the completion equals a single engine's (tokens compared, no "
+        "logprobs); the decode server reports the tokens it received",
+        connector="nixl",
+        isolated=True,
+        stages=(0, 6),
+    ),
+    Scenario(
+        "nixl-consume-failed-read",
+        "P/D with NixlConnector, a read that fails (block ids past the "
+        "producer's KV cache): the consumer recomputes",
+        connector="nixl",
+        producer="nixl-produce",
+        ci=True,
+        checks=("load failed",),
+        stages=(0, 6),
     ),
     # --- negative controls: each check must bite ----------------------------------
     Scenario(
@@ -307,6 +340,43 @@ SCENARIOS: tuple[Scenario, ...] = (
         stages=(0,),
     ),
     Scenario(
+        "control-nixl-other-layout",
+        "control: a NIXL producer with another KV cache group layout (HMA on, "
+        "the consumer HMA off): the handshake refuses it, nothing is read",
+        connector="nixl",
+        producer="nixl-produce",
+        hma=False,
+        producer_hma=True,
+        ci=True,
+        expect="caught",
+        caught_by="read",
+        checks=("read",),
+        stages=(6,),
+    ),
+    Scenario(
+        "control-nixl-tables-of-another-layout",
+        "control: a NIXL producer with HMA off, the consumer HMA on: its block "
+        "table does not fit the consumer's groups, nothing is read",
+        connector="nixl",
+        producer="nixl-produce",
+        hma=True,
+        producer_hma=False,
+        expect="caught",
+        caught_by="read",
+        checks=("read",),
+        stages=(6,),
+    ),
+    Scenario(
+        "control-nixl-group-not-read",
+        "control: the NIXL consumer leaves the full-attention group out of its read",
+        connector="nixl",
+        producer="nixl-produce",
+        ci=True,
+        expect="caught",
+        caught_by="outputs",
+        stages=(6,),
+    ),
+    Scenario(
         "memory-window",
         "control: the base with HMA forced on keeps every external block",
         expect="caught",
@@ -334,8 +404,12 @@ def scenario_id(s: Scenario) -> str:
     return "/".join(parts)
 
 
-def selected(quick: bool) -> list[Scenario]:
-    return [s for s in SCENARIOS if s.ci or not quick]
+def selected(quick: bool, only: str | None = None) -> list[Scenario]:
+    return [
+        s
+        for s in SCENARIOS
+        if (s.ci or not quick) and (only is None or only in scenario_id(s))
+    ]
 
 
 LMCACHE_HMA_FROM_STAGE = 4

@@ -197,6 +197,13 @@ def judge(
         v.detail = "; ".join(findings[:5])
     if "load failed" in s.checks:
         v.checks["load failed"] = bool(conn.get("failed_loads"))
+    if "read" in s.checks:
+        # A NixlConnector consumer's worker read blocks and none failed.
+        read = conn.get("nixl_blocks_read", {})
+        v.figures["nixl_blocks_read"] = read
+        v.checks["read"] = (
+            bool(read) and all(read.values()) and not conn.get("failed_loads")
+        )
     if "preempted" in s.checks:
         v.checks["preempted"] = (obs.get("preemptions") or 0) > 0
     if "window" in s.checks:
@@ -240,7 +247,12 @@ def _window_ok(v: Verdict, run: dict, key: str = "long-b") -> bool:
         return False
     new_tokens = long[0]["prompt_len"] - (long[0]["expected_cached"] or 0)
     bound = window_bound(new_tokens + len(long[0]["tokens"]))
-    sliding = [i for i, g in enumerate(v.groups) if g.startswith("SlidingWindow")]
+    # sliding window and chunked local attention groups: both keep a window
+    sliding = [
+        i
+        for i, g in enumerate(v.groups)
+        if g.startswith(("SlidingWindow", "ChunkedLocalAttention"))
+    ]
     v.figures["window_bound_blocks"] = bound
     if not sliding:
         return len(peak) == 1

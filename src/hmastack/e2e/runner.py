@@ -88,15 +88,16 @@ def plan_stage(stage: int, scenarios: list[cat.Scenario]) -> list[Process]:
             # A NixlConnector producer serves one consumer: one pair each.
             pair = s.name if conn == "nixl" else ""
             namespace = f"pd-{pair}" if pair else "pd"
-            pkey = ("producer", s.producer, s.model, hma, pair)
+            phma = hma if s.producer_hma is None else s.producer_hma
+            pkey = ("producer", s.producer, s.model, phma, pair)
             procs.setdefault(
                 pkey,
                 Process(
-                    f"{s.producer}-{s.model}-{'hma' if hma else 'nohma'}"
+                    f"{s.producer}-{s.model}-{'hma' if phma else 'nohma'}"
                     + (f"-for-{pair}" if pair else ""),
                     stage,
                     s.model,
-                    hma,
+                    phma,
                     conn,
                     cat.ENGINES["default"],
                     [s.producer],
@@ -163,12 +164,14 @@ def run_process(
 ) -> None:
     """Run ``proc`` under a watchdog; fills ``proc.result`` (the driver's JSON,
     or a ``hang`` / ``error`` entry for every scenario)."""
-    # One store per process; a P/D pair shares the producer's.
+    # One store per process; a P/D pair shares the producer's (a NixlConnector
+    # pair's two sides may differ in HMA: Scenario.producer_hma).
     pd = proc.namespace is not None and proc.namespace.startswith("pd")
+    pair = f"{proc.namespace}-{proc.model}"
     store = (
         workdir
         / "store"
-        / (f"{proc.namespace}-{proc.model}-{proc.hma}" if pd else proc.name)
+        / ((pair if proc.wave == 2 else f"{pair}-{proc.hma}") if pd else proc.name)
     )
     timeout = PROCESS_TIMEOUT + SCENARIO_TIMEOUT * len(proc.functions)
     ran = run_engine_process(
@@ -276,7 +279,8 @@ def nixl_pairs(procs: list[Process]) -> list[tuple[Process, ...]]:
     pairs: dict[tuple, list[Process]] = {}
     for p in procs:
         if p.wave == 2:
-            pairs.setdefault((p.namespace, p.model, p.hma), []).append(p)
+            # a pair's two sides may differ in HMA (Scenario.producer_hma)
+            pairs.setdefault((p.namespace, p.model), []).append(p)
     return [
         tuple(sorted(pair, key=lambda p: not p.producer)) for pair in pairs.values()
     ]
@@ -381,10 +385,12 @@ def run_e2e(
     quick: bool,
     jobs: int,
     trees_for: Callable[[int], dict[str, Path]],
+    only: str | None = None,
 ) -> dict:
-    """Run the set (``quick``: the CI-sized one) at ``stages``; returns the
-    report written to ``build/reports/e2e.json``."""
-    scenarios = cat.selected(quick)
+    """Run the set (``quick``: the CI-sized one; ``only``: the scenarios whose
+    id contains it) at ``stages``; returns the report written to
+    ``build/reports/e2e.json``."""
+    scenarios = cat.selected(quick, only)
     models = ensure_models(
         e2e, cfg.root, cfg.build / "e2e" / "models", {s.model for s in scenarios}
     )

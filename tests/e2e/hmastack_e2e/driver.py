@@ -64,6 +64,8 @@ def main(argv: list[str]) -> int:
     start = time.monotonic()
     if plan.connector in ("plain", "hma") and plan.scenarios == ["server-smoke"]:
         return _server(plan, result, out_path, start)
+    if plan.connector == "nixl" and plan.scenarios == ["server-pd-nixl"]:
+        return _server_pd(plan, result, out_path, start)
     try:
         if plan.connector == "lmcache":
             from hmastack_e2e import lmcache_cpu
@@ -113,6 +115,10 @@ def main(argv: list[str]) -> int:
             from hmastack_e2e import lmcache_cpu
 
             entry["connector"] = {"lmcache_copies": dict(lmcache_cpu.COPIES)}
+        elif plan.connector == "nixl":
+            from hmastack_e2e import nixl_observe
+
+            entry["connector"] = nixl_observe.view(first_id)
         entry["seconds"] = round(time.monotonic() - t0, 2)
         result["scenarios"][name] = entry
         out_path.write_text(json.dumps(result, indent=1))
@@ -144,6 +150,26 @@ def _server(plan, result: dict, out_path: Path, start: float) -> int:
         entry["detail"] = traceback.format_exc()
     entry["seconds"] = round(time.monotonic() - start, 2)
     result["scenarios"]["server-smoke"] = entry
+    result["groups"] = []
+    out_path.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def _server_pd(plan, result: dict, out_path: Path, start: float) -> int:
+    """The P/D server pair: two ``vllm serve`` and a proxy, in child processes."""
+    from hmastack_e2e import server
+    from hmastack_e2e.scenarios import _nixl_prompt
+
+    entry: dict = {"outcome": "ran", "observation": {}}
+    try:
+        entry["requests"] = server.run_pd(
+            plan, _nixl_prompt(), out_path.with_suffix(".server.log")
+        )
+    except Exception:
+        entry["outcome"] = "error"
+        entry["detail"] = traceback.format_exc()
+    entry["seconds"] = round(time.monotonic() - start, 2)
+    result["scenarios"]["server-pd-nixl"] = entry
     result["groups"] = []
     out_path.write_text(json.dumps(result, indent=1))
     return 0

@@ -152,6 +152,9 @@ class Session:
             os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
             os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(plan.side_channel_port)
             os.environ.setdefault("UCX_NET_DEVICES", "lo")
+            from hmastack_e2e import nixl_observe
+
+            nixl_observe.install()
             kwargs["kv_transfer_config"] = {
                 "kv_connector": "NixlConnector",
                 "kv_role": "kv_both",

@@ -443,3 +443,82 @@ def control_nixl_rotated_blocks(s: Session, c: bool, obs: Observation):
     """Negative control: the consumer reads the producer's blocks in the wrong
     order (each block's KV lands in the next block's slot)."""
     return _nixl_consume(s, c, obs, tamper=_rotate_blocks)
+
+
+# NixlConnector's descriptor of block b in region r is r * num_blocks + b: an
+# offset past every region's descriptors (not just past num_blocks, which lands
+# in another region and reads the wrong KV without an error).
+OUT_OF_RANGE = 10**9
+
+
+def _blocks_out_of_range(params: dict) -> dict:
+    """Block ids past the producer's registered descriptors: NIXL refuses the
+    read (NIXL_ERR_INVALID_PARAM)."""
+    ids = params["remote_block_ids"]
+    if ids and isinstance(ids[0], list):  # one list per KV cache group
+        moved = [[b + OUT_OF_RANGE for b in group] for group in ids]
+    else:
+        moved = [b + OUT_OF_RANGE for b in ids]
+    return {**params, "remote_block_ids": moved}
+
+
+@scenario
+def server_pd_nixl(s: Session, c: bool, obs: Observation):
+    """The reference of the P/D server pair (``server.run_pd``): the prompt
+    in-process. With NixlConnector the driver runs two ``vllm serve`` and a
+    proxy instead of this function."""
+    return s.run([("pd", _nixl_prompt(), None, None)], observation=obs)
+
+
+@scenario
+def nixl_consume_failed_read(s: Session, c: bool, obs: Observation):
+    """P/D with NixlConnector, a read that fails: the consumer's worker reports
+    the request's blocks as failed loads and the scheduler recomputes them."""
+    return _nixl_consume(s, c, obs, tamper=_blocks_out_of_range)
+
+
+@scenario
+def control_nixl_other_layout(s: Session, c: bool, obs: Observation):
+    """Negative control: the consumer runs with HMA off, its producer with HMA
+    on (another KV cache group layout): the handshake refuses the producer and
+    nothing is read."""
+    return _nixl_consume(s, c, obs)
+
+
+@scenario
+def control_nixl_tables_of_another_layout(s: Session, c: bool, obs: Observation):
+    """Negative control: the consumer runs with HMA on, its producer with HMA
+    off: the producer's one block table does not fit the consumer's groups and
+    nothing is read."""
+    return _nixl_consume(s, c, obs)
+
+
+@scenario
+def control_nixl_group_not_read(s: Session, c: bool, obs: Observation):
+    """Negative control: the consumer's worker leaves the full-attention KV
+    cache group out of its read (the other groups are read)."""
+    if not c:
+        return _nixl_consume(s, c, obs)
+    from vllm.distributed.kv_transfer.kv_connector.v1 import nixl_connector
+
+    worker = nixl_connector.NixlConnectorWorker
+    read_blocks = worker._read_blocks
+    full = s.group_kinds().index("FullAttentionSpec")
+
+    def skip_group(self, *args, **kwargs):
+        local = kwargs.get("local_block_ids_per_group")
+        remote = kwargs.get("remote_block_ids_per_group")
+        if local is not None and remote is not None:
+            kwargs["local_block_ids_per_group"] = [
+                [] if g == full else blocks for g, blocks in enumerate(local)
+            ]
+            kwargs["remote_block_ids_per_group"] = [
+                [] if g == full else blocks for g, blocks in enumerate(remote)
+            ]
+        return read_blocks(self, *args, **kwargs)
+
+    worker._read_blocks = skip_group
+    try:
+        return _nixl_consume(s, c, obs)
+    finally:
+        worker._read_blocks = read_blocks

@@ -133,3 +133,180 @@ def run(plan, prompt: list[int], log: Path) -> list[dict]:
             except subprocess.TimeoutExpired:
                 os.killpg(server.pid, signal.SIGKILL)
                 server.wait()
+
+
+# --- P/D with NixlConnector: two servers and a proxy --------------------------------
+
+
+def _nixl_server(plan, port: int, side_channel_port: int, log: Path):
+    """``vllm serve`` with NixlConnector (kv_both) on 127.0.0.1; its NIXL side
+    channel and UCX on the loopback interface too."""
+    config = {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_both",
+        "kv_buffer_device": "cpu",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        str(plan.model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        "tiny",
+        "--skip-tokenizer-init",
+        "--enforce-eager",
+        "--dtype",
+        "float32",
+        "--block-size",
+        "16",
+        "--max-model-len",
+        "4096",
+        "--enable-prompt-tokens-details",
+        "--kv-transfer-config",
+        json.dumps(config),
+        "--no-disable-hybrid-kv-cache-manager"
+        if plan.hma
+        else "--disable-hybrid-kv-cache-manager",
+    ]
+    env = {
+        **os.environ,
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
+        "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"),
+    }
+    out = log.open("w")
+    return subprocess.Popen(
+        cmd,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        env=env,
+    )
+
+
+def _wait_up(server, port: int, deadline: float) -> None:
+    import requests
+
+    while True:
+        if server.poll() is not None:
+            raise RuntimeError(f"vllm serve exited with {server.returncode}")
+        try:
+            if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).ok:
+                return
+        except requests.RequestException:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"vllm serve not up after {START_TIMEOUT} s")
+        time.sleep(1)
+
+
+def _stop(server) -> None:
+    os.killpg(server.pid, signal.SIGTERM)
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+
+
+def _proxy(prefill_port: int, decode_port: int):
+    """A proxy as in vLLM's P/D examples, on 127.0.0.1: a completion goes to
+    the prefill server with ``max_tokens=1`` and ``do_remote_decode``, then
+    to the decode server with the ``kv_transfer_params`` the prefill server
+    returned; the client gets the decode server's answer."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import requests
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's name)
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            prefill = {
+                **body,
+                "max_tokens": 1,
+                "min_tokens": 0,
+                "stream": False,
+                "kv_transfer_params": {"do_remote_decode": True},
+            }
+            first = requests.post(
+                f"http://127.0.0.1:{prefill_port}{self.path}", json=prefill, timeout=120
+            )
+            first.raise_for_status()
+            params = first.json().get("kv_transfer_params")
+            decode = {**body, "kv_transfer_params": params}
+            answer = requests.post(
+                f"http://127.0.0.1:{decode_port}{self.path}", json=decode, timeout=120
+            )
+            data = answer.content
+            self.send_response(answer.status_code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):  # quiet
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd
+
+
+def run_pd(plan, prompt: list[int], log: Path) -> list[dict]:
+    """One completion of ``prompt`` through a proxy in front of a prefill and
+    a decode ``vllm serve`` with NixlConnector; returns a
+    ``RequestRecord``-shaped dict (``pd``) whose cached tokens are the ones
+    the decode server received from the prefill server."""
+    import openai
+
+    ports = [_free_port() for _ in range(4)]
+    servers = []
+    httpd = None
+    try:
+        for i in range(2):
+            servers.append(
+                _nixl_server(plan, ports[i], ports[2 + i], log.with_suffix(f".{i}.log"))
+            )
+        deadline = time.monotonic() + START_TIMEOUT
+        for server, port in zip(servers, ports[:2], strict=True):
+            _wait_up(server, port, deadline)
+        httpd = _proxy(ports[0], ports[1])
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{httpd.server_address[1]}/v1",
+            api_key="none",
+            timeout=240,
+        )
+        resp = client.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=8,
+            temperature=0.0,
+            extra_body={"return_token_ids": True, "min_tokens": 8},
+        )
+        choice = resp.choices[0]
+        details = resp.usage.prompt_tokens_details
+        return [
+            {
+                "key": "pd",
+                "prompt_len": len(prompt),
+                "tokens": list(choice.token_ids or []),
+                "logprobs": [],
+                "num_cached_tokens": (details.cached_tokens or 0) if details else 0,
+                # NixlConnector offers every prompt token but the last
+                "expected_cached": len(prompt) - 1,
+                "kv_transfer_params": None,
+                "tokens_only": True,
+            }
+        ]
+    finally:
+        if httpd is not None:
+            httpd.shutdown()
+        for server in servers:
+            _stop(server)
