@@ -3,6 +3,8 @@
 (* Prefix cache hits with EAGLE on hybrid models (stage 05, patch 5A):    *)
 (* HybridKVCacheCoordinator.find_longest_cache_hit as the code computes   *)
 (* it, checked against the rule of the stage README (LongestServableHit). *)
+(* Stage = 3: stages 03-04, vLLM 0.13.0's lookup and the null prefix of   *)
+(* patch 3/4, checked for a connector-loaded prefix (LoadedPrefixHit).    *)
 (* A small model of its own: one lookup of one request, for every request *)
 (* length, every set of cached blocks per KV cache group, with and without *)
 (* EAGLE, and every attention type of the second group.                  *)
@@ -25,10 +27,12 @@ CONSTANTS
     W,        \* sliding window in tokens (the window counts the token itself)
     C,        \* attention_chunk_size of chunked local attention, in tokens
     MaxLen,   \* longest request, in tokens
-    Mutation  \* "none"; "Base": vLLM 0.13.0's lookup (each type drops EAGLE's block on its own); "NoKeep": a connector-loaded prefix keeps no block before its window
+    Stage,    \* 3: stages 03-04 (vLLM 0.13.0's lookup); 5: stage 05 on (patch 5A's)
+    Mutation  \* "none"; "Base": at stage 5, vLLM 0.13.0's lookup (each type drops EAGLE's block on its own); "NoKeep": a connector-loaded prefix keeps no block before its window; "KeepOne": at stage 3, it keeps the one block of stage 5
 
 ASSUME /\ B \in Nat \ {0} /\ W \in Nat \ {0, 1} /\ C \in Nat \ {0} /\ C % B = 0
-       /\ MaxLen \in Nat \ {0} /\ Mutation \in {"none", "Base", "NoKeep"}
+       /\ MaxLen \in Nat \ {0} /\ Stage \in {3, 5}
+       /\ Mutation \in {"none", "Base", "NoKeep", "KeepOne"}
 
 Kinds == {"swa", "chunked", "mamba"}     \* attention type of the second group
 Groups == {"full", "other"}
@@ -49,9 +53,9 @@ vars == <<kind, eagle, len, cached, hit>>
 Hashed(n) == {i \in 0..(MaxLen \div B - 1) : (i + 1) * B <= n}
 
 (***************************************************************************)
-(* The code. Fix == patch 5A is applied (Mutation = "none").               *)
+(* The code. Fix == patch 5A is applied (Stage = 5, Mutation = "none").    *)
 (***************************************************************************)
-Fix == Mutation # "Base"
+Fix == Stage = 5 /\ Mutation # "Base"
 \* Block hashes a hit may use (KVCacheCoordinator.hit_block_hashes): with
 \* EAGLE (patch 5A) those ending at or before max_cache_hit_length; 0.13.0
 \* passes all of them.
@@ -68,10 +72,11 @@ FullHit(S, maxLen, n, e) ==
     Drop(e, RunFrom(S, 0, Min(maxLen \div B + Look(e), NumHashes(n, e))))
 
 \* SlidingWindowManager.find_longest_cache_hit, in blocks: from right to
-\* left, the first run of contiguous hits of ceil((W-1)/B) blocks (plus
-\* EAGLE's with patch 5A); without one, the run from block 0.
+\* left, the first run of contiguous hits of ceil((W-1)/B) blocks plus one
+\* with EAGLE (patch 5A: EAGLE's block, which may lie past max_length;
+\* 0.13.0: within it); without one, the run from block 0.
 SwaHit(S, maxLen, n, e) ==
-    LET contig == CeilDiv(W - 1, B) + Look(e)
+    LET contig == CeilDiv(W - 1, B) + (IF e THEN 1 ELSE 0)
         mnb == Min(maxLen \div B + Look(e), NumHashes(n, e))
         ends == {j \in 0..(mnb - 1) :
                    j + 1 >= contig /\ \A i \in (j - contig + 1)..j : i \in S}
@@ -156,14 +161,27 @@ LongestServableHit ==
 (* computes from x = min(external, num_tokens - 1) on, and a sliding      *)
 (* window group gets blocks only from a window on; the blocks before it   *)
 (* are never real, so never cached. The null-prefix rule with EAGLE: the  *)
-(* tables start at the window of the last block boundary before x (the    *)
-(* end of the hit a later request takes in the loaded tokens, the block   *)
-(* after it computed again); without EAGLE at the window of x.            *)
-(* NullPrefix and WindowBound of spec/HybridKVAlloc.tla are stated for    *)
-(* that start: at most one block more (KeptAtMostOneBlock).               *)
+(* tables start at the window of the end of the hit a later request      *)
+(* takes in the loaded tokens: the last block boundary before x (the      *)
+(* block after it computed again), one block earlier at stage 3 with a    *)
+(* sliding window group, whose lookup drops a second block; without       *)
+(* EAGLE at the window of x. NullPrefix and WindowBound of                *)
+(* spec/HybridKVAlloc.tla are stated for that start: at most one block    *)
+(* more, two at stage 3 (KeptBlocks).                                     *)
 (***************************************************************************)
 HitEnd(x) == ((x - 1) \div B) * B
-SkipStart(x, e) == IF e /\ Mutation # "NoKeep" THEN HitEnd(x) ELSE x
+\* The blocks the lookup drops for EAGLE at the end of the blocks both
+\* groups hold (the coordinator's num_eagle_dropped_blocks): one, but two
+\* with 0.13.0's lookup and a sliding window group (full attention drops
+\* one, the sliding window searches within that hit and drops another).
+Dropped == IF Stage = 3 /\ kind = "swa" THEN 2 ELSE 1
+\* The hit's end the null prefix keeps the window of: HitEnd(x), one block
+\* earlier for each further block the lookup drops.
+KeptDrops == CASE Mutation = "NoKeep" -> 0
+               [] Mutation = "KeepOne" -> 1
+               [] OTHER -> Dropped
+SkipStart(x, e) ==
+    IF e /\ KeptDrops > 0 THEN Max(0, HitEnd(x) - (KeptDrops - 1) * B) ELSE x
 FirstReal(x, e) == Max(0, SkipStart(x, e) - W + 1) \div B
 \* The blocks each group caches once the request computed its prompt:
 \* full attention all of them, the sliding window group from FirstReal on.
@@ -182,9 +200,12 @@ LoadedPrefixHit ==
         (x % B = 0 \/ HitEnd(x) + B <= len - 1)
           => Coordinator(kind, eagle, len, LoadedCache(x, eagle))
                = Coordinator(kind, eagle, len, AllCached)
-\* The memory the rule costs: at most one block per sliding window group.
-KeptAtMostOneBlock ==
-    \A x \in 1..(len - 1) : FirstReal(x, FALSE) - FirstReal(x, eagle) \in {0, 1}
+\* The memory the rule costs: at most one block per sliding window group
+\* (two at stage 3, whose lookup drops two).
+MaxKept == IF Stage = 3 THEN 2 ELSE 1
+KeptBlocks ==
+    \A x \in 1..(len - 1) :
+      FirstReal(x, FALSE) - FirstReal(x, eagle) \in 0..MaxKept
 
 \* Witnesses: lookups the property must see (each "never happens" is
 \* expected to be violated).
@@ -200,6 +221,6 @@ WitnessEagleLoadedKept ==
 WitnessEagleChunkBack ==
     [](~(eagle /\ kind = "chunked" /\ hit > 0 /\ hit < ((len - 1) \div C) * C))
 
-THEOREM (Mutation = "none") => (Spec => []LongestServableHit)
-THEOREM (Mutation = "none") => (Spec => [](LoadedPrefixHit /\ KeptAtMostOneBlock))
+THEOREM (Stage = 5 /\ Mutation = "none") => (Spec => []LongestServableHit)
+THEOREM (Mutation = "none") => (Spec => [](LoadedPrefixHit /\ KeptBlocks))
 =============================================================================

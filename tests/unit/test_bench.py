@@ -583,6 +583,28 @@ def test_eagle_check_flags_a_wrong_hit(monkeypatch):
     )
 
 
+def test_eagle_check_flags_a_hit_below_the_base(monkeypatch):
+    """A stage, or a commit of one, before the rule's stage whose hit is below
+    the base's fails the check (a regression a later stage fixes); the peer
+    is only reported."""
+    row = _eagle_row("connector sync", external=4096, load="sync")
+    row |= {"pattern": "gptoss", "window": 128, "hit_no_eagle": 4096}
+    hits = {"stage 0": 4064, "stage 3": 4064, "stage 3.2": 0, "v0.14.0": 0}
+    monkeypatch.setattr(
+        figures,
+        "_run_each",
+        lambda cfg, pyenv, trees, name, args: (
+            {t.label: [{"rows": [row | {"hit": hits[t.label]}]}] for t in trees},
+            {},
+        ),
+    )
+    trees = [bench_trees.BenchTree(label, None) for label in hits]
+    out = figures.bench_eagle(None, None, trees, bench.QUICK)
+    assert out["mismatches"] == [
+        "stage 3.2: gptoss W=128 connector sync: hit 0 (the base's 4064)"
+    ]
+
+
 EAGLE_ARGS = {"patterns": ["gptoss"], "windows": [128], "block_size": B}
 
 

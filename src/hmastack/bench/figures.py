@@ -142,13 +142,20 @@ EAGLE_RULE_STAGE = 5
 EAGLE_WINDOWS = [128, 512]
 
 
+def is_stage_tree(label: str) -> bool:
+    """A stage (``"stage 3"``) or a commit of one (``"stage 3.2"``), not the
+    peer or a slowed copy."""
+    kind, _, num = label.partition(" ")
+    return kind == "stage" and num.replace(".", "", 1).isdigit()
+
+
 def eagle_first_cached_block(kind: str, window: int, B: int, row: dict) -> int:
     """The first block of the first request's prompt that a group holds in the
     prefix cache on a tree with the eagle rule: all of them, except after a
     connector load in a sliding window group, which allocated (and cached)
     only the window of the last block boundary before the first computed
     token, x = min(external, prompt - 1): the end of the hit a later request
-    takes in the loaded tokens (stage 3, EagleKeep in spec/HybridKVAlloc.tla)."""
+    takes in the loaded tokens (SkipStart in spec/EagleHits.tla)."""
     if kind == "full" or not row.get("load"):
         return 0
     x = min(row["external"], row["prompt"] - 1)
@@ -188,17 +195,24 @@ def bench_eagle(
     args = {"patterns": plan["patterns"], "windows": EAGLE_WINDOWS, "block_size": B}
     results, errors = _run_each(cfg, pyenv, trees, "eagle_hits", args)
     rows, mismatches = [], []
+    # No stage's hit (a commit's included) is below the base's, in any case.
+    base = {
+        (r["pattern"], r["window"], r["case"]): r["hit"]
+        for runs in [results.get("stage 0") or []]
+        for r in (runs[0]["rows"] if runs else [])
+    }
     for label, runs in results.items():
         stage = tree_stage(label)
         checked = stage is not None and stage >= EAGLE_RULE_STAGE
         for r in runs[0]["rows"] if runs else []:
             kinds = GROUP_KINDS[r["pattern"]]
             rule = expected_eagle_hit(kinds, r["window"], B, r)
+            where = f"{label}: {r['pattern']} W={r['window']} {r['case']}"
             if checked and r["hit"] != rule:
-                mismatches.append(
-                    f"{label}: {r['pattern']} W={r['window']} {r['case']}: hit "
-                    f"{r['hit']} (want {rule})"
-                )
+                mismatches.append(f"{where}: hit {r['hit']} (want {rule})")
+            floor = base.get((r["pattern"], r["window"], r["case"]))
+            if is_stage_tree(label) and floor is not None and r["hit"] < floor:
+                mismatches.append(f"{where}: hit {r['hit']} (the base's {floor})")
             rows.append(
                 {
                     "tree": label,
@@ -217,7 +231,8 @@ def bench_eagle(
         "method": "a prompt computed (or loaded by a KV connector first) and "
         "freed, blocks evicted from one group, then the same prompt's prefix "
         "cache hit (get_computed_blocks) with eagle on and off; B=16; 'rule': the "
-        f"longest hit by the rule, checked exactly from stage {EAGLE_RULE_STAGE} on",
+        f"longest hit by the rule, checked exactly from stage {EAGLE_RULE_STAGE} on; "
+        "at every stage (and commit) no hit below the base's",
         "checked": "exact" if not mismatches else "MISMATCH",
         "mismatches": mismatches,
         "errors": errors,

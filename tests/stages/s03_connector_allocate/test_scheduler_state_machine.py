@@ -1557,14 +1557,17 @@ class Harness:
         of the tokens in flight and looked ahead. A connector without HMA
         gets a block for every external token (0.13.0's allocate-then-free),
         so the bound is checked with a SupportsHMA connector only. With EAGLE
-        a table that starts after external tokens keeps the block before the
-        hit a later request takes in them (the block EAGLE reads): one block
-        more, as the groups share one block size here."""
+        a table that starts after external tokens keeps the blocks before the
+        window of the first computed token that the hit a later request takes
+        in them reads: one block more per block the lookup drops (vLLM
+        0.13.0's with full attention and sliding window: two), as the groups
+        share one block size here."""
         if self.setup.plain:
             return
         contig = cdiv(self.setup.window - 1, BLOCK_SIZE)
         manager = self.scheduler.kv_cache_manager
         eagle = cdiv(getattr(manager, "eagle_hit_alignment", 0), BLOCK_SIZE)
+        eagle *= getattr(manager.coordinator, "num_eagle_dropped_blocks", 1)
         for req_id, groups in tables.items():
             n = self.last_allocated.get(req_id, 0)
             # only a request the connector offers external tokens to
