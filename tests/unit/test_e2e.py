@@ -523,3 +523,30 @@ def test_engine_process_past_its_timeout_is_killed_without_a_result(tmp_path):
     ran = _launch(tmp_path, sleep=60, timeout=1.0)
     assert ran.hung and ran.returncode == -9 and ran.result is None
     assert ran.seconds < 30
+
+
+def test_kv_events_check_needs_the_stream_and_the_groups():
+    """kv-events-router passes only when the subscriber received every batch
+    of a stream that evicted and, with HMA, the engine kept its groups; the
+    subscriber's figures go to the verdict."""
+    s = next(x for x in cat.SCENARIOS if x.name == "kv-events-router")
+    ref = _run([_req("r0", [5, 7], LP)])
+    events = {"requests": 48, "mispredictions": 0, "events": 691, "removed": 415}
+
+    def run(groups, **changed):
+        obs = {"kv_events": {**events, "sequence_gaps": 0, **changed}}
+        request = _req("r0", [5, 7], LP, 32, 32)
+        return {**_run([request], observation=obs), "groups": groups}
+
+    two = ["SlidingWindowSpec(32)", "FullAttentionSpec"]
+    ok = _judge(s, run(two), ref)
+    assert ok.passed and ok.figures["kv_events"]["events"] == 691
+    assert not _judge(s, run(two, sequence_gaps=2), ref).passed
+    assert not _judge(s, run(two, removed=0), ref).passed
+    # HMA on (the stage's verdict) but the engine ran one group: HMA went off.
+    assert not _judge(s, run(["FullAttentionSpec"]), ref).passed
+    hma_off = compare.judge(
+        s, 0, False, "plain", run(["FullAttentionSpec"]), ref, s.name, s.title
+    )
+    assert hma_off.passed
+    assert cat.KV_EVENTS_STAGE in s.stages and 0 in s.stages

@@ -66,7 +66,7 @@ def test_hmastack_toml_wrong_type_in_a_list_and_a_peer(tmp_path):
         # a table the file does not have
         ("[env]\n", "[extra]\nx = 1\n\n[env]\n", "`extra`"),
         # a typo of followups is named as such, not as a wrong stage count
-        ("followups = ", "followup = ", "`followup` - at `series`"),
+        ("\nfollowups = ", "\nfollowup = ", "`followup` - at `series`"),
         ("member_sha256", "member_sha", "`member_sha` - at `e2e.kernels`"),
     ],
 )

@@ -15,6 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 HMA_FROM_STAGE = 3
+# KV cache events with HMA (the stage whose README is patches/*-kv-events-hma/):
+# its scenarios run there and at the base (HMA off, the control).
+KV_EVENTS_STAGE = 8
 # Scenarios the CPU engine of 0.13.0 cannot run, and why.
 UNSUPPORTED = {
     "asynchronous scheduling": (
@@ -44,6 +47,8 @@ class Engine:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 16
     async_scheduling: bool = False
+    # KV cache events to a subscriber on 127.0.0.1 (hmastack_testkit.kv_events)
+    kv_events: bool = False
 
 
 ENGINES = {
@@ -71,6 +76,9 @@ ENGINES = {
         ),
         # room for 3 requests with a 512-token hit with HMA off
         Engine("admission", pool_layer_blocks=6 * 110),
+        # KV cache events; a pool of ~4 requests of the stream (up to 16
+        # blocks each with HMA off), so that it evicts
+        Engine("kv-events", pool_layer_blocks=6 * 64, kv_events=True),
     )
 }
 
@@ -303,7 +311,63 @@ SCENARIOS: tuple[Scenario, ...] = (
         checks=("load failed",),
         stages=(0, 6),
     ),
+    Scenario(
+        "kv-events-router",
+        "KV cache events: a subscriber predicts every prefix cache hit (Gemma-3-like)",
+        engine="kv-events",
+        model="gemma-5to1",
+        stages=(0, KV_EVENTS_STAGE),
+        checks=("kv events",),
+    ),
+    Scenario(
+        "kv-events-router",
+        "KV cache events: a subscriber predicts every prefix cache hit "
+        "(gpt-oss-like: 1:1 sliding/full)",
+        engine="kv-events",
+        model="gemma-1to1",
+        stages=(0, KV_EVENTS_STAGE),
+        checks=("kv events",),
+    ),
+    Scenario(
+        "kv-events-router",
+        "KV cache events: a subscriber predicts every prefix cache hit "
+        "(Llama-4-like, chunked local attention)",
+        engine="kv-events",
+        model="llama4-chunk",
+        stages=(0, KV_EVENTS_STAGE),
+        checks=("kv events",),
+    ),
     # --- negative controls: each check must bite ----------------------------------
+    Scenario(
+        "control-kv-events-without-group",
+        "control: a subscriber that ignores the events' KV cache group "
+        "mispredicts (Gemma-3-like)",
+        engine="kv-events",
+        model="gemma-5to1",
+        stages=(KV_EVENTS_STAGE,),
+        expect="caught",
+        caught_by="cached tokens",
+    ),
+    Scenario(
+        "control-kv-events-without-group",
+        "control: a subscriber that ignores the events' KV cache group "
+        "mispredicts (gpt-oss-like)",
+        engine="kv-events",
+        model="gemma-1to1",
+        stages=(KV_EVENTS_STAGE,),
+        expect="caught",
+        caught_by="cached tokens",
+    ),
+    Scenario(
+        "control-kv-events-without-group",
+        "control: a subscriber that ignores the events' KV cache group "
+        "mispredicts (Llama-4-like)",
+        engine="kv-events",
+        model="llama4-chunk",
+        stages=(KV_EVENTS_STAGE,),
+        expect="caught",
+        caught_by="cached tokens",
+    ),
     Scenario(
         "control-lmcache-skip-layer",
         "control: LMCache's load leaves one layer of each group unwritten",

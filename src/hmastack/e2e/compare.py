@@ -211,6 +211,18 @@ def judge(
         v.checks["window"] = _window_ok(
             v, run, "nixl-a" if s.connector == "nixl" else "long-b"
         )
+    if obs.get("kv_events"):
+        v.figures["kv_events"] = dict(obs["kv_events"])
+    if "kv events" in s.checks:
+        # The subscriber received every batch (no sequence number missed), the
+        # stream evicted, and with HMA the engine kept its KV cache groups.
+        ev = obs.get("kv_events") or {}
+        v.checks["kv events"] = (
+            ev.get("requests", 0) > 0
+            and ev.get("removed", 0) > 0
+            and ev.get("sequence_gaps") == 0
+            and (len(v.groups) > 1) == hma
+        )
     if "producer freed" in s.checks:
         # The P/D producer's blocks are back in its pool after the consumer's read.
         held = (

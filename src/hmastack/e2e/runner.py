@@ -73,6 +73,7 @@ class Process:
             "async_scheduling": self.engine.async_scheduling,
             "namespace": self.namespace,
             "side_channel_port": self.side_channel_port,
+            "kv_events": self.engine.kv_events,
         }
 
 

@@ -59,6 +59,9 @@ class Observation:
     peak_total_blocks: list[int] = field(default_factory=list)
     # a P/D producer: blocks not back in the pool after the consumer's read
     blocks_held_after_read: int | None = None
+    # KV cache events: requests predicted, mispredictions, events, batches,
+    # sequence numbers missed
+    kv_events: dict[str, int] = field(default_factory=dict)
 
 
 def prompt(seed: int, length: int) -> list[int]:
@@ -89,6 +92,9 @@ class Plan:
     namespace: str | None = None
     # NixlConnector: this engine's side channel port on 127.0.0.1
     side_channel_port: int | None = None
+    # KV cache events published over ZMQ to a subscriber on 127.0.0.1
+    # (hmastack_testkit.kv_events), with a connector only
+    kv_events: bool = False
 
     @classmethod
     def from_json(cls, data: dict) -> Plan:
@@ -160,6 +166,19 @@ class Session:
                 "kv_role": "kv_both",
                 "kv_buffer_device": "cpu",
             }
+        # The subscriber binds first: vLLM's publisher connects to an endpoint
+        # without a wildcard.
+        self.kv_events = None
+        if plan.kv_events and plan.connector is not None:
+            from hmastack_testkit.kv_events import Subscriber
+            from vllm.config import KVEventsConfig
+
+            self.kv_events = Subscriber()
+            kwargs["kv_events_config"] = KVEventsConfig(
+                enable_kv_cache_events=True,
+                publisher="zmq",
+                endpoint=self.kv_events.endpoint,
+            )
         start = time.monotonic()
         self.llm = LLM(**kwargs)
         self.init_seconds = time.monotonic() - start

@@ -336,6 +336,100 @@ def server_smoke(s: Session, c: bool, obs: Observation):
     return s.run([("first", a, None, None)]) + s.run([("second", a, None, None)])
 
 
+# --- KV cache events: a router's prediction of every prefix cache hit. A
+# stream of requests, one after another, with prefixes of six shared families
+# cut at random lengths, in the small pool of the "kv-events" engine (the
+# stream evicts); the connector stores some requests and loads others. Before
+# each request the subscriber (hmastack_testkit.kv_events) has received every
+# event so far and predicts the engine's local prefix cache hit from them; the
+# request's expected cached tokens are that prediction plus the external
+# tokens the connector then offers, so the host's cached-token check compares
+# prediction and report for every request.
+
+KV_EVENTS_REQUESTS = 48
+
+
+def _external_tokens(req_id: str) -> int:
+    """The external tokens the connector offered request ``req_id``."""
+    from hmastack_e2e import connector
+
+    for inst in list(connector.INSTANCES):
+        if req_id in inst.stats.hits:
+            return inst.stats.hits[req_id]
+    return 0
+
+
+def _drain_events(s: Session) -> None:
+    """Receive every event the engine published so far: wait until the
+    publisher's queue is empty, then until no batch comes for a while."""
+    publisher = s.scheduler.kv_event_publisher
+    queue = getattr(publisher, "_event_queue", None)
+    deadline = time.monotonic() + 30.0
+    while queue is not None and not queue.empty() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    s.kv_events.drain()
+
+
+def _kv_events_stream(s: Session, c: bool, obs: Observation, by_group: bool):
+    import random
+
+    rng = random.Random(32)
+    families = [_p(300 + i, 96 + 16 * i) for i in range(6)]
+    sub = s.kv_events if c else None
+    if c and sub is None:
+        raise RuntimeError("the engine publishes no KV cache events (kv-events)")
+    counts = {"requests": 0, "mispredictions": 0, "events": 0}
+    # The driver emptied the prefix cache before the scenario; the engine
+    # publishes that (AllBlocksCleared) with its next step: one request that
+    # shares nothing, not predicted.
+    out = s.run([("warm-up", _p(999, 24), {"load": "none"} if c else None, None)])
+    if sub is not None:
+        _drain_events(s)
+        counts["events"] -= sub.indexes[by_group].num_events
+        counts["removed"] = -sub.indexes[by_group].num_removed
+    for i in range(KV_EVENTS_REQUESTS):
+        family = families[rng.randrange(len(families))]
+        cut = rng.randrange(1, len(family) + 1)
+        tokens = family[:cut] + _p(1000 + i, rng.randrange(1, 40))
+        load = rng.choice(["none", "none", "sync"])
+        key = f"r{i}"
+        predicted = None
+        req_id = f"{key}#{s._next_id}"  # the id Session.run gives it
+        if sub is not None:
+            _drain_events(s)
+            predicted = sub.indexes[by_group].predict(tokens)
+        (record,) = s.run(
+            [(key, tokens, {"load": load} if c else None, None)], max_tokens=2
+        )
+        if predicted is not None:
+            record.expected_cached = predicted + _external_tokens(req_id)
+            counts["requests"] += 1
+            counts["mispredictions"] += (
+                record.expected_cached != record.num_cached_tokens
+            )
+        out.append(record)
+    if sub is not None:
+        _drain_events(s)
+        counts["events"] += sub.indexes[by_group].num_events
+        counts["removed"] += sub.indexes[by_group].num_removed
+        counts["batches"] = sub.num_batches
+        counts["sequence_gaps"] = sub.gaps
+        obs.kv_events = counts
+    return out
+
+
+@scenario
+def kv_events_router(s: Session, c: bool, obs: Observation):
+    """The subscriber keeps one index per KV cache group from the events."""
+    return _kv_events_stream(s, c, obs, by_group=True)
+
+
+@scenario
+def control_kv_events_without_group(s: Session, c: bool, obs: Observation):
+    """Negative control: the subscriber ignores which group an event names."""
+    return _kv_events_stream(s, c, obs, by_group=False)
+
+
 # --- P/D with vLLM's NixlConnector: two engine processes, NIXL over UCX on
 # 127.0.0.1. The producer prefills with max_tokens=1 and hands its
 # kv_transfer_params (the blocks to read, its side channel) to the consumer
