@@ -28,22 +28,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(plan, prompt: list[int], log: Path) -> list[dict]:
-    """Two completions of ``prompt`` through the server; returns two
-    ``RequestRecord``-shaped dicts (``first``, ``second``)."""
-    import openai
-    import requests
-
-    port = _free_port()
-    config = {
-        "kv_connector": "CPUTestHMAConnector"
-        if plan.connector == "hma"
-        else "CPUTestConnector",
-        "kv_connector_module_path": "hmastack_e2e.connector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"store_dir": str(plan.store_dir)},
-    }
-    cmd = [
+def _serve_cmd(plan, port: int, config: dict, *, prefix_caching: bool) -> list[str]:
+    """``vllm serve`` of the tiny model on 127.0.0.1 with the KV transfer
+    ``config``, HMA on or off as the plan's stage has it."""
+    return [
         sys.executable,
         "-m",
         "vllm.entrypoints.cli.main",
@@ -63,7 +51,7 @@ def run(plan, prompt: list[int], log: Path) -> list[dict]:
         "16",
         "--max-model-len",
         "4096",
-        "--no-enable-prefix-caching",
+        *([] if prefix_caching else ["--no-enable-prefix-caching"]),
         "--enable-prompt-tokens-details",
         "--kv-transfer-config",
         json.dumps(config),
@@ -71,6 +59,24 @@ def run(plan, prompt: list[int], log: Path) -> list[dict]:
         if plan.hma
         else "--disable-hybrid-kv-cache-manager",
     ]
+
+
+def run(plan, prompt: list[int], log: Path) -> list[dict]:
+    """Two completions of ``prompt`` through the server; returns two
+    ``RequestRecord``-shaped dicts (``first``, ``second``)."""
+    import openai
+    import requests
+
+    port = _free_port()
+    config = {
+        "kv_connector": "CPUTestHMAConnector"
+        if plan.connector == "hma"
+        else "CPUTestConnector",
+        "kv_connector_module_path": "hmastack_e2e.connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"store_dir": str(plan.store_dir)},
+    }
+    cmd = _serve_cmd(plan, port, config, prefix_caching=False)
     with log.open("w") as out:
         server = subprocess.Popen(
             cmd,
@@ -146,33 +152,7 @@ def _nixl_server(plan, port: int, side_channel_port: int, log: Path):
         "kv_role": "kv_both",
         "kv_buffer_device": "cpu",
     }
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.cli.main",
-        "serve",
-        str(plan.model_dir),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--served-model-name",
-        "tiny",
-        "--skip-tokenizer-init",
-        "--enforce-eager",
-        "--dtype",
-        "float32",
-        "--block-size",
-        "16",
-        "--max-model-len",
-        "4096",
-        "--enable-prompt-tokens-details",
-        "--kv-transfer-config",
-        json.dumps(config),
-        "--no-disable-hybrid-kv-cache-manager"
-        if plan.hma
-        else "--disable-hybrid-kv-cache-manager",
-    ]
+    cmd = _serve_cmd(plan, port, config, prefix_caching=True)
     env = {
         **os.environ,
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
