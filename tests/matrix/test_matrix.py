@@ -35,8 +35,19 @@ def test_every_stage_is_green(capfd):
     assert proc.returncode == 0 and not red, f"red stages: {red}"
     full = full_stages(cfg)
     assert {k for k, s in stages.items() if s["scope"] == "full"} == full
+    stage_test_dirs = {
+        int(path.name[1:3])
+        for path in (ROOT / "tests" / "stages").glob("s[0-9][0-9]_*")
+    }
     for k, stage in stages.items():
-        assert stage["ours"] is not None and stage["ours"]["counts"]["passed"] > 0, k
+        if k in full or k in stage_test_dirs:
+            # Our stage tests ran: every one up to k, or the stage's own.
+            ours = stage["ours"]
+            assert ours is not None and ours["counts"]["passed"] > 0, k
+        else:
+            # A stage whose checks are vLLM's tests and end to end (stage 6)
+            # has no tests/stages/sNN_* of its own to run at its stage.
+            assert stage["ours"] is None, (k, stage["ours"])
         if k in full:
             vllm = stage["vllm"]["counts"]
             # The whole selected suite ran (not an empty or aborted collection).
