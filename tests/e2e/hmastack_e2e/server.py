@@ -65,7 +65,6 @@ def run(plan, prompt: list[int], log: Path) -> list[dict]:
     """Two completions of ``prompt`` through the server; returns two
     ``RequestRecord``-shaped dicts (``first``, ``second``)."""
     import openai
-    import requests
 
     port = _free_port()
     config = {
@@ -87,18 +86,7 @@ def run(plan, prompt: list[int], log: Path) -> list[dict]:
             env=os.environ.copy(),
         )
         try:
-            deadline = time.monotonic() + START_TIMEOUT
-            while True:
-                if server.poll() is not None:
-                    raise RuntimeError(f"vllm serve exited with {server.returncode}")
-                try:
-                    if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).ok:
-                        break
-                except requests.RequestException:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"vllm serve not up after {START_TIMEOUT} s")
-                time.sleep(1)
+            _wait_up(server, port, time.monotonic() + START_TIMEOUT)
             client = openai.OpenAI(
                 base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120
             )
