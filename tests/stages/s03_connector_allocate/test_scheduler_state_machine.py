@@ -2285,20 +2285,14 @@ def test_sharer_of_blocks_computed_on_a_failed_load_fails_with_it():
     assert "r3" not in harness.scheduler.requests
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="a request that hits blocks a sync load of the same step writes, "
-    "preempted while that step is in flight, is not affected when the load "
-    "fails: the blocks it computed on them stay in the prefix cache",
-)
 def test_sharer_of_a_sync_load_preempted_with_its_step_in_flight():
     """The shrunk schedule of a fresh-seed run (Mistral-like, HMA off, batch
     queue): r2 loads 100 external tokens synchronously; r3, scheduled after
     it in the same step, hits r2's blocks in the window and computes its next
     blocks on them; the next step preempts r3 for memory while the first is
-    in flight; r2's load fails. r3 holds no block and is not affected, so a
-    block it computed on the failed KV keeps its hash (InvalidHit)."""
+    in flight; r2's load fails. r3 holds no block, but the blocks it computed
+    on the failed KV leave the prefix cache (InvalidHit) and its token of
+    that step is not emitted (InvalidOutput)."""
     state = SchedulerMachine()
     state.start(
         setup=Setup("mistral_like", 32, 16, 0, False, 64, "recompute", False, True),
