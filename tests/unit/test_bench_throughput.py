@@ -206,6 +206,9 @@ def test_nixl_prediction_full_attention_whole_prompt_sliding_window_its_window()
     assert bn.predicted_blocks(GEMMA, tokens, 16) == [3, 3, 3, 3, 3, 69]
     assert bn.predicted_blocks(GPT_OSS, tokens, 16) == [3, 69]
     assert bn.predicted_blocks(["ChunkedLocalAttentionSpec(32)"], 20, 16) == [2]
+    # HMA off: the one group's spec keeps the sliding layers' window, its
+    # blocks hold every token
+    assert bn.predicted_blocks(["FullAttentionSpec(32)"], tokens, 16) == [69]
 
 
 def _pd_run(groups: list[str], measured: list[int], free: int, running: int) -> dict:
@@ -237,6 +240,28 @@ def test_nixl_a_wrong_prediction_fails_the_command():
     (msg,) = bn.prediction_mismatches(wrong)
     assert "predicted [3, 3, 3, 3, 3, 69]" in msg
     assert bn.failed({"prediction_mismatches": [msg]}) == [msg]
+    # HMA off: one group whose spec keeps the window, every token's block
+    off = {
+        ("Gemma-3-like control", "stage 0"): [
+            _pd_run(["FullAttentionSpec(32)"], [69], 1199, 16)
+        ]
+    }
+    assert bn.prediction_mismatches(off) == []
+
+
+def test_nixl_a_preempted_run_is_checked_in_its_full_attention_groups():
+    """A preempted request computes its prompt again in one chunk: its
+    sliding-window group holds the chunk's blocks in that step. Such a run is
+    checked in the full-attention groups only, and still fails there."""
+    run = _pd_run(GPT_OSS, [65, 69], 479, 7)
+    run["preemptions"] = 1
+    case = ("gpt-oss-like memory-bound", "stage 6")
+    assert bn.prediction_mismatches({case: [run]}) == []
+    run["peak_request_blocks"] = [65, 70]
+    assert bn.prediction_mismatches({case: [run]})
+    run["preemptions"] = 0
+    run["peak_request_blocks"] = [65, 69]
+    assert bn.prediction_mismatches({case: [run]})
 
 
 def test_nixl_a_producer_holding_blocks_or_an_error_fails_timing_never():
@@ -290,5 +315,16 @@ def test_nixl_predictions_put_the_layout_beside_the_engine():
     tree = pred["Gemma-3-like memory-bound: stage 6"]
     assert tree["requests at once (predicted)"] == 16  # 1439 // 84, max_num_seqs
     assert tree["blocks per request (measured)"] == [3] * 5 + [69]
+    # a preemption's inflated peak does not enter the predicted ratio
+    rows_runs[("Gemma-3-like memory-bound", "stage 6")][0]["peak_request_blocks"] = [
+        65
+    ] * 5 + [69]
+    rows = bn.with_layout_prediction(
+        bt.summarize(rows_runs, ["stage 0", "stage 6"], bn.CASES), rows_runs
+    )
+    assert [r["predicted running"] for r in rows] == [3, 16]
     verdicts = bt.judge(rows, ["stage 0", "stage 6"], bn.CASES)
     assert "Gemma-3-like memory-bound: stage 6" in bn.headline(verdicts, 1)
+    why = bn.explanation(verdicts)
+    assert "requests at once 3 → 16 (predicted 5.33x)" in why
+    assert "a median step 6.0 CPU ms against the base's 5.0" in why
