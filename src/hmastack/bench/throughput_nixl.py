@@ -26,8 +26,10 @@ KV it holds at its last step) for full attention and with HMA off, and
 ``min(ceil(T / B), ceil((W - 1) / B) + 1)`` for a sliding-window group (the
 window minimum, stage 03's allocation of external tokens); a request fits when
 the pool's free blocks hold that peak. A measured per-request peak that is not
-the predicted one fails the command; the admitted requests and the throughput
-ratio are reported beside the prediction (timing never fails it).
+the predicted one fails the command (in a run with a preemption only the
+full-attention groups are compared: :func:`prediction_mismatches`); the
+admitted requests and the throughput ratio are reported beside the prediction
+(timing never fails it).
 """
 
 from __future__ import annotations
