@@ -449,8 +449,9 @@ def add_bench_parser(subparsers: Subparsers) -> None:
     parser.add_argument(
         "--throughput",
         action="store_true",
-        help="also the real-engine throughput under a KV budget (build/e2e-env, "
-        "~4 GB of downloads on first use; minutes of engine runs)",
+        help="also the real-engine throughput under a KV budget, with the test "
+        "connector and on the decode side of a NixlConnector P/D pair "
+        "(build/e2e-env, ~4 GB of downloads on first use; minutes of engine runs)",
     )
     parser.add_argument(
         "--count-settings",
@@ -467,7 +468,8 @@ def add_bench_parser(subparsers: Subparsers) -> None:
     parser.add_argument(
         "--only",
         metavar="NAMES",
-        help="run only these scenarios (comma-separated), e.g. throughput",
+        help="run only these scenarios (comma-separated), e.g. throughput or "
+        "throughput_nixl",
     )
     parser.set_defaults(func=bench_command)
 

@@ -17,6 +17,7 @@ import pytest
 from hmastack.bench import plots as bench_plots
 from hmastack.bench import run as bench
 from hmastack.bench import throughput as bt
+from hmastack.bench import throughput_nixl as bn
 from hmastack.core.errors import HmastackError
 from hmastack.site import docs
 
@@ -130,7 +131,11 @@ def test_cached_token_mismatch_fails_timing_never():
 def test_throughput_runs_only_when_asked_for():
     default = bench.selected_scenarios(None, throughput=False)
     assert "throughput" not in default and "scheduler_instructions" in default
-    assert bench.selected_scenarios(None, throughput=True)[-1] == "throughput"
+    assert bench.selected_scenarios(None, throughput=True)[-2:] == (
+        "throughput",
+        "throughput_nixl",
+    )
+    assert "throughput_nixl" not in default
     assert bench.selected_scenarios("throughput", throughput=False) == ("throughput",)
     with pytest.raises(HmastackError, match="unknown scenario nope"):
         bench.selected_scenarios("nope", throughput=False)
@@ -183,3 +188,143 @@ def test_the_page_shows_the_throughput_headline_plot_and_verdict(project):
     assert row + "5.000|no|" in cells
     assert "|control: stage 3|" in cells
     assert "below the 5.33x" in section  # the explanation
+
+
+# --- P/D with NixlConnector (throughput_nixl) ----------------------------------
+
+GEMMA = ["SlidingWindowSpec(32)"] * 5 + ["FullAttentionSpec"]
+GPT_OSS = ["SlidingWindowSpec(32)", "FullAttentionSpec"]
+
+
+def test_nixl_prediction_full_attention_whole_prompt_sliding_window_its_window():
+    """A request holds 1032 + 64 - 1 = 1095 tokens at its last step: 69 blocks
+    with full attention and with HMA off, ceil(31/16) + 1 = 3 per sliding-window
+    group (W=32)."""
+    tokens = bn.tokens_held(bt.BATCH)
+    assert tokens == 1095
+    assert bn.predicted_blocks(["FullAttentionSpec"], tokens, 16) == [69]
+    assert bn.predicted_blocks(GEMMA, tokens, 16) == [3, 3, 3, 3, 3, 69]
+    assert bn.predicted_blocks(GPT_OSS, tokens, 16) == [3, 69]
+    assert bn.predicted_blocks(["ChunkedLocalAttentionSpec(32)"], 20, 16) == [2]
+    # HMA off: the one group's spec keeps the sliding layers' window, its
+    # blocks hold every token
+    assert bn.predicted_blocks(["FullAttentionSpec(32)"], tokens, 16) == [69]
+
+
+def _pd_run(groups: list[str], measured: list[int], free: int, running: int) -> dict:
+    return {
+        **_run(2.0, running, 100, measured, len(groups)),
+        "groups": groups,
+        "num_blocks": free,
+        "cached_tokens": [1031],
+        "nixl_blocks_read": 1040,
+        "failed_loads": 0,
+        "producer_blocks_held_after_read": 0,
+    }
+
+
+def test_nixl_a_wrong_prediction_fails_the_command():
+    """The witness of the prediction check: a measured peak that is not the
+    layout's (a sliding-window group holding the whole prompt, as with the
+    window ignored) fails the command; the right one does not."""
+    right = {
+        ("Gemma-3-like memory-bound", "stage 6"): [
+            _pd_run(GEMMA, [3] * 5 + [69], 1439, 16)
+        ]
+    }
+    assert bn.prediction_mismatches(right) == []
+    assert bn.failed({"prediction_mismatches": bn.prediction_mismatches(right)}) == []
+    wrong = {
+        ("Gemma-3-like memory-bound", "stage 6"): [_pd_run(GEMMA, [69] * 6, 1439, 3)]
+    }
+    (msg,) = bn.prediction_mismatches(wrong)
+    assert "predicted [3, 3, 3, 3, 3, 69]" in msg
+    assert bn.failed({"prediction_mismatches": [msg]}) == [msg]
+    # HMA off: one group whose spec keeps the window, every token's block
+    off = {
+        ("Gemma-3-like control", "stage 0"): [
+            _pd_run(["FullAttentionSpec(32)"], [69], 1199, 16)
+        ]
+    }
+    assert bn.prediction_mismatches(off) == []
+
+
+def test_nixl_a_preempted_run_is_checked_in_its_full_attention_groups():
+    """A preempted request computes its prompt again in one chunk: its
+    sliding-window group holds the chunk's blocks in that step. Such a run is
+    checked in the full-attention groups only, and still fails there."""
+    run = _pd_run(GPT_OSS, [65, 69], 479, 7)
+    run["preemptions"] = 1
+    case = ("gpt-oss-like memory-bound", "stage 6")
+    assert bn.prediction_mismatches({case: [run]}) == []
+    run["peak_request_blocks"] = [65, 70]
+    assert bn.prediction_mismatches({case: [run]})
+    run["preemptions"] = 0
+    run["peak_request_blocks"] = [65, 69]
+    assert bn.prediction_mismatches({case: [run]})
+
+
+def test_nixl_a_producer_holding_blocks_or_an_error_fails_timing_never():
+    runs = {
+        ("gpt-oss-like control", "stage 0"): [
+            _pd_run(["FullAttentionSpec"], [69], 1199, 16)
+        ]
+    }
+    assert bn.pair_leaks(runs) == []
+    runs[("gpt-oss-like control", "stage 0")][0]["producer_blocks_held_after_read"] = 5
+    assert bn.pair_leaks(runs) == [
+        "gpt-oss-like control stage 0: the producer holds 5 blocks after the read"
+    ]
+    # 0.13.0's idle producer keeps them (reported, not checked)
+    runs[("gpt-oss-like control", "stage 0")][0]["stage"] = 0
+    assert bn.pair_leaks(runs) == []
+    assert bn.failed({"errors": {"stage 6": "control round 0: boom"}})
+    assert bn.failed({"rows": [{"ratio median": 0.1}]}) == []
+
+
+def test_nixl_pair_plans_same_layout_both_sides_budget_on_the_consumer():
+    case = "gpt-oss-like memory-bound"
+    prod = bn.plan(case, True, Path("/m"), Path("/f"), 1, "producer")
+    cons = bn.plan(case, True, Path("/m"), Path("/f"), 2, "consumer")
+    assert prod["model"] == cons["model"] == "gemma-1to1"
+    assert prod["connector"] == cons["connector"] == "nixl"
+    assert prod["hma"] is cons["hma"] is True
+    assert cons["pool_layer_blocks"] == bt.MEMORY_BOUND_LAYER_BLOCKS
+    assert prod["pool_layer_blocks"] == bn.PRODUCER_LAYER_BLOCKS
+    assert prod["store_dir"] == cons["store_dir"]  # the pair's files
+    assert (prod["role"], cons["role"]) == ("producer", "consumer")
+    assert set(bn.CASES) == {
+        f"{lay} {c}" for lay in ("Gemma-3-like", "gpt-oss-like") for c in bt.CASES
+    }
+    assert [t[0] for t in bn.TREES] == ["stage 0", "stage 6", bn.WITNESS]
+
+
+def test_nixl_predictions_put_the_layout_beside_the_engine():
+    rows_runs = {
+        ("Gemma-3-like memory-bound", "stage 0"): [
+            _pd_run(["FullAttentionSpec"], [69], 239, 3)
+        ],
+        ("Gemma-3-like memory-bound", "stage 6"): [
+            _pd_run(GEMMA, [3] * 5 + [69], 1439, 16)
+        ],
+    }
+    rows = bt.summarize(rows_runs, ["stage 0", "stage 6"], bn.CASES)
+    pred = bn.predictions(rows, rows_runs)
+    base = pred["Gemma-3-like memory-bound: stage 0"]
+    assert base["requests at once (predicted)"] == 3  # 239 // 69
+    tree = pred["Gemma-3-like memory-bound: stage 6"]
+    assert tree["requests at once (predicted)"] == 16  # 1439 // 84, max_num_seqs
+    assert tree["blocks per request (measured)"] == [3] * 5 + [69]
+    # a preemption's inflated peak does not enter the predicted ratio
+    rows_runs[("Gemma-3-like memory-bound", "stage 6")][0]["peak_request_blocks"] = [
+        65
+    ] * 5 + [69]
+    rows = bn.with_layout_prediction(
+        bt.summarize(rows_runs, ["stage 0", "stage 6"], bn.CASES), rows_runs
+    )
+    assert [r["predicted running"] for r in rows] == [3, 16]
+    verdicts = bt.judge(rows, ["stage 0", "stage 6"], bn.CASES)
+    assert "Gemma-3-like memory-bound: stage 6" in bn.headline(verdicts, 1)
+    why = bn.explanation(verdicts)
+    assert "requests at once 3 → 16 (predicted 5.33x)" in why
+    assert "a median step 6.0 CPU ms against the base's 5.0" in why

@@ -35,7 +35,10 @@ in :data:`SCENARIOS`.
 Optional (``--throughput``, ``--only throughput``; in ``hmastack run --full``, not in
 ``make test``): ``throughput``, the real engine (``build/e2e-env``) serving a
 batch whose long prefixes come from a KV connector under a memory-bound and a
-control KV budget, base (HMA off) against stages 3/4 (``throughput``).
+control KV budget, base (HMA off) against stages 3/4 (``throughput``); and
+``throughput_nixl``, the same budgets on the decode side of a P/D pair with
+NixlConnector (two engines, NIXL over UCX on 127.0.0.1), base (HMA off) against
+stage 6, on the Gemma-3-like and gpt-oss-like layouts.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from hmastack.bench import callgrind
 from hmastack.bench import cost as bench_cost
 from hmastack.bench import counts as bench_counts
 from hmastack.bench import throughput as bench_throughput
+from hmastack.bench import throughput_nixl as bench_throughput_nixl
 from hmastack.bench.figures import (
     Context,
     Scenario,
@@ -171,8 +175,15 @@ SCENARIOS: list[Scenario] = [
         plot_throughput,
         bench_throughput.failed,
     ),
+    Scenario(
+        "throughput_nixl",
+        lambda ctx: bench_throughput_nixl.run(ctx.cfg, ctx.quick),
+        plot_throughput,
+        bench_throughput_nixl.failed,
+    ),
 ]
-OPTIONAL = ("throughput",)  # run only when asked for (--throughput, --only)
+# run only when asked for (--throughput runs both, --only names one)
+OPTIONAL = ("throughput", "throughput_nixl")
 
 
 def selected_scenarios(only: str | None, throughput: bool) -> tuple[str, ...]:
@@ -190,8 +201,8 @@ def selected_scenarios(only: str | None, throughput: bool) -> tuple[str, ...]:
             )
     else:
         chosen = [n for n in names if n not in OPTIONAL]
-    if throughput and "throughput" not in chosen:
-        chosen.append("throughput")
+    if throughput:
+        chosen += [n for n in OPTIONAL if n not in chosen]
     return tuple(n for n in names if n in chosen)
 
 

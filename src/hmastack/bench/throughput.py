@@ -156,13 +156,19 @@ def first_ok_hma(ok: list[dict]) -> bool:
     return bool(ok[0].get("plan", {}).get("hma", len(ok[0]["groups"]) > 1))
 
 
-def summarize(runs: dict[tuple[str, str], list[dict]], labels: list[str]) -> list[dict]:
+def summarize(
+    runs: dict[tuple[str, str], list[dict]],
+    labels: list[str],
+    cases: dict[str, int] | None = None,
+) -> list[dict]:
     """One row per (case, tree): completed requests per CPU second of the
     engine process (the figure) and per wall second (noisy on a shared
     machine), median (min-max) over rounds, the ratio to the base per round for
-    both, admission and blocks (pure)."""
+    both, admission and blocks (pure). ``cases``: name -> pool layer blocks
+    (default :data:`CASES`)."""
+    cases = CASES if cases is None else cases
     rows = []
-    for case in CASES:
+    for case in cases:
         base_runs = runs.get((case, labels[0]), [])
         for label in labels:
             mine = runs.get((case, label), [])
@@ -197,7 +203,7 @@ def summarize(runs: dict[tuple[str, str], list[dict]], labels: list[str]) -> lis
             rows.append(
                 {
                     "case": case,
-                    "pool layer blocks": CASES[case],
+                    "pool layer blocks": cases[case],
                     "tree": label,
                     "HMA": hma,
                     "KV cache groups": len(first["groups"]),
@@ -239,12 +245,12 @@ def summarize(runs: dict[tuple[str, str], list[dict]], labels: list[str]) -> lis
     return rows
 
 
-def judge(rows: list[dict], labels: list[str]) -> dict:
+def judge(rows: list[dict], labels: list[str], cases: dict | None = None) -> dict:
     """The headline figures: per case and tree, the throughput ratio against
     the ratio of admitted requests the block counts predict (pure)."""
     by = {(r["case"], r["tree"]): r for r in rows}
     out = {}
-    for case in CASES:
+    for case in CASES if cases is None else cases:
         base = by.get((case, labels[0]))
         if base is None:
             continue
@@ -342,29 +348,41 @@ def headline(verdicts: dict, rounds: int) -> str:
     return "; ".join(parts) + "." if parts else "no run completed."
 
 
-def run(cfg: Config, quick: bool) -> dict:
-    """Every run, alternating trees per round and case; the report."""
+def engine_trees(
+    cfg: Config, stages: set[int], names: set[str]
+) -> tuple[E2EConfig, Path, dict[int, dict[str, Path]]]:
+    """The end-to-end environment, the tiny models ``names`` and the trees of
+    ``stages`` (``git am`` under ``build/bench/engine``, the compiled kernels
+    placed)."""
     from hmastack.e2e import environment
-    from hmastack.e2e.engine import engine_support, ensure_models
+    from hmastack.e2e.engine import ensure_models
     from hmastack.matrix import stages as matrix
     from hmastack.stack import workspace
 
-    settings = QUICK if quick else FULL
-    started = time.monotonic()
     with step("the end-to-end environment (build/e2e-env)"):
         e2e = environment.ensure(environment.load_config(cfg))
-    models = ensure_models(e2e, cfg.root, cfg.build / "e2e" / "models", {MODEL})
+    models = ensure_models(e2e, cfg.root, cfg.build / "e2e" / "models", names)
     series = workspace.discover(cfg)
-    specs = {"stage 0": (0, None)}
-    specs |= {tree_label(k, hma): (k, hma) for k, hma in settings["trees"]}
     trees: dict[int, dict[str, Path]] = {}
-    for k in sorted({k for k, _ in specs.values()}):
+    for k in sorted(stages):
         if k > cfg.num_stages:
             raise HmastackError(f"no stage {k}", f"the series has {cfg.num_stages}")
         with step(f"stage {k}: trees (git am) and compiled kernels"):
             t = matrix.stage_trees(cfg, series, k, root=cfg.build / "bench" / "engine")
             environment.place_kernels(e2e, t["vllm"])
             trees[k] = t
+    return e2e, models, trees
+
+
+def run(cfg: Config, quick: bool) -> dict:
+    """Every run, alternating trees per round and case; the report."""
+    from hmastack.e2e.engine import engine_support
+
+    settings = QUICK if quick else FULL
+    started = time.monotonic()
+    specs = {"stage 0": (0, None)}
+    specs |= {tree_label(k, hma): (k, hma) for k, hma in settings["trees"]}
+    e2e, models, trees = engine_trees(cfg, {k for k, _ in specs.values()}, {MODEL})
     labels = list(specs)
     support = engine_support(cfg)
     work = cfg.build / "bench" / "throughput"

@@ -22,6 +22,7 @@ KNOWN = (
     "scheduler_instructions",
     "scheduler_cost",
     "throughput",
+    "throughput_nixl",
 )
 PLOT_CAPTIONS = {
     "peak_blocks": "Peak blocks per sliding-window group against the external hit "
@@ -38,6 +39,11 @@ PLOT_CAPTIONS = {
     "admitted requests the block counts predict (dashed), and the most requests "
     "running at once; a memory-bound KV budget and a control budget that holds "
     "the whole batch with HMA off too.",
+    "throughput_nixl": "P/D with NixlConnector: the decode engine serving a batch "
+    "whose prompts it reads from a prefill engine over NIXL, under the same KV "
+    "budgets: completed requests per second, the ratio to the base with the "
+    "ratio of admitted requests the block counts predict (dashed), and the most "
+    "requests running at once, per layout and budget.",
     "eagle_hits": "Tokens a repeated prompt's prefix cache hit loses to eagle, per "
     "case and tree, against the rule (dashed).",
 }
@@ -166,6 +172,11 @@ def headline(reports: dict[str, dict], run: dict) -> list[str]:
         out.append(
             "**Throughput** of the real engine under a KV budget: not measured yet "
             "(it needs the end-to-end harness)."
+        )
+    if "throughput_nixl" in reports:
+        out.append(
+            "**Throughput, P/D with NixlConnector** (decode side): "
+            + reports["throughput_nixl"].get("headline", "")
         )
     if run:
         out.append(
@@ -382,6 +393,10 @@ def page(cfg: Config, site: Any) -> str:
     thr = reports.get("throughput", {})
     if thr.get("rows"):
         out += throughput_section(thr)
+    pd = reports.get("throughput_nixl", {})
+    if pd.get("rows"):
+        out += throughput_section(pd, pd.get("title"))
+        out += predictions_section(pd.get("predictions", {}))
     summary = folder / "summary.md"
     if summary.is_file():
         out.append("## Summary of the last run\n")
@@ -405,11 +420,11 @@ def page(cfg: Config, site: Any) -> str:
     return "\n".join(out)
 
 
-def throughput_section(report: dict) -> list[str]:
+def throughput_section(report: dict, title: str | None = None) -> list[str]:
     """The real-engine throughput: the verdict per case and tree, then every
     tree's figures."""
     out = [
-        "## Real-engine throughput under a KV budget\n",
+        f"## {title or 'Real-engine throughput under a KV budget'}\n",
         f"{report['method']}.\n",
         "Requests per second here are per CPU second of the engine process "
         "(`time.process_time`: its own work); the wall clock beside them is "
@@ -476,3 +491,22 @@ def throughput_section(report: dict) -> list[str]:
         )
     )
     return out
+
+
+def predictions_section(predictions: dict) -> list[str]:
+    """The block counts' prediction beside the measured figures, per case and
+    tree."""
+    if not predictions:
+        return []
+    cols = list(dict.fromkeys(k for v in predictions.values() for k in v))
+    return [
+        "Blocks per request (per KV cache group) and requests at once: "
+        "predicted from the layout, measured in the engine.\n",
+        md_table(
+            ["case: tree", *cols],
+            [
+                [name, *(str(v.get(c, "")) for c in cols)]
+                for name, v in predictions.items()
+            ],
+        ),
+    ]

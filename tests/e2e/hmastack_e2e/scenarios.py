@@ -540,8 +540,9 @@ def control_nixl_rotated_blocks(s: Session, c: bool, obs: Observation):
 
 
 # NixlConnector's descriptor of block b in region r is r * num_blocks + b: an
-# offset past every region's descriptors (not just past num_blocks, which lands
-# in another region and reads the wrong KV without an error).
+# offset past every region's descriptors, which the base's NIXL refuses too
+# (an id just past num_blocks lands in another region; from stage 06 the
+# consumer refuses it before the read, the base reads the wrong KV).
 OUT_OF_RANGE = 10**9
 
 
