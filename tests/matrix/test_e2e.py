@@ -1,7 +1,8 @@
 """The real engine end to end as part of the suite, the CI-sized set.
 
 Runs ``hmastack e2e --quick`` for real at the base and at stage 3 (HMA off
-with the plain connector, HMA on with the ``SupportsHMA`` connector) and checks
+with the plain connector, HMA on with the ``SupportsHMA`` connector), and its
+OffloadingConnector scenarios at the stage that makes it support HMA, and checks
 the report it wrote: every verdict passes, the negative controls were caught by
 the check each names, and the outputs were compared (not an empty run).
 """
@@ -15,15 +16,19 @@ import sys
 from pathlib import Path
 
 from hmastack.core import config
+from hmastack.e2e import catalogue as cat
 
 ROOT = Path(__file__).resolve().parents[2]
-STAGES = (0, 3)
+# (stage, --only): the quick set at 0 and 3, its OffloadingConnector scenarios
+# at their stage
+RUNS = ((0, None), (3, None), (cat.OFFLOAD_STAGE, "offload"))
+STAGES = tuple(stage for stage, only in RUNS if only is None)
 
 
 def test_e2e_ci_set(capfd):
     cfg = config.load(ROOT)
     verdicts = []
-    for stage in STAGES:
+    for stage, only in RUNS:
         report_path = cfg.reports / "e2e.json"
         report_path.unlink(missing_ok=True)
         with capfd.disabled():  # show progress live: this takes minutes
@@ -36,6 +41,7 @@ def test_e2e_ci_set(capfd):
                     "--quick",
                     "--stage",
                     str(stage),
+                    *(["--only", only] if only else []),
                 ],
                 cwd=ROOT,
                 env={**os.environ, "HMASTACK_ROOT": str(ROOT)},
@@ -67,3 +73,11 @@ def test_e2e_ci_set(capfd):
     for stage in STAGES:
         assert nixl[(stage, "nixl-consume")]["checks"]["outputs"]
     assert nixl[(0, "control-nixl-rotated-blocks")]["caught_by"].startswith("outputs")
+    # OffloadingConnector: a prompt served again from the second tier, at the
+    # base and with HMA; a store that reads blocks the hold did not keep is
+    # found.
+    offload = {(v["stage"], v["scenario"]): v for v in verdicts}
+    for stage in (0, cat.OFFLOAD_STAGE):
+        assert offload[(stage, "offload-reload")]["checks"]["cached tokens"]
+    control = offload[(cat.OFFLOAD_STAGE, "control-offload-no-hold")]
+    assert "connector findings" in control["caught_by"]

@@ -240,7 +240,7 @@ def test_plan_stage_processes():
     stall = [p for p in procs if p.connector and "stall" in p.functions]
     assert stall and stall[0].functions == ["stall"]  # isolated
     base = runner.plan_stage(0, cat.selected(quick=True))
-    assert all(p.connector in (None, "plain", "lmcache", "nixl") for p in base)
+    assert {p.connector for p in base} == {None, "plain", "lmcache", "nixl", "offload"}
     assert not any(p.hma for p in base)
 
 
@@ -550,3 +550,55 @@ def test_kv_events_check_needs_the_stream_and_the_groups():
     )
     assert hma_off.passed
     assert cat.KV_EVENTS_STAGE in s.stages and 0 in s.stages
+
+
+def test_offloading_checks_and_plans():
+    """OffloadingConnector: the first run stored every group's blocks, the
+    served-again request is window-bounded, the hold kept blocks; a store that
+    read a reused block (the CPU test spec's finding) catches the control."""
+    reload_ = cat.Scenario(
+        "offload-reload", "t", connector="offload", checks=("window", "stored")
+    )
+    race = cat.Scenario(
+        "offload-store-race", "t", connector="offload", checks=("held",)
+    )
+    control = cat.Scenario(
+        "control-offload-no-hold", "t", connector="offload", checks=("held",),
+        expect="caught", caught_by="connector findings",
+    )  # fmt: skip
+    groups = ["SlidingWindowSpec(32)", "FullAttentionSpec"]
+    reqs = [
+        _req("store", [5, 7], LP, 0, 0),
+        _req("reload", [5, 7], LP, 1056, 1056) | {"prompt_len": 1064},
+    ]
+    ref = _run([_req("store", [5, 7], LP), _req("reload", [5, 7], LP)])
+
+    def run(stored, peak, held=None, findings=()):
+        conn = {
+            "stored_blocks_per_group": stored,
+            "held_blocks": held or {},
+            "findings": list(findings),
+        }
+        obs = {"peak_blocks": {"reload": peak}}
+        return _run(reqs, groups=groups, connector=conn, observation=obs)
+
+    ok = _judge(reload_, run({"store": [66, 66]}, [3, 67]), ref)
+    assert ok.passed and ok.checks["stored"] and ok.checks["window"]
+    assert not _judge(reload_, run({"store": [0, 66]}, [3, 67]), ref).passed
+    assert not _judge(reload_, run({"store": [66, 66]}, [67, 67]), ref).passed
+    assert _judge(race, run({}, [3, 67], held={"store-a": 320}), ref).passed
+    assert not _judge(race, run({}, [3, 67]), ref).passed  # nothing held: no race
+    caught = _judge(control, run({}, [3, 67], findings=["store 0 read ..."]), ref)
+    assert caught.passed and "connector findings" in caught.caught_by
+    assert not _judge(control, run({}, [3, 67], held={"store-a": 320}), ref).passed
+    # The plans: OffloadingConnector with HMA at its stage only, the spec's
+    # settings in the plan.
+    offload = [s for s in cat.SCENARIOS if s.connector == "offload"]
+    for stage in (0, cat.OFFLOAD_STAGE):
+        procs = [
+            p for p in runner.plan_stage(stage, offload) if p.connector == "offload"
+        ]
+        assert procs and all(p.hma == (stage > 0) for p in procs)
+        plan = procs[0].plan(Path("m"), Path("s"))
+        assert set(plan["extra_config"]) == {"num_cpu_blocks", "store_delay_steps"}
+    assert not runner.plan_stage(6, offload)

@@ -18,6 +18,10 @@ HMA_FROM_STAGE = 3
 # KV cache events with HMA (the stage whose README is patches/*-kv-events-hma/):
 # its scenarios run there and at the base (HMA off, the control).
 KV_EVENTS_STAGE = 8
+# vLLM's OffloadingConnector with HMA (patches/*-offloading-hma/): its
+# scenarios run there, at the stage after it and at the base (HMA off).
+OFFLOAD_STAGE = 7
+OFFLOAD_HMA_STAGES = (OFFLOAD_STAGE, KV_EVENTS_STAGE)
 # Scenarios the CPU engine of 0.13.0 cannot run, and why.
 UNSUPPORTED = {
     "asynchronous scheduling": (
@@ -25,6 +29,15 @@ UNSUPPORTED = {
         "torch.cuda.current_stream(): on CPU the first step fails with "
         "'RuntimeError: Found no NVIDIA driver on your system' (measured at stage 0 "
         "with async_scheduling=True)"
+    ),
+    "OffloadingConnector's CUDA copies": (
+        "vLLM's CPUOffloadingSpec refuses platforms that are not CUDA-alike and "
+        "its handlers (CpuGpuOffloadingHandlers) copy with CUDA streams and "
+        "ops.swap_blocks, registered for CUDA only: the scenarios load the CPU "
+        "test spec (hmastack_testkit.offloading, through spec_name and "
+        "spec_module_path), whose handlers copy whole blocks with torch; the "
+        "connector's scheduler and worker sides and vLLM's LRU manager are "
+        "vLLM's own"
     ),
 }
 # Largest allowed |logprob difference| between a run with the connector and the
@@ -49,6 +62,11 @@ class Engine:
     async_scheduling: bool = False
     # KV cache events to a subscriber on 127.0.0.1 (hmastack_testkit.kv_events)
     kv_events: bool = False
+    # vLLM's OffloadingConnector with the CPU test spec
+    # (hmastack_testkit.offloading): the second tier's size in blocks, and how
+    # many steps after it started a store reads its GPU blocks
+    num_cpu_blocks: int = 2048
+    store_delay_steps: int = 0
 
 
 ENGINES = {
@@ -79,6 +97,12 @@ ENGINES = {
         # KV cache events; a pool of ~4 requests of the stream (up to 16
         # blocks each with HMA off), so that it evicts
         Engine("kv-events", pool_layer_blocks=6 * 64, kv_events=True),
+        # OffloadingConnector's store race (Gemma-3-like, HMA on: six KV cache
+        # groups of one layer): a 1064-token prefill takes 67 blocks per group,
+        # 402 of the 411 the pool has; its stores read their blocks two steps
+        # later, after the sliding-window groups freed 64 blocks each and a
+        # second request could take them
+        Engine("offload-race", pool_layer_blocks_hma=412, store_delay_steps=2),
     )
 }
 
@@ -115,7 +139,8 @@ class Scenario:
     note: str | None = None
     # None: the stage's test connector; "lmcache": vLLM's LMCacheConnectorV1
     # with the stage's LMCache tree (HMA on only where both support it: stage 4);
-    # "nixl": vLLM's NixlConnector, a P/D pair over NIXL and UCX on 127.0.0.1
+    # "nixl": vLLM's NixlConnector, a P/D pair over NIXL and UCX on 127.0.0.1;
+    # "offload": vLLM's OffloadingConnector with the CPU test spec
     connector: str | None = None
 
 
@@ -337,7 +362,58 @@ SCENARIOS: tuple[Scenario, ...] = (
         stages=(0, KV_EVENTS_STAGE),
         checks=("kv events",),
     ),
+    Scenario(
+        "offload-reload",
+        "vLLM's OffloadingConnector (CPU test spec): a 1064-token prompt served "
+        "again from the second tier after the prefix cache is emptied "
+        "(Gemma-3-like)",
+        connector="offload",
+        ci=True,
+        stages=(0, *OFFLOAD_HMA_STAGES),
+        checks=("window", "stored"),
+    ),
+    Scenario(
+        "offload-reload",
+        "OffloadingConnector: a prompt served again from the second tier "
+        "(gpt-oss-like: 1:1 sliding/full)",
+        connector="offload",
+        model="gemma-1to1",
+        stages=(0, *OFFLOAD_HMA_STAGES),
+        checks=("window", "stored"),
+    ),
+    Scenario(
+        "offload-reload",
+        "OffloadingConnector: a prompt served again from the second tier "
+        "(Llama-4-like, chunked local attention)",
+        connector="offload",
+        model="llama4-chunk",
+        stages=(0, *OFFLOAD_HMA_STAGES),
+        checks=("window", "stored"),
+    ),
+    Scenario(
+        "offload-store-race",
+        "OffloadingConnector: stores that read their blocks two steps late while "
+        "the sliding windows free them and another request waits for blocks; "
+        "prefixes of the stored prompt served from the second tier",
+        connector="offload",
+        engine="offload-race",
+        ci=True,
+        stages=OFFLOAD_HMA_STAGES,
+        checks=("held",),
+    ),
     # --- negative controls: each check must bite ----------------------------------
+    Scenario(
+        "control-offload-no-hold",
+        "control: as offload-store-race, request_blocks_freed holds no block: "
+        "the stores read blocks another request reused",
+        connector="offload",
+        engine="offload-race",
+        ci=True,
+        stages=OFFLOAD_HMA_STAGES,
+        expect="caught",
+        caught_by="connector findings",
+        checks=("held",),
+    ),
     Scenario(
         "control-kv-events-without-group",
         "control: a subscriber that ignores the events' KV cache group "
@@ -489,6 +565,8 @@ def hma_at(s: Scenario, stage: int) -> bool:
         return stage >= LMCACHE_HMA_FROM_STAGE
     if s.connector == "nixl":
         return stage >= NIXL_HMA_FROM_STAGE
+    if s.connector == "offload":
+        return stage >= OFFLOAD_STAGE
     return stage >= HMA_FROM_STAGE
 
 

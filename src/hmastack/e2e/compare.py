@@ -207,10 +207,22 @@ def judge(
     if "preempted" in s.checks:
         v.checks["preempted"] = (obs.get("preemptions") or 0) > 0
     if "window" in s.checks:
-        # the long request of memory-window; the consumer of a NIXL P/D pair
-        v.checks["window"] = _window_ok(
-            v, run, "nixl-a" if s.connector == "nixl" else "long-b"
-        )
+        # the long request of memory-window; the consumer of a NIXL P/D pair;
+        # the request OffloadingConnector serves again from its second tier
+        key = {"nixl": "nixl-a", "offload": "reload"}.get(s.connector or "", "long-b")
+        v.checks["window"] = _window_ok(v, run, key)
+    if s.connector == "offload":
+        stored = dict(conn.get("stored_blocks_per_group", {}))
+        held = dict(conn.get("held_blocks", {}))
+        v.figures["stored_blocks_per_group"] = stored
+        v.figures["held_blocks"] = held
+        if "stored" in s.checks:
+            # The first run's blocks went to the second tier in every group.
+            first = stored.get("store", [])
+            v.checks["stored"] = len(first) == max(1, len(v.groups)) and all(first)
+        if "held" in s.checks:
+            # The hold kept blocks a store still read (the race was set up).
+            v.checks["held"] = sum(held.values()) > 0
     if obs.get("kv_events"):
         v.figures["kv_events"] = dict(obs["kv_events"])
     if "kv events" in s.checks:

@@ -74,6 +74,12 @@ class Process:
             "namespace": self.namespace,
             "side_channel_port": self.side_channel_port,
             "kv_events": self.engine.kv_events,
+            "extra_config": {
+                "num_cpu_blocks": self.engine.num_cpu_blocks,
+                "store_delay_steps": self.engine.store_delay_steps,
+            }
+            if self.connector == "offload"
+            else {},
         }
 
 

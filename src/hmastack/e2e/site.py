@@ -22,7 +22,11 @@ The connector is ours (`tests/e2e/hmastack_e2e/connector.py`, loaded with
 `kv_connector_module_path`): it stores whole blocks of every layer on disk under
 vLLM's block hashes and loads them into each KV cache group's blocks, never into
 the null block. Stages 0-2 run with HMA off and the plain connector, stages 3-4
-with HMA on and the `SupportsHMA` connector.
+with HMA on and the `SupportsHMA` connector. vLLM's own connectors run at the
+stages that make them support HMA and at the base: LMCacheConnectorV1,
+NixlConnector (a P/D pair of engine processes) and OffloadingConnector (the
+`--kv-offloading-backend native` connector, with a CPU spec of the testkit that
+copies whole blocks with torch).
 
 A scenario is **equal** when every request's greedy tokens and top-5 token ids
 match the reference run (same stage, no connector, no prefix caching) and every
@@ -63,15 +67,17 @@ def result_table(report: dict) -> str:
     return md_table(["scenario", "what", *(f"stage {k}" for k in stages)], table)
 
 
-def blocks_table(report: dict, scenario: str = "memory-window") -> str:
+def blocks_table(
+    report: dict, scenario: str = "memory-window", key: str = "long-b"
+) -> str:
     """Per stage: the KV cache groups and the most real blocks each held for the
-    long request (read from the engine's KV cache manager)."""
+    long request ``key`` (read from the engine's KV cache manager)."""
     rows = []
     for v in report["verdicts"]:
         if not v["scenario"].startswith(scenario):
             continue
-        peak = v.get("peak_blocks", {}).get("long-b")
-        loaded = v.get("loaded_blocks", {}).get("long-b")
+        peak = v.get("peak_blocks", {}).get(key)
+        loaded = v.get("loaded_blocks", {}).get(key)
         groups = v.get("groups", [])
         rows.append(
             [
@@ -141,6 +147,15 @@ def page(report_path: Path) -> str:
         "scheduler's KV cache manager.\n"
     )
     out.append(blocks_table(report))
+    if any(v["scenario"].startswith("offload-reload") for v in report["verdicts"]):
+        out.append(
+            "## Served again from OffloadingConnector's second tier\n\nA "
+            "1064-token prompt is served, its blocks stored as they fill; once "
+            "the local prefix cache is emptied the same prompt is served again "
+            "with its 1056 tokens of full blocks loaded from the second tier: "
+            "the blocks that request held per KV cache group, and those loaded.\n"
+        )
+        out.append(blocks_table(report, "offload-reload", "reload"))
     adm = [
         v
         for v in report["verdicts"]

@@ -8,14 +8,22 @@ the worker side. It is loaded through ``kv_connector_extra_config``:
 
     {"spec_name": "CPUTestOffloadingSpec",
      "spec_module_path": "hmastack_testkit.offloading",
-     "num_cpu_blocks": N, "store_delay_steps": D}
+     "num_cpu_blocks": N, "store_delay_steps": D, "check_store_reads": True}
 
 A store reads its GPU blocks when it finishes, ``store_delay_steps`` calls of
 ``get_finished`` after it started (0: at the first), as an asynchronous copy on
 a device would: a block the scheduler freed and reused meanwhile is read with
 its new KV. Loads finish at once. With several KV cache groups a block is copied
 in the KV cache tensors of its group's layers only (``GPULoadStoreSpec.group_ids``).
-Everything else is vLLM's own code.
+With ``check_store_reads`` a store keeps a copy of its blocks as they are when
+it starts (after the step that computed them) and compares what it reads when it
+finishes: a block whose KV changed meanwhile was reused by another request while
+the store read it, and :data:`FINDINGS` says so. Everything else is vLLM's own
+code.
+
+It runs on vLLM 0.13.0 too (one KV cache group, no ``group_ids``): the
+dimension of a KV cache tensor that indexes its blocks is then found from the
+attention backend's KV cache shape.
 """
 
 from __future__ import annotations
@@ -32,6 +40,12 @@ from vllm.v1.kv_offload.worker.worker import (
     TransferSpec,
 )
 
+# What stores read that changed after they started: one line per store
+# (the engine runs in the process that reads it).
+FINDINGS: list[str] = []
+# A number of blocks no other dimension of a KV cache shape has.
+_PROBE_BLOCKS = 1_000_003
+
 
 def _num_blocks_dim(tensor: torch.Tensor, num_blocks: int) -> int:
     """The dimension of a KV cache tensor that indexes its blocks: the first
@@ -40,6 +54,18 @@ def _num_blocks_dim(tensor: torch.Tensor, num_blocks: int) -> int:
         if size == num_blocks:
             return dim
     raise ValueError(f"no dimension of {num_blocks} blocks in {tuple(tensor.shape)}")
+
+
+def _backend_blocks_dim(spec: CPUOffloadingSpec, backend) -> int:
+    """The dimension that indexes the blocks in ``backend``'s KV cache shape."""
+    model = spec.vllm_config.model_config
+    shape = backend.get_kv_cache_shape(
+        _PROBE_BLOCKS,
+        spec.gpu_block_size,
+        model.get_num_kv_heads(spec.vllm_config.parallel_config),
+        model.get_head_size(),
+    )
+    return list(shape).index(_PROBE_BLOCKS)
 
 
 class _Layer:
@@ -56,51 +82,86 @@ class TorchCopyHandler(OffloadingHandler):
     """Copies whole blocks between the KV cache tensors and CPU tensors of the
     same shape; one instance per direction."""
 
-    def __init__(self, layers: list[_Layer], store: bool, delay: int):
+    def __init__(
+        self, layers: list[_Layer], store: bool, delay: int, check_reads: bool = False
+    ):
         self.layers = layers
         self.store = store
         self.delay = delay if store else 0
-        # (job id, calls of get_finished left, spec)
-        self._pending: list[tuple[int, int, TransferSpec]] = []
+        self.check_reads = check_reads and store
+        # (job id, calls of get_finished left, spec, the blocks read at the start)
+        self._pending: list[
+            tuple[int, int, TransferSpec, list[torch.Tensor] | None]
+        ] = []
 
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
-        self._pending.append((job_id, self.delay, spec))
+        started = None
+        if self.check_reads:
+            started = [
+                layer.gpu.index_select(layer.dim, s)
+                for layer, s, _ in self._pairs(spec)
+            ]
+        self._pending.append((job_id, self.delay, spec, started))
         return True
 
     def get_finished(self) -> list[TransferResult]:
         done: list[TransferResult] = []
         pending = []
-        for job_id, left, spec in self._pending:
+        for job_id, left, spec, started in self._pending:
             if left > 0:
-                pending.append((job_id, left - 1, spec))
+                pending.append((job_id, left - 1, spec, started))
                 continue
-            self._copy(spec)
+            self._copy(job_id, spec, started)
             done.append((job_id, True))
         self._pending = pending
         return done
 
-    def _copy(self, spec: TransferSpec) -> None:
+    def _pairs(self, spec: TransferSpec):
+        """Per layer that the transfer copies: its source and destination
+        block ids (a GPU block only in the layers of its KV cache group)."""
         src_spec, dst_spec = spec
         gpu_spec = src_spec if self.store else dst_spec
         assert isinstance(gpu_spec, GPULoadStoreSpec)
         src = torch.from_numpy(src_spec.block_ids)
         dst = torch.from_numpy(dst_spec.block_ids)
         assert len(src) == len(dst), "the test spec copies whole blocks only"
-        groups = (
-            None if gpu_spec.group_ids is None else torch.from_numpy(gpu_spec.group_ids)
-        )
+        group_ids = getattr(gpu_spec, "group_ids", None)
+        groups = None if group_ids is None else torch.from_numpy(group_ids)
+        pairs = []
         for layer in self.layers:
             if groups is None:
                 s, d = src, dst
             else:
                 mask = groups == layer.group
                 s, d = src[mask], dst[mask]
-            if len(s) == 0:
-                continue
+            if len(s):
+                pairs.append((layer, s, d))
+        return pairs
+
+    def _copy(
+        self, job_id: int, spec: TransferSpec, started: list[torch.Tensor] | None
+    ) -> None:
+        for i, (layer, s, d) in enumerate(self._pairs(spec)):
             src_t, dst_t = (
                 (layer.gpu, layer.cpu) if self.store else (layer.cpu, layer.gpu)
             )
-            dst_t.index_copy_(layer.dim, d, src_t.index_select(layer.dim, s))
+            read = src_t.index_select(layer.dim, s)
+            if started is not None:
+                self._check(job_id, layer, s, started[i], read)
+            dst_t.index_copy_(layer.dim, d, read)
+
+    def _check(self, job_id, layer, blocks, started, read) -> None:
+        changed = [
+            int(b)
+            for j, b in enumerate(blocks)
+            if not torch.equal(started.select(layer.dim, j), read.select(layer.dim, j))
+        ]
+        if changed:
+            FINDINGS.append(
+                f"store {job_id} read {len(changed)} GPU blocks of KV cache "
+                f"group {layer.group} whose KV changed after it started "
+                f"(reused while the store read them): {changed[:8]}"
+            )
 
 
 class CPUTestOffloadingSpec(CPUOffloadingSpec):
@@ -118,21 +179,23 @@ class CPUTestOffloadingSpec(CPUOffloadingSpec):
             assert self.offloaded_block_size == self.gpu_block_size, (
                 "the test spec copies whole GPU blocks"
             )
-            assert self.kv_cache_config is not None
-            num_blocks = self.kv_cache_config.num_blocks
-            groups = self.layer_group_ids()
+            kv_cache_config = getattr(self, "kv_cache_config", None)
+            groups = self.layer_group_ids() if kv_cache_config is not None else {}
             layers = [
                 _Layer(
                     tensor,
-                    _num_blocks_dim(tensor, num_blocks),
+                    _num_blocks_dim(tensor, kv_cache_config.num_blocks)
+                    if kv_cache_config is not None
+                    else _backend_blocks_dim(self, attn_backends[name]),
                     self.num_cpu_blocks,
                     groups.get(name, 0),
                 )
                 for name, tensor in kv_caches.items()
             ]
             delay = int(self.extra_config.get("store_delay_steps", 0))
+            check = bool(self.extra_config.get("check_store_reads", False))
             self._torch_handlers = (
-                TorchCopyHandler(layers, store=True, delay=delay),
+                TorchCopyHandler(layers, store=True, delay=delay, check_reads=check),
                 TorchCopyHandler(layers, store=False, delay=0),
             )
         store, load = self._torch_handlers

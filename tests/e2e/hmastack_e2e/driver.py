@@ -119,6 +119,10 @@ def main(argv: list[str]) -> int:
             from hmastack_e2e import nixl_observe
 
             entry["connector"] = nixl_observe.view(first_id)
+        elif plan.connector == "offload":
+            from hmastack_e2e import offload_observe
+
+            entry["connector"], seen = offload_observe.view(first_id, seen)
         entry["seconds"] = round(time.monotonic() - t0, 2)
         result["scenarios"][name] = entry
         out_path.write_text(json.dumps(result, indent=1))

@@ -77,7 +77,8 @@ class Plan:
     model: str
     model_dir: Path
     scenarios: list[str]
-    connector: str | None  # "plain" | "hma" | "lmcache" | "nixl" | None (reference)
+    # "plain" | "hma" | "lmcache" | "nixl" | "offload" | None (reference)
+    connector: str | None
     hma: bool
     store_dir: Path | None = None
     # KV cache pool in blocks of one layer (None: VLLM_CPU_KVCACHE_SPACE): the
@@ -149,6 +150,24 @@ class Session:
             kwargs["kv_transfer_config"] = {
                 "kv_connector": "LMCacheConnectorV1",
                 "kv_role": "kv_both",
+            }
+        elif plan.connector == "offload":
+            # vLLM's own offloading (what --kv-offloading-backend native sets:
+            # OffloadingConnector, kv_both) with the CPU test spec and an
+            # explicit second-tier size (native's num_cpu_blocks is 0, which
+            # the spec refuses).
+            from hmastack_e2e import offload_observe
+
+            offload_observe.install()
+            kwargs["kv_transfer_config"] = {
+                "kv_connector": "OffloadingConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {
+                    "spec_name": "CPUTestOffloadingSpec",
+                    "spec_module_path": "hmastack_testkit.offloading",
+                    "check_store_reads": True,
+                    **plan.extra_config,
+                },
             }
         elif plan.connector == "nixl":
             import os

@@ -617,3 +617,95 @@ def control_nixl_group_not_read(s: Session, c: bool, obs: Observation):
         return _nixl_consume(s, c, obs)
     finally:
         worker._read_blocks = read_blocks
+
+
+# --- vLLM's OffloadingConnector with the CPU test spec
+# (hmastack_testkit.offloading): blocks go to the second tier as they fill;
+# once the local prefix cache is emptied, a prompt's blocks come back from it
+# (asynchronous loads). Stores may read their blocks steps after they started
+# (the engine's store_delay_steps); a finished request keeps its blocks until
+# its stores finished, so the engine steps until every request is gone before
+# the prefix cache can be emptied.
+
+SETTLE_STEPS = 50
+
+
+def _settle(s: Session) -> None:
+    """Step the engine until no finished request holds blocks for a store."""
+    for _ in range(SETTLE_STEPS):
+        if not s.scheduler.requests:
+            return
+        s.llm.llm_engine.step()
+    raise RuntimeError(
+        f"requests {sorted(s.scheduler.requests)} still hold blocks after "
+        f"{SETTLE_STEPS} steps"
+    )
+
+
+def _offload_reset(s: Session) -> None:
+    _settle(s)
+    s.reset_prefix_cache()
+
+
+OFFLOAD_PROMPT = LONG + 40
+
+
+@scenario
+def offload_reload(s: Session, c: bool, obs: Observation):
+    """A 1064-token prompt is served; once its stores finished the local
+    prefix cache is emptied and the same prompt is served again: its full
+    blocks (1056 tokens) come from the second tier."""
+    a = _prefix(LONG) + _p(205, OFFLOAD_PROMPT - LONG)
+    out = s.run([("store", a, None, 0)])
+    _offload_reset(s)
+    out += s.run(
+        [("reload", a, None, _stored_prompt_hit(a) if c else None)], observation=obs
+    )
+    _settle(s)
+    return out
+
+
+def _store_race(s: Session, c: bool, obs: Observation, seed: int):
+    """The stored prompt A (1064 tokens) and B (296 tokens, another prefix)
+    arrive together; B fits only once A's sliding windows freed their blocks.
+    Then, from the second tier: C, A's first 256 tokens and a suffix (its
+    sliding-window groups read blocks 14 and 15, which A's windows freed while
+    the store read them), and A itself. ``seed``: prompts of their own (the
+    second tier keeps what earlier scenarios of the process stored)."""
+    a = _p(seed, LONG) + _p(seed + 1, OFFLOAD_PROMPT - LONG)
+    b = _p(seed + 2, PREFIX) + _p(seed + 3, 40)
+    c_prompt = a[:PREFIX] + _p(seed + 4, 40)
+    out = s.run([("store-a", a, None, 0), ("other-b", b, None, 0)], observation=obs)
+    _offload_reset(s)
+    out += s.run(
+        [
+            ("prefix-c", c_prompt, None, PREFIX if c else None),
+            ("whole-a", a, None, _stored_prompt_hit(a) if c else None),
+        ],
+        observation=obs,
+    )
+    _settle(s)
+    return out
+
+
+@scenario
+def offload_store_race(s: Session, c: bool, obs: Observation):
+    """Stores read their blocks two steps late; the hold keeps the blocks the
+    sliding windows free until the stores finished."""
+    return _store_race(s, c, obs, seed=700)
+
+
+@scenario
+def control_offload_no_hold(s: Session, c: bool, obs: Observation):
+    """Negative control: OffloadingConnector holds no block for its stores
+    (request_blocks_freed returns none): another request reuses blocks the
+    stores still read."""
+    if not c:
+        return _store_race(s, c, obs, seed=750)
+    from hmastack_e2e import offload_observe
+
+    restore = offload_observe.disable_hold()
+    try:
+        return _store_race(s, c, obs, seed=750)
+    finally:
+        restore()

@@ -8,6 +8,7 @@ the scheduler side protects."""
 from __future__ import annotations
 
 import torch
+from hmastack_testkit import offloading
 from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
@@ -26,7 +27,9 @@ BLOCK_SIZE = 16
 NUM_BLOCKS = 12
 
 
-def _worker(store_delay_steps: int = 0) -> OffloadingConnector:
+def _worker(
+    store_delay_steps: int = 0, check_store_reads: bool = False
+) -> OffloadingConnector:
     vllm_config = VllmConfig(
         cache_config=CacheConfig(block_size=BLOCK_SIZE),
         kv_transfer_config=KVTransferConfig(
@@ -37,6 +40,7 @@ def _worker(store_delay_steps: int = 0) -> OffloadingConnector:
                 "spec_module_path": "hmastack_testkit.offloading",
                 "num_cpu_blocks": 8,
                 "store_delay_steps": store_delay_steps,
+                "check_store_reads": check_store_reads,
             },
         ),
     )
@@ -123,3 +127,26 @@ def test_a_delayed_store_reads_its_blocks_when_it_finishes():
     load = (CPULoadStoreSpec([0]), GPULoadStoreSpec([4], group_ids=[1]))
     _step(worker, _meta(load={"r2": load}))
     assert torch.all(kv["window"][:, 4] == 7.0)
+
+
+def test_a_store_that_reads_a_reused_block_is_found():
+    """With ``check_store_reads`` the spec compares what a delayed store reads
+    with the blocks as they were when it started: KV written into one of them
+    meanwhile is a finding naming the block and its group; a store whose
+    blocks stayed as they were is none."""
+    worker = _worker(store_delay_steps=1, check_store_reads=True)
+    kv = _kv_caches()
+    worker.connector_worker._register_handlers(kv, {})
+    found = len(offloading.FINDINGS)
+
+    store = (GPULoadStoreSpec([2, 3], group_ids=[0, 1]), CPULoadStoreSpec([0, 1]))
+    _step(worker, _meta(store={"r": store}, flush={"r": 1}))
+    _step(worker, _meta())
+    assert offloading.FINDINGS[found:] == []
+
+    store = (GPULoadStoreSpec([4, 5], group_ids=[0, 1]), CPULoadStoreSpec([2, 3]))
+    _step(worker, _meta(store={"r2": store}, flush={"r2": 1}))
+    kv["window"][:, 5] = 7.0  # reused by another request
+    _step(worker, _meta())
+    (finding,) = offloading.FINDINGS[found:]
+    assert "group 1" in finding and "[5]" in finding
