@@ -453,7 +453,7 @@ def test_commit_trees_are_the_proper_prefixes_of_a_stage():
     for j, t in enumerate(trees, 1):
         count = git(t.path, "rev-list", "--count", "v0.13.0..HEAD").strip()
         assert int(count) == before + j
-        assert f"{k}/{cfg.num_series_stages}]" in t.note  # the commit's subject
+        assert f"{k}/{cfg.series.stages}]" in t.note  # the commit's subject
 
 
 def test_the_page_opens_with_headline_and_plots_then_method(project):

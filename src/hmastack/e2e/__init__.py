@@ -47,14 +47,14 @@ def run(
     from hmastack.matrix import stages as matrix
     from hmastack.stack import workspace
 
-    e2e = environment.ensure(environment.load_config(cfg))
+    environment.ensure(cfg)
     all_stages = workspace.discover(cfg)
     chosen = list(range(cfg.num_stages + 1)) if stages is None else stages
 
     def trees_for(k: int) -> dict[str, Path]:
         return matrix.stage_trees(cfg, all_stages, k, root=cfg.build / "e2e" / "stages")
 
-    return runner.run_e2e(cfg, e2e, chosen, quick, jobs, trees_for, only)
+    return runner.run_e2e(cfg, chosen, quick, jobs, trees_for, only)
 
 
 def run_step(

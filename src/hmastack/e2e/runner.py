@@ -29,7 +29,7 @@ from hmastack.e2e.engine import (
     rmtree,
     run_engine_process,
 )
-from hmastack.e2e.environment import E2EConfig, place_kernels
+from hmastack.e2e.environment import place_kernels
 
 REPORT = "e2e.json"
 PROCESS_TIMEOUT = 240.0  # seconds for one engine process, plus per scenario:
@@ -156,7 +156,7 @@ def plan_stage(stage: int, scenarios: list[cat.Scenario]) -> list[Process]:
 
 
 def run_process(
-    e2e: E2EConfig,
+    cfg: Config,
     proc: Process,
     trees: dict[str, Path],
     support: list[Path],
@@ -176,7 +176,7 @@ def run_process(
     )
     timeout = PROCESS_TIMEOUT + SCENARIO_TIMEOUT * len(proc.functions)
     ran = run_engine_process(
-        e2e,
+        cfg,
         "hmastack_e2e.driver",
         proc.name,
         proc.plan(models / proc.model, store),
@@ -219,7 +219,6 @@ class StageRun:
 
 def run_stage(
     cfg: Config,
-    e2e: E2EConfig,
     stage: int,
     trees: dict[str, Path],
     scenarios: list[cat.Scenario],
@@ -228,7 +227,7 @@ def run_stage(
 ) -> StageRun:
     """Every process of ``stage``, then the verdicts."""
     start = time.monotonic()
-    place_kernels(e2e, trees["vllm"])
+    place_kernels(cfg, trees["vllm"])
     support = engine_support(cfg)
     workdir = cfg.build / "e2e" / "runs" / str(stage)
     if workdir.exists():
@@ -240,7 +239,7 @@ def run_stage(
             continue
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
             futures = [
-                pool.submit(run_process, e2e, p, trees, support, models, workdir)
+                pool.submit(run_process, cfg, p, trees, support, models, workdir)
                 for p in batch
             ]
             for f in futures:
@@ -251,7 +250,7 @@ def run_stage(
             p.side_channel_port = free_port()
         with ThreadPoolExecutor(max_workers=2) as pool:
             futures = [
-                pool.submit(run_process, e2e, p, trees, support, models, workdir)
+                pool.submit(run_process, cfg, p, trees, support, models, workdir)
                 for p in pair
             ]
             for f in futures:
@@ -381,7 +380,6 @@ def _admission(verdicts: list[Verdict]) -> None:
 
 def run_e2e(
     cfg: Config,
-    e2e: E2EConfig,
     stages: list[int],
     quick: bool,
     jobs: int,
@@ -393,7 +391,7 @@ def run_e2e(
     ``build/reports/e2e.json``."""
     scenarios = cat.selected(quick, only)
     models = ensure_models(
-        e2e, cfg.root, cfg.build / "e2e" / "models", {s.model for s in scenarios}
+        cfg, cfg.build / "e2e" / "models", {s.model for s in scenarios}
     )
     start = time.monotonic()
     runs = []
@@ -402,7 +400,7 @@ def run_e2e(
             trees = trees_for(k)
         n = sum(1 for s in scenarios if cat.runs_at(s, k))
         with step(f"stage {k}: {n} scenarios in engine processes ({jobs} at once)"):
-            runs.append(run_stage(cfg, e2e, k, trees, scenarios, jobs, models))
+            runs.append(run_stage(cfg, k, trees, scenarios, jobs, models))
     path = cfg.reports / REPORT
     report = merge_report(
         _previous(path),

@@ -97,8 +97,12 @@ def checklist_block(
             "stage",
             "cover letter sections",
             "patches",
-            f"subjects carry `[{cfg.title_tag} K/{cfg.num_series_stages}]`"
-            + (f" or `[{cfg.title_tag} follow-up J]`" if cfg.num_followups else ""),
+            f"subjects carry `[{cfg.series.title_tag} K/{cfg.series.stages}]`"
+            + (
+                f" or `[{cfg.series.title_tag} follow-up J]`"
+                if cfg.series.followups
+                else ""
+            ),
             "tests travel with it",
             "suite green",
             "ruff clean",
