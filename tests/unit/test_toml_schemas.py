@@ -4,7 +4,6 @@ the offending key by the names of its tables."""
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 from pathlib import Path
 
@@ -118,7 +117,7 @@ def test_a_peer_tag_defaults_to_v_version(tmp_path):
 
 def _settings(tmp_path: Path) -> spec_manifest.Settings:
     shutil.copy(ROOT / "spec" / "tlc.toml", tmp_path / "tlc.toml")
-    return dataclasses.replace(spec_manifest.load_settings(ROOT), spec_dir=tmp_path)
+    return msgspec.structs.replace(spec_manifest.load_settings(ROOT), spec_dir=tmp_path)
 
 
 def _manifest_error(tmp_path: Path, table: str) -> str:

@@ -339,7 +339,7 @@ def model_page(root: Path, reports_dir: Path) -> str:
     # The main module (spec/tlc.toml) first; others (EagleHits) are models of
     # their own, listed with the manifest's models.
     try:
-        main = spec_manifest.load_settings(root).module
+        main = spec_manifest.load_settings(root).spec.module
     except Exception:  # noqa: BLE001 - no settings: the first module
         main = None
     specs.sort(key=lambda p: p.stem != main)
@@ -388,7 +388,7 @@ def model_page(root: Path, reports_dir: Path) -> str:
     reports = {n: spec_mod.read_report(reports_dir, n) for n in models}
     rows = []
     for name, m in models.items():
-        mc = read_cfg(m.cfg) if m.cfg.is_file() else None
+        mc = read_cfg(m.path) if m.path.is_file() else None
         r = reports[name]
         want = m.result + (f" ({m.prop})" if m.prop and m.result != "success" else "")
         if r is None:
@@ -466,7 +466,7 @@ def manifest_table(root: Path) -> str:
         return f"Manifest unreadable: {exc}\n"
     rows = []
     for name, m in models.items():
-        mc = read_cfg(m.cfg) if m.cfg.is_file() else None
+        mc = read_cfg(m.path) if m.path.is_file() else None
         want = m.result + (f" ({m.prop})" if m.prop and m.result != "success" else "")
         if m.result == "success" and m.distinct_states is not None:
             size = f"{m.distinct_states:,} / {m.generated_states:,}, depth {m.depth}"
