@@ -7,9 +7,10 @@ import sys
 import zipfile
 from pathlib import Path
 
+import msgspec
 import pytest
 
-from hmastack.core import config
+from hmastack.core import config, reports
 from hmastack.core.errors import HmastackError
 from hmastack.core.process import CommandError
 from hmastack.e2e import catalogue as cat
@@ -454,31 +455,34 @@ def test_page_without_report(tmp_path):
     assert "Not run yet" in site.page(tmp_path / "e2e.json")
 
 
+def _report(verdicts, stages=(0,), quick=False) -> runner.E2EReport:
+    runs = [runner.StageRun(k, 1.0, []) for k in stages]
+    return runner.E2EReport("now", quick, list(stages), 1e-4, 1.0, runs, verdicts)
+
+
 def test_page_tables(tmp_path):
     ref = _run([_req("hit", [5, 7], LP)])
     v = _judge(SYNC, _run([_req("hit", [5, 7], LP, 256, 256)]), ref)
     c = _judge(CONTROL, _run([_req("hit", [5, 8], LP, 256, 256)]), ref)
-    report = {
-        "generated": "now",
-        "quick": True,
-        "seconds": 1.0,
-        "tolerance": 1e-4,
-        "verdicts": [v.to_json(), c.to_json()],
-    }
+    report = _report([v, c], quick=True)
     table = site.result_table(report)
     assert "| `sync-load` | t | ✓ equal · 0.0e+00 · 256/256 |" in table
     assert "caught ✓" in site.controls_table(report)
+    # the page reads what the writer wrote
+    reports.write(tmp_path / "e2e.json", report)
+    assert "| `sync-load` | t | ✓ equal" in site.page(tmp_path / "e2e.json")
 
 
 def test_reports_of_single_stages_merge():
-    old = {"quick": False, "stages": [0, 3], "runs": [{"stage": 0}, {"stage": 3}],
-           "verdicts": [{"stage": 0, "x": 1}, {"stage": 3, "x": "old"}]}  # fmt: skip
-    new = {"quick": False, "stages": [3], "runs": [{"stage": 3}],
-           "verdicts": [{"stage": 3, "x": "new"}]}  # fmt: skip
+    ref = _run([_req("hit", [5, 7], LP)])
+    v = _judge(SYNC, _run([_req("hit", [5, 7], LP, 256, 256)]), ref)
+    at = {k: msgspec.structs.replace(v, stage=k, detail=f"old {k}") for k in (0, 3)}
+    old = _report([at[0], at[3]], stages=(0, 3))
+    new = _report([msgspec.structs.replace(v, stage=3, detail="new")], stages=(3,))
     merged = runner.merge_report(old, new)
-    assert merged["stages"] == [0, 3]
-    assert merged["verdicts"] == [{"stage": 0, "x": 1}, {"stage": 3, "x": "new"}]
-    assert runner.merge_report({**old, "quick": True}, new) == new
+    assert merged.stages == [0, 3] and [r.stage for r in merged.runs] == [0, 3]
+    assert [(x.stage, x.detail) for x in merged.verdicts] == [(0, "old 0"), (3, "new")]
+    assert runner.merge_report(msgspec.structs.replace(old, quick=True), new) == new
 
 
 # --- the engine-process launcher (e2e driver and throughput bench) ------------------

@@ -20,9 +20,13 @@ Entry points: :func:`run` (the report) and :func:`run_step` (the step of
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hmastack.core.config import Config
 from hmastack.core.steps import StepResult
+
+if TYPE_CHECKING:
+    from hmastack.e2e.runner import E2EReport
 
 __all__ = ["run", "run_step"]
 
@@ -35,7 +39,7 @@ def run(
     quick: bool = False,
     jobs: int = DEFAULT_JOBS,
     only: str | None = None,
-) -> dict:
+) -> E2EReport:
     """Build the environment, run the set at ``stages`` (default: every stage)
     and write ``build/reports/e2e.json``; returns the report.
 
@@ -77,12 +81,12 @@ def run_step(
     for line in bad:
         console.print(f"[red]failed:[/red] {line}", markup=True, highlight=False)
     console.print(
-        f"report: {cfg.reports / runner.REPORT} ({report['seconds']:.0f} s)",
+        f"report: {cfg.reports / runner.REPORT} ({report.seconds:.0f} s)",
         highlight=False,
     )
     what = "quick set" if quick else "full set"
     if bad:
         failed = f"{len(bad)} end-to-end verdicts failed: " + "; ".join(bad[:3])
         return StepResult(False, f"{what}: {failed}")
-    passed = f"{len(report['verdicts'])} verdicts pass ({report['seconds']:.0f} s)"
+    passed = f"{len(report.verdicts)} verdicts pass ({report.seconds:.0f} s)"
     return StepResult(True, f"{what}: {passed}")
