@@ -219,6 +219,12 @@ def test_parse_model_rejects_bad_entries(tmp_path):
             parse(**entry)
     assert parse(result="deadlock failure", deadlock=True).prop == "Deadlock"
     assert parse(result="success", witnesses=["A"]).witnesses == {"A": None}
+    # a mutation names the patch it switches off, as an id
+    with pytest.raises(ValueError, match="names the patch"):
+        spec_manifest.parse_model("mutations/m", {"result": "success"}, tmp_path)
+    with pytest.raises(ValueError, match="an id such as 3.14"):
+        parse(result="success", patch="patch 14")
+    assert parse(result="success", patch="lmcache 4.2").patch == "lmcache 4.2"
 
 
 def test_malformed_manifest_names_the_model(tmp_path):

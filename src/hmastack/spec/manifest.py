@@ -4,6 +4,7 @@ which models exist, their sizes and what TLC must find in each.
 
 from __future__ import annotations
 
+import re
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -21,6 +22,11 @@ Result = Literal["success", "safety failure", "deadlock failure", "liveness fail
 
 
 Size = Literal["ci", "nightly"]
+
+# The id of a patch: "S.N" is patch file N of stage S of the vLLM series
+# (patches/0S-*/vllm/000N-*.patch), "lmcache S.N" LMCache's; "base" is vLLM
+# 0.13.0's own code (a check that switches off a protection the series keeps).
+PATCH_ID = re.compile(r"base|(lmcache )?[1-9]\d*\.[1-9]\d*")
 SIZES: tuple[str, ...] = typing.get_args(Size)
 
 
@@ -91,6 +97,8 @@ class Model(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     comment: str = ""
     extra: list[str] = []
     module: str | None = None  # spec/<module>.tla; None: spec/tlc.toml's module
+    # a mutation's: the patch whose protection it switches off (PATCH_ID)
+    patch: str | None = None
     name: str = ""
     path: Path = Path()
 
@@ -103,6 +111,8 @@ class Model(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise ValueError("a deadlock failure needs deadlock = true")
         if self.mode == "simulate" and self.result != "success":
             raise ValueError("simulation models expect success")
+        if self.patch is not None and not PATCH_ID.fullmatch(self.patch):
+            raise ValueError(f"patch must be an id such as 3.14, not {self.patch!r}")
         if self.module is not None and not self.module.isidentifier():
             raise ValueError(f"module must be a TLA+ module name, not {self.module!r}")
 
@@ -136,6 +146,8 @@ def parse_model(name: str, entry: dict, spec_dir: Path) -> Model:
     if "name" in entry or "path" in entry:
         raise ValueError("name and path are not keys of a model")
     model = tomlfile.convert(entry, Model)
+    if name.startswith("mutations/") and model.patch is None:
+        raise ValueError("a mutation names the patch it switches off (patch = ...)")
     model.name = name
     model.path = spec_dir / (
         model.cfg if model.cfg is not None else f"models/{name}.cfg"
