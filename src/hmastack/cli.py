@@ -433,7 +433,7 @@ def add_bench_parser(subparsers: Subparsers) -> None:
         "--quick",
         action="store_true",
         help="the quick set that `hmastack run` runs: base and last stage, 4 "
-        "count settings (16 minutes on a lightly loaded 2-core machine)",
+        "count settings (the report gives the run's seconds)",
     )
     parser.add_argument(
         "--stages", help="stages to compare with the base, e.g. 3 or 1-3 (default all)"

@@ -8,13 +8,13 @@ of the stage-03 tree, which both a replay and the random test must catch.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 from hmastack.conform.breaks import BREAKS
+from hmastack.conform.run import read_report
 from hmastack.core import config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,38 +30,36 @@ def test_conformance_ci_set(capfd):
             cwd=ROOT,
             env={**os.environ, "HMASTACK_ROOT": str(ROOT)},
         )
-    report = json.loads(report_path.read_text())
-    assert report["traces"]["count"] == 200
-    series = {r["suite"]: r for r in report["series"]}
-    failed = {name: r["first_failure"] for name, r in series.items() if not r["ok"]}
+    report = read_report(cfg)
+    assert report is not None and report.traces.count == 200
+    series = {r.suite: r for r in report.series}
+    failed = {name: r.first_failure for name, r in series.items() if not r.ok}
     assert not failed, f"the series fails conformance suites: {failed}"
     for name in ("replay through the KVCacheManager", "replay through the Scheduler"):
         r = series[name]
         # The behaviours are fixed by the seed: about 1060 steps (the model of
         # stage 03 as coded, with aborts, ends many behaviours early).
-        assert r["summary"]["traces"] == 200, name
-        assert r["summary"]["steps_compared"] > 1000, (name, r["summary"])
+        assert r.summary["traces"] == 200, name
+        assert r.summary["steps_compared"] > 1000, (name, r.summary)
     # The committed AsyncSched behaviours, each a test, through the AsyncScheduler.
     assert (
-        series["replay of asynchronous scheduling through the AsyncScheduler"]["passed"]
+        series["replay of asynchronous scheduling through the AsyncScheduler"].passed
         >= 20
     ), series
     # Every event kind the replays map was compared at least once.
-    acts = series["replay through the KVCacheManager"]["summary"]["acts"]
+    acts = series["replay through the KVCacheManager"].summary["acts"]
     wanted = {
         "AllocateSlots", "Refused", "Execute", "Finish", "FinishDelayed",
         "FinishLoad", "FinishLoadFree", "LoadFailed", "SyncLoadFailed", "Preempt",
         "FreeWaiting", "SaveDone", "Abort", "AbortDelayed",
     }  # fmt: skip
     assert wanted <= set(acts), sorted(wanted - set(acts))
-    scheduler = series["replay through the Scheduler"]["summary"]
+    scheduler = series["replay through the Scheduler"].summary
     assert scheduler["to_the_end"] >= 190, scheduler
     assert scheduler["steps_compared"] >= 0.9 * scheduler["steps"], scheduler
     escaped = {
-        b["name"]: b["caught"]
-        for b in report["breaks"]
-        if not all(b["caught"].values())
+        b.brk.name: b.caught for b in report.breaks if not all(b.caught.values())
     }
     assert not escaped, f"breaks a replay or the random test missed: {escaped}"
-    assert sorted(b["name"] for b in report["breaks"]) == sorted(BREAKS)
+    assert sorted(b.brk.name for b in report.breaks) == sorted(BREAKS)
     assert proc.returncode == 0

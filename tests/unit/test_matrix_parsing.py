@@ -145,7 +145,7 @@ def test_connectors_lock_pins_every_file_by_sha256():
 
 def test_env_key_follows_the_connectors_lock(tmp_path):
     """Changing a pin of the connectors' lock rebuilds build/env."""
-    from dataclasses import replace
+    from msgspec.structs import replace
 
     from hmastack.core import config
     from hmastack.stack import env as env_mod
@@ -153,9 +153,12 @@ def test_env_key_follows_the_connectors_lock(tmp_path):
     cfg = config.load(ROOT)
     lock = tmp_path / "connectors.lock"
     lock.write_text(cfg.connectors_lock.read_text())
-    before = env_mod._key(replace(cfg, connectors_lock=lock))
+    # an absolute path in [env] (root / absolute is the absolute path)
+    moved = replace(cfg, env=replace(cfg.env, connectors_lock=str(lock)))
+    assert moved.connectors_lock == lock
+    before = env_mod._key(moved)
     lock.write_text(lock.read_text().replace("ray==2.60.0", "ray==2.60.1"))
-    assert env_mod._key(replace(cfg, connectors_lock=lock)) != before
+    assert env_mod._key(moved) != before
 
 
 def test_deselect_entry_without_reason_is_refused(tmp_path):
@@ -181,7 +184,7 @@ def test_lmcache_suite_runs_at_the_stages_that_patch_lmcache(monkeypatch, tmp_pa
     from hmastack.core import config
 
     cfg = config.load(ROOT)
-    assert "tests/v1/test_vllm_v1_adapter_hma.py" in cfg.lmcache_suite
+    assert "tests/v1/test_vllm_v1_adapter_hma.py" in cfg.suite.lmcache
     calls = []
 
     def fake_run_pytest(cfg, pyenv, args, cwd, pythonpath, log, extra_env=None):
@@ -211,7 +214,7 @@ def test_lmcache_suite_runs_at_the_stages_that_patch_lmcache(monkeypatch, tmp_pa
         assert result.lmcache is not None and result.ok
         assert calls == [
             (
-                cfg.lmcache_suite,
+                cfg.suite.lmcache,
                 trees["lmcache"],
                 [trees["vllm"], trees["lmcache"]],
                 f"stage-{stage}-lmcache.log",
@@ -252,7 +255,9 @@ def test_quick_stages_run_the_test_files_their_own_commits_add_or_change(tmp_pat
         "stage 2, first commit",
     )
     _commit(tmp_path, {"tests/v1/core/test_kept.py": "# changed"}, "stage 2, second")
-    cfg = SimpleNamespace(vllm_suite=["tests/v1/core", "tests/v1/kv_connector/unit"])
+    cfg = SimpleNamespace(
+        suite=SimpleNamespace(vllm=["tests/v1/core", "tests/v1/kv_connector/unit"])
+    )
     deselected = [
         pytest_runs.Deselected("tests/v1/kv_connector/unit/test_gone.py", "r", "w"),
         pytest_runs.Deselected("tests/v1/core/test_new.py::test_gpu", "r", "w"),
@@ -270,5 +275,5 @@ def test_quick_stages_run_the_test_files_their_own_commits_add_or_change(tmp_pat
 
 
 def test_quick_matrix_keeps_the_base_and_the_last_stage():
-    cfg = SimpleNamespace(num_series_stages=4, num_stages=8)
+    cfg = SimpleNamespace(series=SimpleNamespace(stages=4), num_stages=8)
     assert matrix.full_stages(cfg) == {0, 8}  # type: ignore[arg-type]

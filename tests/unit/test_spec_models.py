@@ -14,6 +14,7 @@ import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from hmastack.core.errors import HmastackError
@@ -48,7 +49,7 @@ def build(tmp_path_factory):
 
 
 def constants(model: spec_manifest.Model) -> dict[str, str]:
-    return spec_cfg.read_cfg(model.cfg).constants
+    return spec_cfg.read_cfg(model.path).constants
 
 
 def test_manifest_covers_every_model_file_and_records_results():
@@ -58,7 +59,7 @@ def test_manifest_covers_every_model_file_and_records_results():
     }
     assert cfgs == set(MODELS)
     for model in MODELS.values():
-        assert model.cfg.is_file()
+        assert model.path.is_file()
         if model.size != "ci":
             continue
         if model.result == "success" and model.mode == "exhaustive":
@@ -126,7 +127,7 @@ def test_exhaustive_series_models_are_big_enough():
 
 def test_passing_series_models_check_every_safety_property_they_claim():
     for name in ("series-wide", "series-decode", "series-saves"):
-        cfg = spec_cfg.read_cfg(MODELS[name].cfg)
+        cfg = spec_cfg.read_cfg(MODELS[name].path)
         assert set(cfg.invariants) == set(SAFETY), name
         assert set(cfg.properties) == {"WindowBound", "ExactAdmission"}, name
 
@@ -181,11 +182,11 @@ def test_async_sched_findings_pass_with_the_fix_rule():
 
 def test_liveness_models_use_no_symmetry_nor_view():
     for model in MODELS.values():
-        cfg = spec_cfg.read_cfg(model.cfg)
+        cfg = spec_cfg.read_cfg(model.path)
         if "Liveness" in cfg.properties:
             text = "\n".join(
                 line
-                for line in model.cfg.read_text().splitlines()
+                for line in model.path.read_text().splitlines()
                 if not line.lstrip().startswith("\\*")
             )
             assert "SYMMETRY" not in text and "VIEW" not in text, model.name
@@ -218,11 +219,17 @@ def test_parse_model_rejects_bad_entries(tmp_path):
             parse(**entry)
     assert parse(result="deadlock failure", deadlock=True).prop == "Deadlock"
     assert parse(result="success", witnesses=["A"]).witnesses == {"A": None}
+    # a mutation names the patch it switches off, as an id
+    with pytest.raises(ValueError, match="names the patch"):
+        spec_manifest.parse_model("mutations/m", {"result": "success"}, tmp_path)
+    with pytest.raises(ValueError, match="an id such as 3.14"):
+        parse(result="success", patch="patch 14")
+    assert parse(result="success", patch="lmcache 4.2").patch == "lmcache 4.2"
 
 
 def test_malformed_manifest_names_the_model(tmp_path):
     (tmp_path / "manifest.toml").write_text('[models.x]\nresult = "pass"\n')
-    settings = spec_manifest.Settings(**{**SETTINGS.__dict__, "spec_dir": tmp_path})
+    settings = msgspec.structs.replace(SETTINGS, spec_dir=tmp_path)
     with pytest.raises(
         HmastackError, match="model x: Invalid enum value 'pass' - at `result`"
     ):
@@ -231,7 +238,7 @@ def test_malformed_manifest_names_the_model(tmp_path):
 
 def test_compare_reports_drift_wrong_property_and_wrong_result():
     model = spec_manifest.Model(
-        name="m", cfg=Path("m.cfg"), mode="exhaustive", result="success",
+        name="m", path=Path("m.cfg"), mode="exhaustive", result="success",
         distinct_states=10, generated_states=20, depth=3,
     )  # fmt: skip
     ok = {
@@ -245,7 +252,7 @@ def test_compare_reports_drift_wrong_property_and_wrong_result():
     )
     assert "depth drifted" in spec.compare(model, dict(ok, depth=4))[0]
     bad = spec_manifest.Model(
-        name="l", cfg=Path("l.cfg"), mode="exhaustive", result="safety failure",
+        name="l", path=Path("l.cfg"), mode="exhaustive", result="safety failure",
         prop="WindowBound", trace_length=2,
     )  # fmt: skip
     other = dict(ok, result="safety failure", violated="NoTransferRace", trace_length=2)
@@ -257,7 +264,7 @@ def test_compare_reports_drift_wrong_property_and_wrong_result():
     )
     assert "expected safety failure (WindowBound)" in spec.compare(bad, ok)[0]
     stall = spec_manifest.Model(
-        name="s", cfg=Path("s.cfg"), mode="exhaustive", result="deadlock failure",
+        name="s", path=Path("s.cfg"), mode="exhaustive", result="deadlock failure",
         prop="Deadlock", deadlock=True,
     )  # fmt: skip
     assert (
@@ -286,7 +293,7 @@ def test_witness_run_keeps_the_constants_and_checks_only_the_witness():
     text = spec.cfg_text(run)
     assert run.name == "series-wide@Eviction" and run.workers == 1
     assert run.result == "safety failure" and run.prop == "WitnessEviction"
-    cfg = spec_cfg.read_cfg(model.cfg)
+    cfg = spec_cfg.read_cfg(model.path)
     for key, value in cfg.constants.items():
         assert f"    {key} = {value}\n" in text
     assert "SYMMETRY Symmetry" in text and "VIEW View" in text
@@ -298,7 +305,7 @@ def test_every_witness_and_property_is_defined_in_the_spec():
     for model in MODELS.values():
         module = spec_manifest.module_of(model, SETTINGS)
         text = (SETTINGS.spec_dir / f"{module}.tla").read_text()
-        cfg = spec_cfg.read_cfg(model.cfg)
+        cfg = spec_cfg.read_cfg(model.path)
         for name in [*cfg.invariants, *cfg.properties] + [
             f"Witness{w}" for w in model.witnesses
         ]:
@@ -343,7 +350,9 @@ def test_spec_commands_call_their_step_with_the_flags(monkeypatch):
 def test_a_model_may_name_its_module(tmp_path):
     eagle = MODELS["eagle-hits"]
     assert spec_manifest.module_of(eagle, SETTINGS) == "EagleHits"
-    assert spec_manifest.module_of(MODELS["series-wide"], SETTINGS) == SETTINGS.module
+    assert (
+        spec_manifest.module_of(MODELS["series-wide"], SETTINGS) == SETTINGS.spec.module
+    )
     cmd = spec.tlc_command("java", Path("t.jar"), SETTINGS, eagle, tmp_path)
     assert cmd[-1] == "EagleHits"
     assert spec_manifest.witness_model(eagle, "EagleHit").module == "EagleHits"
@@ -388,7 +397,7 @@ def tlc_runs(request, tlc_env, build):
         for item in request.session.items
         if getattr(item, "originalname", None) == "test_model_matches_manifest"
     ]
-    pool = ThreadPoolExecutor(max_workers=max(1, SETTINGS.parallel))
+    pool = ThreadPoolExecutor(max_workers=max(1, SETTINGS.run.parallel))
     futures = {
         run.name: pool.submit(spec.run_model, java, jar, SETTINGS, run, build)
         for run in wanted
@@ -406,7 +415,7 @@ def test_model_matches_manifest(run, tlc_runs, build):
     assert report["problems"] == [], f"{run.name}: see {path}"
     if run.result == "safety failure" and not run.is_witness:
         trace = report["trace"]
-        if spec_manifest.module_of(run, SETTINGS) == SETTINGS.module:
+        if spec_manifest.module_of(run, SETTINGS) == SETTINGS.spec.module:
             assert trace, "a violation keeps its trace"
             assert trace[0]["event"]["act"] == "Init"
         # EagleHits is violated by an initial state, which TLC reports

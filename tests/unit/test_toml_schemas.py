@@ -4,10 +4,10 @@ the offending key by the names of its tables."""
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from hmastack.bench import trees as bench_trees
@@ -101,11 +101,11 @@ def test_hmastack_toml_is_read_once_for_the_peer_and_e2e(tmp_path, monkeypatch):
     cfg = config.load(ROOT)
     peer = cfg.peers[bench_trees.PEER_KEY]
     assert (peer.version, peer.tag, peer.ruff) == ("0.14.0", "v0.14.0", None)
-    assert environment.load_config(cfg).kernels.member == "vllm/_C.abi3.so"
-    no_e2e = dataclasses.replace(cfg, e2e=None)
+    assert environment.section(cfg).kernels.member == "vllm/_C.abi3.so"
+    no_e2e = msgspec.structs.replace(cfg, e2e=None)
     with pytest.raises(HmastackError, match=r"the \[e2e\] section is missing"):
-        environment.load_config(no_e2e)
-    path, why = bench_trees.peer_tree(dataclasses.replace(cfg, peers={}))
+        environment.section(no_e2e)
+    path, why = bench_trees.peer_tree(msgspec.structs.replace(cfg, peers={}))
     assert path is None and "no [peers.vllm-0-14]" in why
 
 
@@ -117,7 +117,7 @@ def test_a_peer_tag_defaults_to_v_version(tmp_path):
 
 def _settings(tmp_path: Path) -> spec_manifest.Settings:
     shutil.copy(ROOT / "spec" / "tlc.toml", tmp_path / "tlc.toml")
-    return dataclasses.replace(spec_manifest.load_settings(ROOT), spec_dir=tmp_path)
+    return msgspec.structs.replace(spec_manifest.load_settings(ROOT), spec_dir=tmp_path)
 
 
 def _manifest_error(tmp_path: Path, table: str) -> str:

@@ -1,9 +1,9 @@
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 
+import msgspec
 import pytest
 
 from hmastack.core import config
@@ -195,7 +195,9 @@ def test_unknown_tree_directory_is_refused(project):
 
 
 def test_subject_stage_of_series_and_follow_up(project):
-    follow = dataclasses.replace(project, num_followups=2)
+    follow = msgspec.structs.replace(
+        project, series=msgspec.structs.replace(project.series, followups=2)
+    )
     assert follow.num_stages == 4
     assert workspace.subject_stage(follow, "[Core][Demo series 2/2] x") == 2
     assert workspace.subject_stage(follow, "[Core][Demo series follow-up 1] x") == 3
@@ -423,7 +425,7 @@ def test_export_refuses_a_commit_whose_author_is_not_its_sign_off(project):
         "commit",
         "-qam",
         f"[Core][Demo series 2/2] Wrong author\n\nSigned-off-by: {SERIES_AUTHOR}",
-        env=identity_env(project.base_author),
+        env=identity_env(project.series.base_author),
     )
     bad = git(repo, "rev-parse", "HEAD")
     for check in (True, False):

@@ -49,6 +49,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from hmastack.bench import callgrind
 from hmastack.bench import cost as bench_cost
 from hmastack.bench import counts as bench_counts
@@ -72,6 +74,7 @@ from hmastack.bench.plots import (
     plot_ratios,
     plot_throughput,
 )
+from hmastack.bench.report import RUN_REPORTS, BenchRun, ScenarioReport
 from hmastack.bench.tables import print_table, summary_markdown
 from hmastack.bench.trees import (
     PEER_LABEL,
@@ -83,6 +86,7 @@ from hmastack.bench.trees import (
 from hmastack.core.config import Config
 from hmastack.core.errors import HmastackError
 from hmastack.core.progress import console, step
+from hmastack.core.reports import write as write_report
 from hmastack.core.steps import StepResult
 from hmastack.stack import env as env_mod
 
@@ -262,6 +266,7 @@ def _run_scenarios(
         report["quick"] = bool(ctx.quick)
         report["seconds"] = round(time.monotonic() - t0)
         report["generated"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        msgspec.convert(report, ScenarioReport)  # the part the site reads
         (out / f"{scenario.name}.json").write_text(json.dumps(report, indent=2) + "\n")
         plot(scenario.name, report, out)
         print_table(report)
@@ -362,21 +367,16 @@ def run_bench(
     total = time.time() - started
     # A run of the optional scenarios alone keeps the last full or quick run's
     # record (the page's "Last run") and writes its own.
-    run_file = "run-optional.json" if set(only) <= set(OPTIONAL) else "run.json"
-    (out / run_file).write_text(
-        json.dumps(
-            {
-                "quick": bool(quick),
-                "seconds": round(total),
-                "scenarios": list(only),
-                "count_settings": count_settings,
-                "trees": [t.label for t in trees],
-                "failures": failures,
-                "generated": time.strftime("%Y-%m-%d %H:%M:%S"),
-            },
-            indent=2,
-        )
-        + "\n"
+    run_file = RUN_REPORTS[1] if set(only) <= set(OPTIONAL) else RUN_REPORTS[0]
+    run = BenchRun(
+        quick=bool(quick),
+        seconds=round(total),
+        scenarios=list(only),
+        count_settings=count_settings,
+        trees=[t.label for t in trees],
+        failures=failures,
+        generated=time.strftime("%Y-%m-%d %H:%M:%S"),
     )
+    write_report(out / run_file, run)
     console.print(f"bench reports in {out} ({total:.0f}s)")
     return bool(failures)

@@ -42,15 +42,12 @@ from __future__ import annotations
 import statistics
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hmastack.bench.trees import round_order
 from hmastack.core.config import Config
 from hmastack.core.errors import HmastackError
 from hmastack.core.progress import console, step
-
-if TYPE_CHECKING:
-    from hmastack.e2e.environment import E2EConfig
 
 MODEL = "gemma-5to1"
 LAYERS = 6  # layers of MODEL: a block holds all of them with HMA off
@@ -112,7 +109,7 @@ def predicted_concurrency(num_blocks: int, per_request: int, batch: int) -> int:
 
 
 def run_one(
-    e2e: E2EConfig,
+    cfg: Config,
     trees: dict[str, Path],
     support: list[Path],
     models: Path,
@@ -124,7 +121,7 @@ def run_one(
     from hmastack.e2e.engine import run_engine_process
 
     ran = run_engine_process(
-        e2e,
+        cfg,
         "hmastack_e2e.throughput",
         name,
         the_plan,
@@ -350,7 +347,7 @@ def headline(verdicts: dict, rounds: int) -> str:
 
 def engine_trees(
     cfg: Config, stages: set[int], names: set[str]
-) -> tuple[E2EConfig, Path, dict[int, dict[str, Path]]]:
+) -> tuple[Path, dict[int, dict[str, Path]]]:
     """The end-to-end environment, the tiny models ``names`` and the trees of
     ``stages`` (``git am`` under ``build/bench/engine``, the compiled kernels
     placed)."""
@@ -360,8 +357,8 @@ def engine_trees(
     from hmastack.stack import workspace
 
     with step("the end-to-end environment (build/e2e-env)"):
-        e2e = environment.ensure(environment.load_config(cfg))
-    models = ensure_models(e2e, cfg.root, cfg.build / "e2e" / "models", names)
+        environment.ensure(cfg)
+    models = ensure_models(cfg, cfg.build / "e2e" / "models", names)
     series = workspace.discover(cfg)
     trees: dict[int, dict[str, Path]] = {}
     for k in sorted(stages):
@@ -369,9 +366,9 @@ def engine_trees(
             raise HmastackError(f"no stage {k}", f"the series has {cfg.num_stages}")
         with step(f"stage {k}: trees (git am) and compiled kernels"):
             t = matrix.stage_trees(cfg, series, k, root=cfg.build / "bench" / "engine")
-            environment.place_kernels(e2e, t["vllm"])
+            environment.place_kernels(cfg, t["vllm"])
             trees[k] = t
-    return e2e, models, trees
+    return models, trees
 
 
 def run(cfg: Config, quick: bool) -> dict:
@@ -382,7 +379,7 @@ def run(cfg: Config, quick: bool) -> dict:
     started = time.monotonic()
     specs = {"stage 0": (0, None)}
     specs |= {tree_label(k, hma): (k, hma) for k, hma in settings["trees"]}
-    e2e, models, trees = engine_trees(cfg, {k for k, _ in specs.values()}, {MODEL})
+    models, trees = engine_trees(cfg, {k for k, _ in specs.values()}, {MODEL})
     labels = list(specs)
     support = engine_support(cfg)
     work = cfg.build / "bench" / "throughput"
@@ -400,7 +397,7 @@ def run(cfg: Config, quick: bool) -> dict:
                     f"throughput round {i + 1}/{settings['rounds']}: {case}, {label}"
                 ):
                     result = run_one(
-                        e2e, trees[k], support, models, work, name, the_plan
+                        cfg, trees[k], support, models, work, name, the_plan
                     )
                 if "error" in result:
                     errors.setdefault(label, f"{case} round {i}: {result['error']}")

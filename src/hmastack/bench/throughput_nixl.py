@@ -40,7 +40,6 @@ import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 from hmastack.bench import throughput as thr
 from hmastack.bench.trees import round_order
@@ -145,7 +144,7 @@ def plan(
 
 
 def run_pair(
-    e2e: Any,
+    cfg: Config,
     trees: dict[str, Path],
     support: list[Path],
     models: Path,
@@ -170,7 +169,7 @@ def run_pair(
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {
             role: pool.submit(
-                thr.run_one, e2e, trees, support, models, work, f"{name}-{role}", p
+                thr.run_one, cfg, trees, support, models, work, f"{name}-{role}", p
             )
             for role, p in sides.items()
         }
@@ -288,7 +287,7 @@ def run(cfg: Config, quick: bool) -> dict:
 
     rounds = ROUNDS["quick" if quick else "full"]
     started = time.monotonic()
-    e2e, models, trees = thr.engine_trees(cfg, {k for _, k, _ in TREES}, set(MODELS))
+    models, trees = thr.engine_trees(cfg, {k for _, k, _ in TREES}, set(MODELS))
     specs = {label: (k, hma) for label, k, hma in TREES}
     labels = list(specs)
     support = engine_support(cfg)
@@ -307,7 +306,7 @@ def run(cfg: Config, quick: bool) -> dict:
                     f"throughput (NIXL P/D) round {i + 1}/{rounds}: {case}, {label}"
                 ):
                     result = run_pair(
-                        e2e, trees[k], support, models, work, name, case, hma
+                        cfg, trees[k], support, models, work, name, case, hma
                     )
                 result["stage"] = k
                 if "error" in result:

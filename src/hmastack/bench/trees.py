@@ -118,7 +118,7 @@ def _clone(cfg: Config, tree: Tree, dest: Path) -> None:
     if not (dest / ".git").exists():
         dest.parent.mkdir(parents=True, exist_ok=True)
         git(cfg.root, "clone", "-q", "--no-checkout", cfg.workspace(tree.name), dest)
-        set_identity(dest, cfg.series_author)
+        set_identity(dest, cfg.series.author)
     git(dest, "fetch", "-q", "--tags", cfg.workspace(tree.name))
 
 

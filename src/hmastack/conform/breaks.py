@@ -79,6 +79,9 @@ class Break:
     path: str
     old: str
     new: str
+    # The patch whose protection it removes (spec.manifest.PATCH_ID: "3.14",
+    # "base"), listed with it in docs/glossary.md.
+    patch: str = ""
     # The kinds of suite that must catch it ("replay", "random").
     caught_by: tuple[str, ...] = ("replay", "random")
     # Why a kind of suite is not expected to catch it.
@@ -93,6 +96,7 @@ BREAKS = {
     for b in (
         Break(
             name="allocate-skipped-external",
+            patch="3.13",
             protection=(
                 "external tokens outside the sliding window get the null block "
                 "(broken: every external token gets a real block again, as in "
@@ -107,6 +111,7 @@ BREAKS = {
         ),
         Break(
             name="free-aborted-load",
+            patch="3.2",
             protection=(
                 "a request aborted while its asynchronous load runs keeps its "
                 "blocks until the connector reports the load finished (broken: "
@@ -118,6 +123,7 @@ BREAKS = {
         ),
         Break(
             name="keep-skipped-blocks",
+            patch="base",
             protection=(
                 "allocate_slots frees the blocks of skipped tokens (outside the "
                 "window) of a running request before it allocates (broken: "
@@ -129,6 +135,7 @@ BREAKS = {
         ),
         Break(
             name="resume-after-table-slots",
+            patch="3.3",
             protection=(
                 "a request resumes after its loaded tokens when an async load "
                 "finished (broken: after every slot of its block tables, as "
@@ -144,6 +151,7 @@ BREAKS = {
         ),
         Break(
             name="publish-before-load",
+            patch="base",
             protection=(
                 "blocks an asynchronous load writes are not put in the prefix "
                 "cache before the load finished (broken: delay_cache_blocks is "
@@ -154,7 +162,8 @@ BREAKS = {
             new="if not self.enable_caching:",
         ),
         Break(
-            name="free-in-flight",
+            name="no-in-flight-fence",
+            patch="3.4",
             protection=(
                 "skipped blocks are freed only after the steps that read or "
                 "write them returned (broken: the tokens of the steps in flight "
@@ -166,6 +175,7 @@ BREAKS = {
         ),
         Break(
             name="reload-after-failed-load",
+            patch="3.9",
             protection=(
                 "a request whose KV load failed and left it no valid token takes "
                 "no external tokens any more (broken: it loads again, and a "
@@ -177,6 +187,7 @@ BREAKS = {
         ),
         Break(
             name="reload-after-failure-past-block-0",
+            patch="3.9",
             protection=(
                 "a request whose KV load failed past its first block takes no "
                 "external tokens any more either (broken: preempted with a later "
@@ -204,6 +215,7 @@ BREAKS = {
         ),
         Break(
             name="keep-output-of-freed-load",
+            patch="3.16",
             protection=(
                 "a request preempted for memory while the step of its "
                 "synchronous load is in flight is affected when that load "
@@ -224,6 +236,7 @@ BREAKS = {
         ),
         Break(
             name="stale-cached-count",
+            patch="3.5",
             protection=(
                 "after a KV load failure a request counts as cached only its "
                 "blocks before the first invalid one, so the blocks it computes "
@@ -239,6 +252,7 @@ BREAKS = {
         ),
         Break(
             name="free-held-blocks",
+            patch="3.14",
             protection=(
                 "blocks that a connector's store still reads are held when they "
                 "leave a block table (broken: freed at once)"
@@ -249,6 +263,7 @@ BREAKS = {
         ),
         Break(
             name="free-stored-load-untracked",
+            patch="3.19",
             protection=(
                 "a request whose connector stores it, aborted while the step of "
                 "its synchronous load is in flight, keeps the blocks of that load "
@@ -271,6 +286,7 @@ BREAKS = {
         ),
         Break(
             name="multi-report-early",
+            patch="4.4",
             protection=(
                 "MultiConnector lets the scheduler see a connector's report of a "
                 "finished request only once every connector that saves it "

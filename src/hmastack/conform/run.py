@@ -35,9 +35,9 @@ import json
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import msgspec
 from rich.markup import escape
 from rich.table import Table
 
@@ -50,6 +50,7 @@ from hmastack.conform.breaks import (
     suites_of,
 )
 from hmastack.core import config as config_mod
+from hmastack.core import reports
 from hmastack.core.errors import HmastackError
 from hmastack.core.gitutil import git
 from hmastack.core.progress import console, step
@@ -65,20 +66,65 @@ DEFAULT_TRACES = 200  # TLC behaviours (the CLI's default and `hmastack run`'s)
 DEFAULT_DEPTH = 60  # states per behaviour
 
 
-@dataclass
-class SuiteRun:
+REPORT = "conformance.json"
+
+
+class SuiteRun(msgspec.Struct):
+    """One conformance suite on one tree: an entry of ``series`` or of a
+    break's ``runs`` in build/reports/conformance.json."""
+
     suite: str
     kind: str
     passed: int = 0
     failed: int = 0
     seconds: float = 0.0
     first_failure: str = ""
-    summary: dict = field(default_factory=dict)
+    summary: dict = {}  # the suite's own counts (HMASTACK_CONFORM_SUMMARY)
     log: str = ""
 
     @property
     def ok(self) -> bool:
         return self.failed == 0 and self.passed > 0
+
+
+class Traces(msgspec.Struct):
+    """The TLC behaviours the replays compare with."""
+
+    model: str
+    count: int
+    steps: int
+    depth: int
+    seed: int
+
+
+class BreakRun(msgspec.Struct):
+    """One deliberately broken tree, its suites' runs, and per kind of suite
+    whether it caught the break."""
+
+    brk: Break = msgspec.field(name="break")
+    caught: dict[str, bool]
+    runs: list[SuiteRun]
+
+
+class ConformanceReport(msgspec.Struct):
+    """build/reports/conformance.json, written by :func:`conform`, read by
+    :func:`read_report` (the site's conformance block)."""
+
+    stage: int
+    traces: Traces
+    examples: int | None  # random examples per test; None: the fixed CI set
+    series: list[SuiteRun]
+    breaks: list[BreakRun]
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.series) and all(
+            all(b.caught.values()) for b in self.breaks
+        )
+
+
+def read_report(cfg: config_mod.Config) -> ConformanceReport | None:
+    return reports.read(cfg.reports / REPORT, ConformanceReport, "hmastack conform")
 
 
 def _first_failure(ran: pytest_runs.PytestResult) -> str:
@@ -206,7 +252,7 @@ def conform(
     examples: int | None,
     breaks: list[Break],
     jobs: int = matrix.DEFAULT_JOBS,
-) -> dict:
+) -> ConformanceReport:
     from hmastack.spec import traces as traces_mod
 
     pyenv = env_mod.ensure(cfg)
@@ -223,17 +269,13 @@ def conform(
         )
     with step(f"stage {STAGE}: apply stages 1..{STAGE} with git am"):
         trees = matrix.stage_trees(cfg, discover(cfg), STAGE)
-    report: dict = {
-        "stage": STAGE,
-        "traces": {
-            "model": str(MODEL_CFG),
-            "count": len(index["traces"]),
-            "steps": sum(t["states"] - 1 for t in index["traces"]),
-            "depth": depth,
-            "seed": seed,
-        },
-        "examples": examples,
-    }
+    traces_run = Traces(
+        model=str(MODEL_CFG),
+        count=len(index["traces"]),
+        steps=sum(t["states"] - 1 for t in index["traces"]),
+        depth=depth,
+        seed=seed,
+    )
     series = run_suites(
         cfg, pyenv, list(trees.values()), traces_dir, examples, "series", False
     )
@@ -252,9 +294,8 @@ def conform(
             False,
             stage,
         )
-    report["series"] = [asdict(r) | {"ok": r.ok} for r in series]
 
-    def run_break(brk: Break) -> dict:
+    def run_break(brk: Break) -> BreakRun:
         stage_trees = trees_at[brk.stage]
         vllm_tree = broken_tree(cfg, stage_trees["vllm"], brk)
         others = [p for name, p in stage_trees.items() if name != "vllm"]
@@ -269,69 +310,53 @@ def conform(
             brk.stage,
             live=False,
         )
-        return {
-            **asdict(brk),
-            "caught": caught(runs, brk.caught_by),
-            "runs": [asdict(r) | {"ok": r.ok} for r in runs],
-        }
+        return BreakRun(brk=brk, caught=caught(runs, brk.caught_by), runs=runs)
 
     # Each broken tree is its own clone and its suites their own processes:
     # ``jobs`` of them at once (the report keeps the order of ``breaks``).
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        report["breaks"] = list(pool.map(run_break, breaks))
-    report["ok"] = all(r.ok for r in series) and all(
-        all(b["caught"].values()) for b in report["breaks"]
-    )
-    path = cfg.reports / "conformance.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    report["path"] = str(path)
+        broken = list(pool.map(run_break, breaks))
+    report = ConformanceReport(STAGE, traces_run, examples, series, broken)
+    reports.write(cfg.reports / REPORT, report)
     return report
 
 
-def print_report(report: dict) -> None:
-    t = report["traces"]
+def print_report(report: ConformanceReport, path: Path) -> None:
+    t = report.traces
     console.print(
-        f"{t['count']} TLC behaviours ({t['steps']} steps, seed {t['seed']}), "
-        f"random schedules: {report['examples'] or 'the fixed CI set'}, "
-        f"stage {report['stage']}"
+        f"{t.count} TLC behaviours ({t.steps} steps, seed {t.seed}), "
+        f"random schedules: {report.examples or 'the fixed CI set'}, "
+        f"stage {report.stage}"
     )
     table = Table(title="conformance")
     for column in ("tree", "suite", "passed", "failed", "seconds", "first failure"):
         table.add_column(column)
-    for r in report["series"]:
+    rows = [("series", r) for r in report.series]
+    rows += [(f"broken: {b.brk.name}", r) for b in report.breaks for r in b.runs]
+    for tree, r in rows:
         table.add_row(
-            "series",
-            r["suite"],
-            str(r["passed"]),
-            str(r["failed"]),
-            f"{r['seconds']:.0f}",
-            escape(r["first_failure"][:120]),
+            tree,
+            r.suite,
+            str(r.passed),
+            str(r.failed),
+            f"{r.seconds:.0f}",
+            escape(r.first_failure[:120]),
         )
-    for b in report["breaks"]:
-        for r in b["runs"]:
-            table.add_row(
-                f"broken: {b['name']}",
-                r["suite"],
-                str(r["passed"]),
-                str(r["failed"]),
-                f"{r['seconds']:.0f}",
-                escape(r["first_failure"][:120]),
-            )
     console.print(table)
-    for r in report["series"]:
-        if r["summary"]:
-            console.print(f"  {r['suite']}: {escape(json.dumps(r['summary']))}")
-    for b in report["breaks"]:
+    for r in report.series:
+        if r.summary:
+            console.print(f"  {r.suite}: {escape(json.dumps(r.summary))}")
+    for b in report.breaks:
         verdict = ", ".join(
             f"{kind} {'caught it' if hit else 'MISSED it'}"
-            for kind, hit in b["caught"].items()
+            for kind, hit in b.caught.items()
         )
-        if b["not_by_replay"]:
-            verdict += f"; no replay expected: {b['not_by_replay']}"
-        if b["not_by_random"]:
-            verdict += f"; the random test is not expected to: {b['not_by_random']}"
-        console.print(f"  break {b['name']} ({escape(b['protection'])}): {verdict}")
-    console.print(f"report: {report['path']}")
+        if b.brk.not_by_replay:
+            verdict += f"; no replay expected: {b.brk.not_by_replay}"
+        if b.brk.not_by_random:
+            verdict += f"; the random test is not expected to: {b.brk.not_by_random}"
+        console.print(f"  break {b.brk.name} ({escape(b.brk.protection)}): {verdict}")
+    console.print(f"report: {path}")
 
 
 def run_step(
@@ -371,12 +396,13 @@ def run_step(
                 "(states per behaviour); see hmastack conform --help",
             )
     report = conform(cfg, traces, depth, seed, examples, breaks, jobs)
-    print_report(report)
-    caught = sum(1 for b in report["breaks"] if all(b["caught"].values()))
+    path = cfg.reports / REPORT
+    print_report(report, path)
+    caught = sum(1 for b in report.breaks if all(b.caught.values()))
     outcome = (
-        f"{report['traces']['count']} behaviours, "
-        f"{caught}/{len(report['breaks'])} breaks caught as expected"
+        f"{report.traces.count} behaviours, "
+        f"{caught}/{len(report.breaks)} breaks caught as expected"
     )
-    if not report["ok"]:
-        outcome = f"failed ({outcome}), see {report['path']}"
-    return StepResult(report["ok"], outcome)
+    if not report.ok:
+        outcome = f"failed ({outcome}), see {path}"
+    return StepResult(report.ok, outcome)

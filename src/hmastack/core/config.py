@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
@@ -22,7 +21,7 @@ class Tree(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """``[trees.NAME]``, one source release the series patches (``vllm`` or
     ``lmcache``), or ``[peers.NAME]``, a release the benchmarks compare with.
     ``name`` is the table's key and ``tag`` defaults to ``v<version>`` for a peer
-    (both set by :class:`ConfigFile`); checksums are lowered."""
+    (both set by :class:`Config`); checksums are lowered."""
 
     name: str = ""
     package: str
@@ -46,7 +45,11 @@ class Tree(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class SeriesTable(msgspec.Struct, forbid_unknown_fields=True):
     title_tag: str
+    # The stages of the series proper, the PRs "[<title_tag> K/N]" (N of them);
+    # follow-up stages are numbered after them, "[<title_tag> follow-up J]".
     stages: int
+    # "Name <email>": the author and sign-off of every commit of the series, and
+    # the identity of commits made in the workspaces.
     author: str
     base_author: str
     base_date: str
@@ -67,10 +70,9 @@ class SuiteTable(msgspec.Struct, forbid_unknown_fields=True):
     lmcache: list[str] = []
 
 
-class Kernels(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class Kernels(msgspec.Struct, forbid_unknown_fields=True):
     """``[e2e.kernels]``: the wheel the compiled CPU kernels come from, and the
-    member used (checksums as written; :mod:`hmastack.e2e.environment` lowers
-    them)."""
+    member used (checksums lowered)."""
 
     package: str
     version: str
@@ -79,24 +81,35 @@ class Kernels(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     member: str
     member_sha256: str
 
+    def __post_init__(self) -> None:
+        self.sha256, self.member_sha256 = (
+            self.sha256.lower(),
+            self.member_sha256.lower(),
+        )
+
 
 class E2ETable(msgspec.Struct, forbid_unknown_fields=True):
-    """``[e2e]``, read by :func:`hmastack.e2e.environment.load_config`."""
+    """``[e2e]``, read by :func:`hmastack.e2e.environment.section`."""
 
     torch: str
     lock: str
     kernels: Kernels
 
 
-class ConfigFile(msgspec.Struct, forbid_unknown_fields=True):
-    """The whole of ``hmastack.toml``."""
+class Config(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """The whole of ``hmastack.toml``, and ``root``, the directory it is in (set by
+    :func:`load`; not a key of the file: a TOML string is no ``Path``). Paths the
+    file names are relative to ``root``; the properties below resolve them."""
 
     series: SeriesTable
     trees: dict[str, Tree]
     env: EnvTable
     suite: SuiteTable
+    # [peers.NAME]: releases the benchmarks compare with (hmastack.bench.trees).
     peers: dict[str, Tree] = {}
+    # [e2e], None when absent (hmastack.e2e.environment.section).
     e2e: E2ETable | None = None
+    root: Path = Path()
 
     def __post_init__(self) -> None:
         for table, entries in (("trees", self.trees), ("peers", self.peers)):
@@ -107,48 +120,37 @@ class ConfigFile(msgspec.Struct, forbid_unknown_fields=True):
                     raise ValueError(f"{table}.{key}: a tree needs its tag")
                 tree.name, tree.tag = key, tree.tag or f"v{tree.version}"
 
+    @property
+    def lock(self) -> Path:
+        return self.root / self.env.lock
 
-@dataclass(frozen=True)
-class Config:
-    root: Path
-    trees: dict[str, Tree]
-    title_tag: str
-    # The stages of the series proper, the PRs "[<title_tag> K/N]" (N of them).
-    num_series_stages: int
-    # Follow-up stages numbered after them, "[<title_tag> follow-up J]".
-    num_followups: int
-    # "Name <email>": the author and sign-off of every commit of the series, and
-    # the identity of commits made in the workspaces.
-    series_author: str
-    base_author: str
-    base_date: str
-    torch: str
-    lock: Path
-    no_deps: list[str]
-    plugin: Path
-    vllm_suite: list[str]
-    deselected: Path
-    # LMCache's own tests, run in the LMCache tree at the stages that patch it.
-    lmcache_suite: list[str] = field(default_factory=list)
-    # [peers.NAME]: releases the benchmarks compare with (hmastack.bench.trees).
-    peers: dict[str, Tree] = field(default_factory=dict)
-    # [e2e], None when absent (hmastack.e2e.environment.load_config).
-    e2e: E2ETable | None = None
-    # [env] connectors_lock: hashed pins installed after ``lock`` (None: none).
-    connectors_lock: Path | None = None
+    @property
+    def plugin(self) -> Path:
+        return self.root / self.env.plugin
+
+    @property
+    def connectors_lock(self) -> Path | None:
+        """Hashed pins installed after ``lock`` (None: none)."""
+        lock = self.env.connectors_lock
+        return self.root / lock if lock else None
+
+    @property
+    def deselected(self) -> Path:
+        return self.root / self.suite.deselected
 
     @property
     def num_stages(self) -> int:
         """All stages: the series' and its follow-ups (stage 0 is the base)."""
-        return self.num_series_stages + self.num_followups
+        return self.series.stages + self.series.followups
 
     def stage_tag(self, number: int) -> str:
         """The bracketed tag every commit subject of stage ``number`` carries:
         ``[<title_tag> K/N]`` for the series' N stages, ``[<title_tag>
         follow-up J]`` for follow-up J (stage N + J)."""
-        if number <= self.num_series_stages:
-            return f"[{self.title_tag} {number}/{self.num_series_stages}]"
-        return f"[{self.title_tag} follow-up {number - self.num_series_stages}]"
+        tag, stages = self.series.title_tag, self.series.stages
+        if number <= stages:
+            return f"[{tag} {number}/{stages}]"
+        return f"[{tag} follow-up {number - stages}]"
 
     @property
     def build(self) -> Path:
@@ -208,25 +210,4 @@ def load(root: Path | None = None) -> Config:
     """Read ``hmastack.toml``; raises :class:`HmastackError` on a malformed file,
     naming the key (``trees.vllm.sha256``) and what it should be."""
     root = root or find_root()
-    data = tomlfile.load(root / CONFIG_NAME, ConfigFile)
-    series, env, suite = data.series, data.env, data.suite
-    return Config(
-        root=root,
-        trees=data.trees,
-        title_tag=series.title_tag,
-        num_series_stages=series.stages,
-        num_followups=series.followups,
-        series_author=series.author,
-        base_author=series.base_author,
-        base_date=series.base_date,
-        torch=env.torch,
-        lock=root / env.lock,
-        no_deps=list(env.no_deps),
-        plugin=root / env.plugin,
-        vllm_suite=list(suite.vllm),
-        deselected=root / suite.deselected,
-        lmcache_suite=list(suite.lmcache),
-        peers=data.peers,
-        e2e=data.e2e,
-        connectors_lock=root / env.connectors_lock if env.connectors_lock else None,
-    )
+    return msgspec.structs.replace(tomlfile.load(root / CONFIG_NAME, Config), root=root)

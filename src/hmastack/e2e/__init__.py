@@ -20,9 +20,13 @@ Entry points: :func:`run` (the report) and :func:`run_step` (the step of
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hmastack.core.config import Config
 from hmastack.core.steps import StepResult
+
+if TYPE_CHECKING:
+    from hmastack.e2e.runner import E2EReport
 
 __all__ = ["run", "run_step"]
 
@@ -35,7 +39,7 @@ def run(
     quick: bool = False,
     jobs: int = DEFAULT_JOBS,
     only: str | None = None,
-) -> dict:
+) -> E2EReport:
     """Build the environment, run the set at ``stages`` (default: every stage)
     and write ``build/reports/e2e.json``; returns the report.
 
@@ -47,14 +51,14 @@ def run(
     from hmastack.matrix import stages as matrix
     from hmastack.stack import workspace
 
-    e2e = environment.ensure(environment.load_config(cfg))
+    environment.ensure(cfg)
     all_stages = workspace.discover(cfg)
     chosen = list(range(cfg.num_stages + 1)) if stages is None else stages
 
     def trees_for(k: int) -> dict[str, Path]:
         return matrix.stage_trees(cfg, all_stages, k, root=cfg.build / "e2e" / "stages")
 
-    return runner.run_e2e(cfg, e2e, chosen, quick, jobs, trees_for, only)
+    return runner.run_e2e(cfg, chosen, quick, jobs, trees_for, only)
 
 
 def run_step(
@@ -77,12 +81,12 @@ def run_step(
     for line in bad:
         console.print(f"[red]failed:[/red] {line}", markup=True, highlight=False)
     console.print(
-        f"report: {cfg.reports / runner.REPORT} ({report['seconds']:.0f} s)",
+        f"report: {cfg.reports / runner.REPORT} ({report.seconds:.0f} s)",
         highlight=False,
     )
     what = "quick set" if quick else "full set"
     if bad:
         failed = f"{len(bad)} end-to-end verdicts failed: " + "; ".join(bad[:3])
         return StepResult(False, f"{what}: {failed}")
-    passed = f"{len(report['verdicts'])} verdicts pass ({report['seconds']:.0f} s)"
+    passed = f"{len(report.verdicts)} verdicts pass ({report.seconds:.0f} s)"
     return StepResult(True, f"{what}: {passed}")

@@ -191,7 +191,7 @@ SCENARIOS: tuple[Scenario, ...] = (
             "a request whose asynchronous load failed and left no valid token "
             "(from stage 3 in a model with sliding-window groups: "
             "can_recompute_from says start over) takes no external tokens any "
-            "more (stage-03 patch 9); before that patch the connector that offers "
+            "more (patch 3.9); before that patch the connector that offers "
             "the same hit and fails again kept it in WAITING_FOR_REMOTE_KVS for ever"
         ),
     ),
@@ -249,7 +249,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         base_bug_stalls=True,
         note=(
             "stages 0-2 stall (the base bug); from stage 3 the waiting requests give "
-            "their blocks up when nothing else can run (stage-03 patch 7), and the "
+            "their blocks up when nothing else can run (patch 3.7), and the "
             "sliding-window groups keep ~3 blocks each"
         ),
     ),
@@ -277,7 +277,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         note=(
             "stages 3-4: two requests back from their asynchronous loads wait "
             "holding 114 of 124 blocks, each needs 48 more (8 per group) for its "
-            "next chunk; without stage-03 patch 7 the engine stalls here as the "
+            "next chunk; without patch 3.7 the engine stalls here as the "
             "base does, with it they finish"
         ),
     ),

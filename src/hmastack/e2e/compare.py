@@ -8,8 +8,9 @@ same stage, model and HMA setting.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
+import msgspec
 from hmastack_testkit.window import window_min_blocks
 
 from hmastack.e2e.catalogue import BLOCK_SIZE, LOGPROB_TOLERANCE, WINDOW, Scenario
@@ -85,9 +86,9 @@ def window_bound(new_tokens: int) -> int:
     return window_min_blocks(WINDOW + new_tokens, BLOCK_SIZE)
 
 
-@dataclass
-class Verdict:
-    """One scenario at one stage, as the report and the site show it."""
+class Verdict(msgspec.Struct):
+    """One scenario at one stage, as the report (build/reports/e2e.json) and the
+    site show it."""
 
     scenario: str
     title: str
@@ -95,28 +96,21 @@ class Verdict:
     hma: bool
     connector: str
     outcome: str  # "equal" | "not equal" | "stall" | "error" | "hang" | "not run"
-    max_logprob_diff: float | None = None
-    cached: list[list] = field(default_factory=list)  # [key, expected, got]
+    # "inf" where a logprob is missing or NaN (JSON has no infinity)
+    max_logprob_diff: float | str | None = None
+    cached: list[list] = []  # [key, expected, got]
     cached_ok: bool | None = None
-    groups: list[str] = field(default_factory=list)
-    peak_blocks: dict[str, list[int]] = field(default_factory=dict)
-    loaded_blocks: dict[str, list[int]] = field(default_factory=dict)
-    null_blocks_skipped: dict[str, list[int]] = field(default_factory=dict)
-    figures: dict = field(default_factory=dict)
-    checks: dict[str, bool] = field(default_factory=dict)  # check -> passed
+    groups: list[str] = []
+    peak_blocks: dict[str, list[int]] = {}
+    loaded_blocks: dict[str, list[int]] = {}
+    null_blocks_skipped: dict[str, list[int]] = {}
+    figures: dict = {}
+    checks: dict[str, bool] = {}  # check -> passed
     expect: str = "equal"
     passed: bool = False
     caught_by: str | None = None  # negative controls: the check that failed
     detail: str = ""
     seconds: float = 0.0
-
-    def to_json(self) -> dict:
-        data = asdict(self)
-        if data["max_logprob_diff"] is not None and math.isinf(
-            data["max_logprob_diff"]
-        ):
-            data["max_logprob_diff"] = "inf"
-        return data
 
 
 def judge(
@@ -176,7 +170,8 @@ def judge(
         v.outcome = "error"
         v.detail = "no request in common with the reference"
         return v
-    v.max_logprob_diff = max(c.max_logprob_diff for c in comparisons)
+    diff = max(c.max_logprob_diff for c in comparisons)
+    v.max_logprob_diff = "inf" if math.isinf(diff) else diff
     equal = all(c.equal for c in comparisons)
     v.outcome = "equal" if equal else "not equal"
     v.cached = [

@@ -16,7 +16,7 @@ from hmastack.core import process
 from hmastack.core.config import Config
 from hmastack.core.process import run
 from hmastack.core.progress import step
-from hmastack.e2e.environment import E2EConfig
+from hmastack.e2e.environment import env_python
 from hmastack.stack import env as env_mod
 
 MODELS_SOURCE = "tests/e2e/hmastack_e2e/models.py"
@@ -30,7 +30,7 @@ def engine_support(cfg: Config) -> list[Path]:
 
 
 def engine_environ(
-    e2e: E2EConfig, trees: dict[str, Path], support: list[Path], seed: str
+    trees: dict[str, Path], support: list[Path], seed: str
 ) -> dict[str, str]:
     """The variables every engine process runs with (facts: e2e-facts.md);
     ``support``: :func:`engine_support`."""
@@ -69,7 +69,7 @@ class EngineRun:
 
 
 def run_engine_process(
-    e2e: E2EConfig,
+    cfg: Config,
     module: str,
     name: str,
     plan: dict,
@@ -90,11 +90,11 @@ def run_engine_process(
     log_file = workdir / f"{name}.log"
     out_file.unlink(missing_ok=True)
     plan_file.write_text(json.dumps(plan, indent=1))
-    env = engine_environ(e2e, trees, support, seed)
+    env = engine_environ(trees, support, seed)
     start = time.monotonic()
     with log_file.open("w") as log:
         child = process.start(
-            [e2e.python, "-m", module, plan_file, out_file],
+            [env_python(cfg), "-m", module, plan_file, out_file],
             stdout=log,
             env=env,
             session=True,
@@ -108,9 +108,9 @@ def run_engine_process(
     return EngineRun(result, child.returncode, hung, seconds, log_file)
 
 
-def ensure_models(e2e: E2EConfig, root: Path, dest: Path, names: set[str]) -> Path:
+def ensure_models(cfg: Config, dest: Path, names: set[str]) -> Path:
     """Generate the tiny models (seeded) into ``dest`` once per models.py."""
-    key = hashlib.sha256((root / MODELS_SOURCE).read_bytes()).hexdigest()
+    key = hashlib.sha256((cfg.root / MODELS_SOURCE).read_bytes()).hexdigest()
     key_file = dest / ".key"
     todo = sorted(n for n in names if not (dest / n / "config.json").is_file())
     if key_file.is_file() and key_file.read_text() == key and not todo:
@@ -120,9 +120,9 @@ def ensure_models(e2e: E2EConfig, root: Path, dest: Path, names: set[str]) -> Pa
         if tmp.exists():
             rmtree(tmp)
         run(
-            [e2e.python, "-m", "hmastack_e2e.models", tmp, *sorted(names)],
-            env={"PYTHONPATH": str(root / "tests" / "e2e"), "OMP_NUM_THREADS": "1"},
-            log=e2e.build / "logs" / "e2e-models.log",
+            [env_python(cfg), "-m", "hmastack_e2e.models", tmp, *sorted(names)],
+            env={"PYTHONPATH": str(cfg.root / "tests" / "e2e"), "OMP_NUM_THREADS": "1"},
+            log=cfg.build / "logs" / "e2e-models.log",
         )
         if dest.exists():
             rmtree(dest)

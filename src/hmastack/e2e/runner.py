@@ -12,14 +12,17 @@ process that outlives its time is killed and its scenarios are reported as
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
+
+from hmastack.core import reports
 from hmastack.core.config import Config
+from hmastack.core.errors import HmastackError
 from hmastack.core.progress import console, step
 from hmastack.e2e import catalogue as cat
 from hmastack.e2e.compare import Verdict, admission_check, judge
@@ -29,7 +32,7 @@ from hmastack.e2e.engine import (
     rmtree,
     run_engine_process,
 )
-from hmastack.e2e.environment import E2EConfig, place_kernels
+from hmastack.e2e.environment import place_kernels
 
 REPORT = "e2e.json"
 PROCESS_TIMEOUT = 240.0  # seconds for one engine process, plus per scenario:
@@ -162,7 +165,7 @@ def plan_stage(stage: int, scenarios: list[cat.Scenario]) -> list[Process]:
 
 
 def run_process(
-    e2e: E2EConfig,
+    cfg: Config,
     proc: Process,
     trees: dict[str, Path],
     support: list[Path],
@@ -182,7 +185,7 @@ def run_process(
     )
     timeout = PROCESS_TIMEOUT + SCENARIO_TIMEOUT * len(proc.functions)
     ran = run_engine_process(
-        e2e,
+        cfg,
         "hmastack_e2e.driver",
         proc.name,
         proc.plan(models / proc.model, store),
@@ -215,26 +218,42 @@ def run_process(
     proc.result = result
 
 
-@dataclass
-class StageRun:
+class StageRun(msgspec.Struct):
+    """The engine processes of one stage (an entry of the report's ``runs``)."""
+
     stage: int
-    verdicts: list[Verdict]
-    processes: list[dict]
     seconds: float
+    processes: list[dict]
+
+
+class E2EReport(msgspec.Struct):
+    """build/reports/e2e.json, written by :func:`run_e2e`, read by
+    :func:`read_report` (the site's page)."""
+
+    generated: str
+    quick: bool  # the CI-sized set
+    stages: list[int]
+    tolerance: float  # of the largest logprob difference
+    seconds: float
+    runs: list[StageRun]
+    verdicts: list[Verdict]
+
+
+def read_report(path: Path) -> E2EReport | None:
+    return reports.read(path, E2EReport, "hmastack e2e")
 
 
 def run_stage(
     cfg: Config,
-    e2e: E2EConfig,
     stage: int,
     trees: dict[str, Path],
     scenarios: list[cat.Scenario],
     jobs: int,
     models: Path,
-) -> StageRun:
+) -> tuple[StageRun, list[Verdict]]:
     """Every process of ``stage``, then the verdicts."""
     start = time.monotonic()
-    place_kernels(e2e, trees["vllm"])
+    place_kernels(cfg, trees["vllm"])
     support = engine_support(cfg)
     workdir = cfg.build / "e2e" / "runs" / str(stage)
     if workdir.exists():
@@ -246,7 +265,7 @@ def run_stage(
             continue
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
             futures = [
-                pool.submit(run_process, e2e, p, trees, support, models, workdir)
+                pool.submit(run_process, cfg, p, trees, support, models, workdir)
                 for p in batch
             ]
             for f in futures:
@@ -257,15 +276,15 @@ def run_stage(
             p.side_channel_port = free_port()
         with ThreadPoolExecutor(max_workers=2) as pool:
             futures = [
-                pool.submit(run_process, e2e, p, trees, support, models, workdir)
+                pool.submit(run_process, cfg, p, trees, support, models, workdir)
                 for p in pair
             ]
             for f in futures:
                 f.result()
     verdicts = judge_stage(stage, scenarios, procs)
-    return StageRun(
+    run = StageRun(
         stage,
-        verdicts,
+        round(time.monotonic() - start, 1),
         [
             {
                 "name": p.name,
@@ -277,8 +296,8 @@ def run_stage(
             }
             for p in procs
         ],
-        time.monotonic() - start,
     )
+    return run, verdicts
 
 
 def nixl_pairs(procs: list[Process]) -> list[tuple[Process, ...]]:
@@ -387,91 +406,79 @@ def _admission(verdicts: list[Verdict]) -> None:
 
 def run_e2e(
     cfg: Config,
-    e2e: E2EConfig,
     stages: list[int],
     quick: bool,
     jobs: int,
     trees_for: Callable[[int], dict[str, Path]],
     only: str | None = None,
-) -> dict:
+) -> E2EReport:
     """Run the set (``quick``: the CI-sized one; ``only``: the scenarios whose
     id contains it) at ``stages``; returns the report written to
     ``build/reports/e2e.json``."""
     scenarios = cat.selected(quick, only)
     models = ensure_models(
-        e2e, cfg.root, cfg.build / "e2e" / "models", {s.model for s in scenarios}
+        cfg, cfg.build / "e2e" / "models", {s.model for s in scenarios}
     )
     start = time.monotonic()
-    runs = []
+    runs: list[StageRun] = []
+    verdicts: list[Verdict] = []
     for k in stages:
         with step(f"stage {k}: trees (git am) and compiled kernels"):
             trees = trees_for(k)
         n = sum(1 for s in scenarios if cat.runs_at(s, k))
         with step(f"stage {k}: {n} scenarios in engine processes ({jobs} at once)"):
-            runs.append(run_stage(cfg, e2e, k, trees, scenarios, jobs, models))
+            run, judged = run_stage(cfg, k, trees, scenarios, jobs, models)
+        runs.append(run)
+        verdicts += judged
     path = cfg.reports / REPORT
-    report = merge_report(
-        _previous(path),
-        {
-            "generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "quick": quick,
-            "stages": stages,
-            "tolerance": cat.LOGPROB_TOLERANCE,
-            "seconds": round(time.monotonic() - start, 1),
-            "runs": [
-                {
-                    "stage": r.stage,
-                    "seconds": round(r.seconds, 1),
-                    "processes": r.processes,
-                }
-                for r in runs
-            ],
-            "verdicts": [v.to_json() for r in runs for v in r.verdicts],
-        },
+    new = E2EReport(
+        generated=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        quick=quick,
+        stages=stages,
+        tolerance=cat.LOGPROB_TOLERANCE,
+        seconds=round(time.monotonic() - start, 1),
+        runs=runs,
+        verdicts=verdicts,
     )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1) + "\n")
+    try:
+        previous = read_report(path)
+    except HmastackError:
+        previous = None  # another version's report: this run writes it anew
+    report = merge_report(previous, new)
+    reports.write(path, report)
     return report
 
 
-def _previous(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def merge_report(previous: dict | None, new: dict) -> dict:
+def merge_report(previous: E2EReport | None, new: E2EReport) -> E2EReport:
     """``new`` plus the stages of ``previous`` it did not run (same set only:
     a quick report never mixes with a full one). ``seconds`` stays this run's."""
-    if not previous or previous.get("quick") != new["quick"]:
+    if previous is None or previous.quick != new.quick:
         return new
-    kept = [k for k in previous.get("stages", []) if k not in new["stages"]]
-    return {
-        **new,
-        "stages": sorted(kept + new["stages"]),
-        "runs": sorted(
-            [r for r in previous.get("runs", []) if r["stage"] in kept] + new["runs"],
-            key=lambda r: r["stage"],
+    kept = [k for k in previous.stages if k not in new.stages]
+    return msgspec.structs.replace(
+        new,
+        stages=sorted(kept + new.stages),
+        runs=sorted(
+            [r for r in previous.runs if r.stage in kept] + new.runs,
+            key=lambda r: r.stage,
         ),
-        "verdicts": sorted(
-            [v for v in previous.get("verdicts", []) if v["stage"] in kept]
-            + new["verdicts"],
-            key=lambda v: v["stage"],
+        verdicts=sorted(
+            [v for v in previous.verdicts if v.stage in kept] + new.verdicts,
+            key=lambda v: v.stage,
         ),
-    }
+    )
 
 
-def failures(report: dict) -> list[str]:
+def failures(report: E2EReport) -> list[str]:
     return [
-        f"stage {v['stage']} {v['scenario']}: {v['outcome']}"
-        + (f" ({v['detail'][:200]})" if v.get("detail") else "")
-        for v in report["verdicts"]
-        if not v["passed"]
+        f"stage {v.stage} {v.scenario}: {v.outcome}"
+        + (f" ({v.detail[:200]})" if v.detail else "")
+        for v in report.verdicts
+        if not v.passed
     ]
 
 
-def print_table(report: dict) -> None:
+def print_table(report: E2EReport) -> None:
     from hmastack.e2e.site import result_table
 
     console.print(result_table(report))

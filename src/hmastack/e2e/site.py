@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from hmastack.core.markdown import md_table
+from hmastack.e2e.compare import Verdict
+from hmastack.e2e.runner import E2EReport, read_report
 
 PAGE = "end-to-end.md"
 
@@ -37,27 +38,27 @@ difference · cached tokens of the first hit*.
 """
 
 
-def _cell(v: dict) -> str:
-    mark = "✓" if v["passed"] else "✗"
-    out = v["outcome"]
-    diff = v.get("max_logprob_diff")
+def _cell(v: Verdict) -> str:
+    mark = "✓" if v.passed else "✗"
+    out = v.outcome
+    diff = v.max_logprob_diff
     parts = [f"{mark} {out}"]
     if diff is not None:
         parts.append(diff if isinstance(diff, str) else f"{diff:.1e}")
-    hits = [c for c in v.get("cached", []) if c[1]]
+    hits = [c for c in v.cached if c[1]]
     if hits:
         parts.append(f"{hits[0][2]}/{hits[0][1]}")
     return " · ".join(parts)
 
 
-def result_table(report: dict) -> str:
+def result_table(report: E2EReport) -> str:
     """Scenario x stage, one cell per verdict (markdown)."""
-    stages = sorted({v["stage"] for v in report["verdicts"]})
-    rows: dict[str, dict[int, dict]] = {}
+    stages = sorted({v.stage for v in report.verdicts})
+    rows: dict[str, dict[int, Verdict]] = {}
     titles: dict[str, str] = {}
-    for v in report["verdicts"]:
-        rows.setdefault(v["scenario"], {})[v["stage"]] = v
-        titles[v["scenario"]] = v["title"]
+    for v in report.verdicts:
+        rows.setdefault(v.scenario, {})[v.stage] = v
+        titles[v.scenario] = v.title
     table = []
     for name, by_stage in rows.items():
         table.append(
@@ -68,27 +69,26 @@ def result_table(report: dict) -> str:
 
 
 def blocks_table(
-    report: dict, scenario: str = "memory-window", key: str = "long-b"
+    report: E2EReport, scenario: str = "memory-window", key: str = "long-b"
 ) -> str:
     """Per stage: the KV cache groups and the most real blocks each held for the
     long request ``key`` (read from the engine's KV cache manager)."""
     rows = []
-    for v in report["verdicts"]:
-        if not v["scenario"].startswith(scenario):
+    for v in report.verdicts:
+        if not v.scenario.startswith(scenario):
             continue
-        peak = v.get("peak_blocks", {}).get(key)
-        loaded = v.get("loaded_blocks", {}).get(key)
-        groups = v.get("groups", [])
+        peak = v.peak_blocks.get(key)
+        loaded = v.loaded_blocks.get(key)
         rows.append(
             [
-                str(v["stage"]),
-                f"`{v['scenario']}`",
-                "on" if v["hma"] else "off",
-                ", ".join(g.replace("Spec", "") for g in groups),
+                str(v.stage),
+                f"`{v.scenario}`",
+                "on" if v.hma else "off",
+                ", ".join(g.replace("Spec", "") for g in v.groups),
                 " / ".join(map(str, peak)) if peak else "-",
                 " / ".join(map(str, loaded)) if loaded else "-",
-                str(v.get("figures", {}).get("window_bound_blocks", "-")),
-                "✓" if v.get("checks", {}).get("window") else "✗",
+                str(v.figures.get("window_bound_blocks", "-")),
+                "✓" if v.checks.get("window") else "✗",
             ]
         )
     return md_table(
@@ -106,17 +106,17 @@ def blocks_table(
     )
 
 
-def controls_table(report: dict) -> str:
+def controls_table(report: E2EReport) -> str:
     rows = [
         [
-            str(v["stage"]),
-            f"`{v['scenario']}`",
-            v["title"],
-            v.get("caught_by") or "nothing",
-            "caught ✓" if v["passed"] else "MISSED ✗",
+            str(v.stage),
+            f"`{v.scenario}`",
+            v.title,
+            v.caught_by or "nothing",
+            "caught ✓" if v.passed else "MISSED ✗",
         ]
-        for v in report["verdicts"]
-        if v.get("expect") == "caught"
+        for v in report.verdicts
+        if v.expect == "caught"
     ]
     return md_table(["stage", "control", "what", "failed checks", "result"], rows)
 
@@ -124,18 +124,17 @@ def controls_table(report: dict) -> str:
 def page(report_path: Path) -> str:
     """The page's markdown; says so when the report is missing."""
     out = [INTRO]
-    try:
-        report = json.loads(report_path.read_text())
-    except (OSError, ValueError):
+    report = read_report(report_path)
+    if report is None:
         out.append(
             '!!! note "Not run yet"\n    `hmastack e2e` writes '
             "`build/reports/e2e.json`; it is not there yet.\n"
         )
         return "\n".join(out)
-    quick = " (the CI-sized set, `--quick`)" if report.get("quick") else ""
+    quick = " (the CI-sized set, `--quick`)" if report.quick else ""
     out.append(
-        f"## Results\n\nRun {report['generated']}{quick}, "
-        f"{report['seconds']:.0f} s, tolerance {report['tolerance']:g}.\n"
+        f"## Results\n\nRun {report.generated}{quick}, "
+        f"{report.seconds:.0f} s, tolerance {report.tolerance:g}.\n"
     )
     out.append(result_table(report))
     out.append("## Negative controls\n\nEach must be caught by the named check.\n")
@@ -147,7 +146,7 @@ def page(report_path: Path) -> str:
         "scheduler's KV cache manager.\n"
     )
     out.append(blocks_table(report))
-    if any(v["scenario"].startswith("offload-reload") for v in report["verdicts"]):
+    if any(v.scenario.startswith("offload-reload") for v in report.verdicts):
         out.append(
             "## Served again from OffloadingConnector's second tier\n\nA "
             "1064-token prompt is served, its blocks stored as they fill; once "
@@ -158,8 +157,8 @@ def page(report_path: Path) -> str:
         out.append(blocks_table(report, "offload-reload", "reload"))
     adm = [
         v
-        for v in report["verdicts"]
-        if v["scenario"].startswith("admission") and "max_running" in v["figures"]
+        for v in report.verdicts
+        if v.scenario.startswith("admission") and "max_running" in v.figures
     ]
     if adm:
         out.append(
@@ -171,10 +170,10 @@ def page(report_path: Path) -> str:
                 ["stage", "run", "HMA", "most running at once"],
                 [
                     [
-                        str(v["stage"]),
-                        f"`{v['scenario']}`",
-                        "on" if v["hma"] else "off",
-                        str(v["figures"]["max_running"]),
+                        str(v.stage),
+                        f"`{v.scenario}`",
+                        "on" if v.hma else "off",
+                        str(v.figures["max_running"]),
                     ]
                     for v in adm
                 ],
@@ -185,18 +184,11 @@ def page(report_path: Path) -> str:
     out.append("## Not run on the CPU engine\n")
     out += [f"- **{what}**: {why}" for what, why in UNSUPPORTED.items()]
     out.append("")
-    bugs = {
-        v["detail"]
-        for v in report["verdicts"]
-        if v["detail"].startswith("known base bug")
-    }
-    stalls = [v for v in report["verdicts"] if v["outcome"] == "stall"]
+    bugs = {v.detail for v in report.verdicts if v.detail.startswith("known base bug")}
+    stalls = [v for v in report.verdicts if v.outcome == "stall"]
     if bugs or stalls:
         out.append("## Engine bugs seen\n")
         out += [f"- {b}" for b in sorted(bugs)]
-        out += [
-            f"- stage {v['stage']} `{v['scenario']}`: stall: {v['detail']}"
-            for v in stalls
-        ]
+        out += [f"- stage {v.stage} `{v.scenario}`: stall: {v.detail}" for v in stalls]
         out.append("")
     return "\n".join(out)

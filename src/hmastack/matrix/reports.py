@@ -9,14 +9,15 @@ from __future__ import annotations
 import json
 import platform
 import time
-import typing
 from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
 from rich.table import Table
 
+from hmastack.core import reports
 from hmastack.core.config import Config
+from hmastack.core.errors import HmastackError
 from hmastack.core.markdown import md_table
 from hmastack.core.progress import console
 from hmastack.matrix.pytest_runs import PytestResult
@@ -99,24 +100,15 @@ class CommitReport(msgspec.Struct):
 STAGE_REPORT = "stages.json"
 COMMIT_REPORT = "commits.json"
 
-_R = typing.TypeVar("_R", StageReport, CommitReport)
-
-
-def _read(path: Path, type_: type[_R]) -> _R | None:
-    """The report at ``path``; None when it is missing or does not decode as
-    ``type_`` (written by another version: the next run writes it anew)."""
-    try:
-        return msgspec.json.decode(path.read_bytes(), type=type_)
-    except (OSError, msgspec.DecodeError):
-        return None
-
 
 def read_stage_report(cfg: Config) -> StageReport | None:
-    return _read(cfg.reports / STAGE_REPORT, StageReport)
+    return reports.read(cfg.reports / STAGE_REPORT, StageReport, "hmastack test")
 
 
 def read_commit_report(cfg: Config) -> CommitReport | None:
-    return _read(cfg.reports / COMMIT_REPORT, CommitReport)
+    return reports.read(
+        cfg.reports / COMMIT_REPORT, CommitReport, "hmastack test --per-commit"
+    )
 
 
 def _write(path: Path, key: str, entries: Sequence[StageResult | CommitResult]) -> None:
@@ -131,7 +123,10 @@ def _write(path: Path, key: str, entries: Sequence[StageResult | CommitResult]) 
 
 def write_stage_report(cfg: Config, results: Sequence[StageResult]) -> Path:
     """Merge ``results`` into build/reports/stages.json (keyed by stage)."""
-    previous = read_stage_report(cfg)
+    try:
+        previous = read_stage_report(cfg)
+    except HmastackError:
+        previous = None  # another version's report: this run writes it anew
     merged = {s.stage: s for s in (previous.stages if previous else [])}
     merged.update((r.stage, r) for r in results)
     path = cfg.reports / STAGE_REPORT

@@ -77,7 +77,7 @@ def stage_trees(
             git(
                 cfg.root, "clone", "-q", "--no-checkout", cfg.workspace(tree.name), dest
             )
-            set_identity(dest, cfg.series_author)
+            set_identity(dest, cfg.series.author)
         git(dest, "fetch", "-q", "--tags", cfg.workspace(tree.name))
         apply_to(dest, tree, stages, k)
         git(dest, "clean", "-q", "-fdx")
@@ -112,7 +112,7 @@ def vllm_suite_args(cfg: Config, deselected: list[Deselected]) -> list[str]:
     """pytest arguments of the selected vLLM suite (``[suite] vllm``) minus
     ``env/deselected.toml``: ``--ignore`` for a whole file, ``--deselect`` for
     a test."""
-    args = list(cfg.vllm_suite)
+    args = list(cfg.suite.vllm)
     for entry in deselected:
         if entry.is_file:
             args.append(f"--ignore={entry.node}")
@@ -161,7 +161,7 @@ def own_vllm_tests(
         for path in out.splitlines()
         if Path(path).name.startswith("test_")
         and path.endswith(".py")
-        and any(path.startswith(f"{root.rstrip('/')}/") for root in cfg.vllm_suite)
+        and any(path.startswith(f"{root.rstrip('/')}/") for root in cfg.suite.vllm)
         and path not in ignored
     ]
     args = []
@@ -212,14 +212,14 @@ def run_stage(
                 [vllm_tree],
                 logs / f"stage-{stage}-vllm.log",
             )
-        if patches.get("lmcache") and cfg.lmcache_suite:
+        if patches.get("lmcache") and cfg.suite.lmcache:
             # From the LMCache tree: pytest finds LMCache's tests/pytest.ini
             # and tests/conftest.py (its own configuration), and imports the
             # patched vLLM tree.
             result.lmcache = run_pytest(
                 cfg,
                 pyenv,
-                list(cfg.lmcache_suite),
+                list(cfg.suite.lmcache),
                 trees["lmcache"],
                 [vllm_tree, trees["lmcache"]],
                 logs / f"stage-{stage}-lmcache.log",
@@ -297,7 +297,7 @@ def _commit_clone(cfg: Config, tree_name: str, slot: int) -> Path:
     if not is_repo(dest):
         dest.parent.mkdir(parents=True, exist_ok=True)
         git(cfg.root, "clone", "-q", "--no-checkout", cfg.workspace(tree_name), dest)
-        set_identity(dest, cfg.series_author)
+        set_identity(dest, cfg.series.author)
     git(dest, "fetch", "-q", "--tags", cfg.workspace(tree_name))
     return dest
 

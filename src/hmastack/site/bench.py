@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from hmastack.bench.report import BenchRun, read_run
 from hmastack.core.config import Config
 from hmastack.core.markdown import md_table
 from hmastack.site import reports as site_reports
@@ -64,7 +65,7 @@ def _shown(trees: list[str]) -> list[str]:
     return list(dict.fromkeys([trees[0], *stages[-1:], *others[-1:]]))
 
 
-def headline(reports: dict[str, dict], run: dict) -> list[str]:
+def headline(reports: dict[str, dict], run: BenchRun | None) -> list[str]:
     """One line per result, with its figure: what the series changes."""
     out = []
     peak = reports.get("peak_blocks", {}).get("rows", [])
@@ -180,21 +181,12 @@ def headline(reports: dict[str, dict], run: dict) -> list[str]:
         )
     if run:
         out.append(
-            f"Last run: {'quick set' if run.get('quick') else 'full set'}"
-            + (
-                f" (count settings: {run['count_settings']})"
-                if run.get("count_settings")
-                else ""
-            )
-            + (f", {', '.join(run['scenarios'])}" if run.get("scenarios") else "")
-            + ", "
-            + f"{run.get('generated', '?')}, {run.get('seconds', '?')} s"
+            f"Last run: {'quick set' if run.quick else 'full set'}"
+            + (f" (count settings: {run.count_settings})" if run.count_settings else "")
+            + (f", {', '.join(run.scenarios)}" if run.scenarios else "")
+            + f", {run.generated}, {run.seconds:.0f} s"
             + _scenario_seconds(reports)
-            + (
-                f"; failures: {'; '.join(run['failures'])}"
-                if run.get("failures")
-                else ""
-            )
+            + (f"; failures: {'; '.join(run.failures)}" if run.failures else "")
             + "."
         )
     return out
@@ -332,7 +324,7 @@ def page(cfg: Config, site: Any) -> str:
         out.append(method_text)
         return "\n".join(out)
     reports = {b.name: _load(folder, b.name) for b in benches}
-    run = _load(folder, "run")
+    run = read_run(folder)
     out.append("## Headline\n")
     out += [f"* {line}" for line in headline(reports, run)]
     out.append("")

@@ -213,7 +213,7 @@ def trace_table(trace: list[dict], violated: str | None = None) -> str:
 COUNTEREXAMPLES = [
     (
         "series-save-race",
-        "The save race of stage 03's allocation alone (before patch 14)",
+        "The save race of stage 03's allocation alone (before patch 3.14)",
         "A connector whose store of a running request's blocks outlives the step "
         '(`SaveMode = "async"`): the next `allocate_slots` calls '
         "`remove_skipped_blocks`, which puts a sliding-window block the store still "
@@ -221,55 +221,55 @@ COUNTEREXAMPLES = [
         "hold for it; "
         "`tests/stages/s00_base/test_legacy_counterexample.py::"
         "test_series_race_absent` "
-        "replays this scenario through vLLM with the hold: patch 14 of stage 03 "
+        "replays this scenario through vLLM with the hold: patch 3.14 "
         "(`request_blocks_freed`, `series-saves`) keeps such blocks until the "
         "store is done.",
     ),
     (
         "series-stall",
-        "The stall (deadlock) of stage 03's allocation alone (before patch 7)",
+        "The stall (deadlock) of stage 03's allocation alone (before patch 3.7)",
         "Two requests back from asynchronous loads wait holding their blocks, no "
         "block is free, neither's next chunk fits, and the scheduler preempts only "
         "running requests: nothing can happen any more (TLC: deadlock). With aborts "
-        "a client eventually gives up; without, the engine hangs. Patch 7 removes "
+        "a client eventually gives up; without, the engine hangs. Patch 3.7 removes "
         "it (`series-stall-fixed`, nightly; `series-liveness-2`).",
     ),
     (
         "series-stall-small-pool",
         "Stage 03's commits on a pool below vLLM's start-up check",
         "A request preempted after its prefill loads one token asynchronously; its "
-        "next chunk needs more blocks than the pool has left, and patch 7 frees the "
+        "next chunk needs more blocks than the pool has left, and patch 3.7 frees the "
         "blocks of the other waiting requests, never those of the request it cannot "
         "allocate. Only on pools smaller than `check_enough_kv_cache_memory` "
         "allows (`PoolChecked`).",
     ),
     (
         "series-stale-read-abort",
-        "A load failure whose block stays in the prefix cache (before patch 5)",
+        "A load failure whose block stays in the prefix cache (before patch 3.5)",
         "A synchronous load fails; the request will recompute the block in place "
         '(policy "recompute"), so `_handle_invalid_blocks` keeps the published '
         "invalid block in the prefix cache. The request is aborted before it "
         "recomputes, and the next request hits the invalid block (`NoStaleRead`). "
-        "Patch 5 evicts it (`series-faults`).",
+        "Patch 3.5 evicts it (`series-faults`).",
     ),
     (
         "mutations/range-by-cached",
-        "A load failure lost after a preemption (before patch 8)",
+        "A load failure lost after a preemption (before patch 3.8)",
         "`Request.num_cached_tokens` is set when a request is first scheduled and "
         "never reset. A request first scheduled with a 2-token hit is preempted, "
         "comes back with external tokens loaded synchronously, and the load fails "
         "after token 2: a scan of only the first `num_cached_tokens` of a running "
         "request ignores the failure, and the request reads KV that was never "
-        "loaded (`NoStaleRead`). Patch 8 scans the tokens computed before the "
+        "loaded (`NoStaleRead`). Patch 3.8 scans the tokens computed before the "
         "step (`series-stale-read-preempt` passes).",
     ),
     (
         "series-loads-fail-alloc-only",
-        "A connector whose loads all fail: the request loads again (before patch 9)",
+        "A connector whose loads all fail: the request loads again (before patch 3.9)",
         "An asynchronous load fails at its first block; no token is valid, the "
         "request starts over, the connector offers the same tokens again and the "
         "load fails again, for ever (`Liveness`; the real engine showed it as the "
-        "`load-failure-persistent` stall). Patch 9 takes no external tokens for "
+        "`load-failure-persistent` stall). Patch 3.9 takes no external tokens for "
         "such a request (`series-loads-fail` passes).",
     ),
     (
@@ -277,7 +277,7 @@ COUNTEREXAMPLES = [
         "Liveness fails for two requests (stage 03's allocation alone)",
         "Under the fairness assumptions, the behaviour ends in the stall above and "
         "stutters there: neither request finishes. `series-liveness-2` (stage 03's "
-        "commits, patch 7) passes.",
+        "commits, patch 3.7) passes.",
     ),
     (
         "mutations/eagle-base",
@@ -339,7 +339,7 @@ def model_page(root: Path, reports_dir: Path) -> str:
     # The main module (spec/tlc.toml) first; others (EagleHits) are models of
     # their own, listed with the manifest's models.
     try:
-        main = spec_manifest.load_settings(root).module
+        main = spec_manifest.load_settings(root).spec.module
     except Exception:  # noqa: BLE001 - no settings: the first module
         main = None
     specs.sort(key=lambda p: p.stem != main)
@@ -388,7 +388,7 @@ def model_page(root: Path, reports_dir: Path) -> str:
     reports = {n: spec_mod.read_report(reports_dir, n) for n in models}
     rows = []
     for name, m in models.items():
-        mc = read_cfg(m.cfg) if m.cfg.is_file() else None
+        mc = read_cfg(m.path) if m.path.is_file() else None
         r = reports[name]
         want = m.result + (f" ({m.prop})" if m.prop and m.result != "success" else "")
         if r is None:
@@ -466,7 +466,7 @@ def manifest_table(root: Path) -> str:
         return f"Manifest unreadable: {exc}\n"
     rows = []
     for name, m in models.items():
-        mc = read_cfg(m.cfg) if m.cfg.is_file() else None
+        mc = read_cfg(m.path) if m.path.is_file() else None
         want = m.result + (f" ({m.prop})" if m.prop and m.result != "success" else "")
         if m.result == "success" and m.distinct_states is not None:
             size = f"{m.distinct_states:,} / {m.generated_states:,}, depth {m.depth}"

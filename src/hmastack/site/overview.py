@@ -5,8 +5,7 @@ markers of ``docs/``).
 
 from __future__ import annotations
 
-import json
-
+from hmastack.conform.run import read_report
 from hmastack.core.config import Config
 from hmastack.core.markdown import md_table
 from hmastack.matrix.reports import HEADERS, StageReport
@@ -97,8 +96,12 @@ def checklist_block(
             "stage",
             "cover letter sections",
             "patches",
-            f"subjects carry `[{cfg.title_tag} K/{cfg.num_series_stages}]`"
-            + (f" or `[{cfg.title_tag} follow-up J]`" if cfg.num_followups else ""),
+            f"subjects carry `[{cfg.series.title_tag} K/{cfg.series.stages}]`"
+            + (
+                f" or `[{cfg.series.title_tag} follow-up J]`"
+                if cfg.series.followups
+                else ""
+            ),
             "tests travel with it",
             "suite green",
             "ruff clean",
@@ -124,47 +127,42 @@ def summary_cell(summary: dict) -> str:
 
 def conformance_block(cfg: Config) -> str:
     """The last ``hmastack conform`` report (build/reports/conformance.json)."""
-    path = cfg.reports / "conformance.json"
-    if not path.is_file():
+    report = read_report(cfg)
+    if report is None:
         return (
             "`hmastack conform` has not run yet here, so this build shows no "
             "conformance results (run it, or `make test`).\n"
         )
-    report = json.loads(path.read_text())
-    t = report["traces"]
-    rows = []
-    for r in report["series"]:
-        detail = summary_cell(r.get("summary") or {})
-        rows.append(
-            [
-                r["suite"],
-                f"{r['passed']} passed / {r['failed']} failed",
-                f"{r['seconds']:.0f}",
-                detail,
-            ]
-        )
+    t = report.traces
+    rows = [
+        [
+            r.suite,
+            f"{r.passed} passed / {r.failed} failed",
+            f"{r.seconds:.0f}",
+            summary_cell(r.summary),
+        ]
+        for r in report.series
+    ]
     out = [
-        f"Last run: {t['count']} TLC behaviours of `{t['model']}` ({t['steps']} "
-        f"steps, seed {t['seed']}) at stage {report['stage']}.\n",
+        f"Last run: {t.count} TLC behaviours of `{t.model}` ({t.steps} "
+        f"steps, seed {t.seed}) at stage {report.stage}.\n",
         md_table(["suite", "tests", "seconds", "summary"], rows),
     ]
-    if report["breaks"]:
-        rows = []
-        for b in report["breaks"]:
-            runs = {r["suite"]: r for r in b["runs"]}
-            rows.append(
-                [f"`{b['name']}`", b["protection"]]
-                + [
-                    (
-                        f"caught ({r['seconds']:.0f} s): {r['first_failure'][:90]}"
-                        if not r["ok"]
-                        else "passes"
-                    )
-                    for r in runs.values()
-                ]
-            )
+    if report.breaks:
+        rows = [
+            [f"`{b.brk.name}`", b.brk.protection]
+            + [
+                (
+                    f"caught ({r.seconds:.0f} s): {r.first_failure[:90]}"
+                    if not r.ok
+                    else "passes"
+                )
+                for r in b.runs
+            ]
+            for b in report.breaks
+        ]
         headers = ["break", "protection removed"] + list(
-            {r["suite"]: None for b in report["breaks"] for r in b["runs"]}
+            {r.suite: None for b in report.breaks for r in b.runs}
         )
         out += ["", "Deliberately broken copies of the stage tree:\n"]
         out.append(md_table(headers, rows))

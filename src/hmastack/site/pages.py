@@ -352,10 +352,10 @@ def stage_page(
     )
     summary = [
         (
-            f"**Stage {s.number} of {cfg.num_series_stages}**"
-            if s.number <= cfg.num_series_stages
-            else f"**Stage {s.number}: follow-up {s.number - cfg.num_series_stages} "
-            f"to the {cfg.num_series_stages} stages of the series**"
+            f"**Stage {s.number} of {cfg.series.stages}**"
+            if s.number <= cfg.series.stages
+            else f"**Stage {s.number}: follow-up {s.number - cfg.series.stages} "
+            f"to the {cfg.series.stages} stages of the series**"
         )
         + f" · `patches/{s.name}/`",
         f"**Patches:** {counts}",

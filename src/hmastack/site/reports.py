@@ -8,10 +8,10 @@ A missing report is None (the page then says "not run yet").
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from hmastack.bench.report import RUN_REPORTS, read_scenario
 from hmastack.core.config import Config
 from hmastack.matrix.reports import StageResult, stage_table_rows
 
@@ -40,7 +40,8 @@ class Bench:
 
 
 def load_benchmarks(cfg: Config) -> tuple[list[Bench], list[Path]]:
-    """Each bench report and its plots (``<name>*.png``); and plots no report names."""
+    """Each scenario's report and its plots (``<name>*.png``); and plots no
+    report names."""
     folder = cfg.reports / "bench"
     if not folder.is_dir():
         return [], []
@@ -48,25 +49,12 @@ def load_benchmarks(cfg: Config) -> tuple[list[Bench], list[Path]]:
     used: set[Path] = set()
     benches = []
     for path in sorted(folder.glob("*.json")):
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
+        if path.name in RUN_REPORTS:
             continue
-        if not isinstance(data, dict):
-            data = {"rows": data} if isinstance(data, list) else {}
-        rows: list[dict] = []
-        for key in ("rows", "results", "points", "runs", "data"):
-            if isinstance(data.get(key), list):
-                rows = [r for r in data[key] if isinstance(r, dict)]
-                break
+        report = read_scenario(path)
+        assert report is not None  # globbed
         mine = [p for p in plots if p.stem.startswith(path.stem)]
         used.update(mine)
-        benches.append(
-            Bench(
-                name=path.stem,
-                title=str(data.get("title") or path.stem.replace("_", " ")),
-                rows=rows,
-                plots=mine,
-            )
-        )
+        title = report.title or path.stem.replace("_", " ")
+        benches.append(Bench(path.stem, title, report.rows, mine))
     return benches, [p for p in plots if p not in used]

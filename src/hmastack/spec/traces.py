@@ -98,7 +98,7 @@ def _resolve_cfg(
         raise HmastackError(
             f"unknown model {name}", f"known: {', '.join(models)}, or a .cfg path"
         )
-    return name, models[name].cfg, models[name].module
+    return name, models[name].path, models[name].module
 
 
 def generate(
@@ -125,8 +125,8 @@ def generate(
     settings = spec_manifest.load_settings(root)
     java = spec_install.find_java()
     jar = spec_install.resolve_jar(root, settings)
-    seed = settings.seed if seed is None else seed
-    module = module or settings.module
+    seed = settings.run.seed if seed is None else seed
+    module = module or settings.spec.module
     tla_file = settings.spec_dir / f"{module}.tla"
     if not tla_file.is_file():
         raise HmastackError(f"no module {module} in spec/", "pass a spec/*.tla name")
@@ -230,9 +230,9 @@ def counterexample(name: str, out: Path, *, root: Path | None = None) -> dict[st
     ]
     doc = {
         "model": name,
-        "cfg": str(model.cfg.relative_to(root)),
+        "cfg": str(model.path.relative_to(root)),
         "violated": report["violated"],
-        "constants": parse_cfg_constants(model.cfg.read_text()),
+        "constants": parse_cfg_constants(model.path.read_text()),
         "states": states,
     }
     out.parent.mkdir(parents=True, exist_ok=True)

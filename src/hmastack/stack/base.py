@@ -134,7 +134,7 @@ def materialize(cfg: Config, tree: Tree) -> str:
         tempfile.TemporaryDirectory(dir=repo.parent, prefix=f".{tree.name}-") as tmp,
     ):
         work = _unpack(sdist, Path(tmp))
-        ident = identity_env(cfg.base_author, cfg.base_date)
+        ident = identity_env(cfg.series.base_author, cfg.series.base_date)
         git(work, "init", "-q")
         # -f: the release's own .gitignore must not drop files it ships.
         git(work, "add", "-A", "-f")
@@ -151,7 +151,7 @@ def materialize(cfg: Config, tree: Tree) -> str:
         git(work, "tag", tree.tag)
         # Commits made in the workspace (git am, git commit -s) carry the series'
         # author, which signs them off.
-        set_identity(work, cfg.series_author)
+        set_identity(work, cfg.series.author)
         work.rename(repo)
     return base_commit(cfg, tree) or ""
 

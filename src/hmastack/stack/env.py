@@ -165,7 +165,7 @@ def _pip(cfg: Config, env: Env, *args: str, what: str) -> None:
 
 def _key(cfg: Config) -> str:
     digest = hashlib.sha256()
-    digest.update(f"torch={cfg.torch};no_deps={cfg.no_deps};".encode())
+    digest.update(f"torch={cfg.env.torch};no_deps={cfg.env.no_deps};".encode())
     digest.update(sys.version.encode())
     digest.update(cfg.lock.read_bytes())
     if cfg.connectors_lock is not None:
@@ -180,23 +180,29 @@ def bootstrap(cfg: Config) -> Env:
     source release needs (it prepares metadata with ``--no-build-isolation``)."""
     env = location(cfg)
     marker = env.root / ".hmastack-bootstrap"
-    want = f"torch=={cfg.torch}"
+    want = f"torch=={cfg.env.torch}"
     if marker.exists() and marker.read_text() == want:
         return env
-    with step(f"create {env.root} with torch {cfg.torch} (CPU)"):
+    with step(f"create {env.root} with torch {cfg.env.torch} (CPU)"):
         if env.root.exists():
             shutil.rmtree(env.root)
         run([sys.executable, "-m", "venv", env.root])
         # torch first and alone, so no later resolver can swap in a CUDA build.
-        _pip(cfg, env, f"torch=={cfg.torch}", *BOOTSTRAP, what=f"torch {cfg.torch}")
+        _pip(
+            cfg,
+            env,
+            f"torch=={cfg.env.torch}",
+            *BOOTSTRAP,
+            what=f"torch {cfg.env.torch}",
+        )
         probe = "import torch; print(torch.__version__, torch.version.cuda)"
         version, cuda = run([env.python, "-c", probe]).stdout.split()[-2:]
-        if not version.startswith(cfg.torch) or cuda != "None":
+        if not version.startswith(cfg.env.torch) or cuda != "None":
             raise HmastackError(
                 f"torch in {env.root} is {version} (CUDA {cuda}); expected the CPU "
-                f"build of {cfg.torch}",
+                f"build of {cfg.env.torch}",
                 "pip took a CUDA build: put the CPU wheel "
-                f"(torch-{cfg.torch}+cpu) where pip finds it (a --find-links "
+                f"(torch-{cfg.env.torch}+cpu) where pip finds it (a --find-links "
                 "directory in pip's configuration), remove build/env and rerun",
             )
         marker.write_text(want)
@@ -214,9 +220,11 @@ def ensure(cfg: Config) -> Env:
         raise HmastackError(f"the dependency lock {cfg.lock} is missing")
     with step(f"install vLLM's locked dependencies ({cfg.lock.name})"):
         _pip(cfg, env, "--no-deps", "-r", str(cfg.lock), what="the locked dependencies")
-    if cfg.no_deps:
-        with step(f"install {', '.join(cfg.no_deps)} without dependencies"):
-            _pip(cfg, env, "--no-deps", *cfg.no_deps, what=", ".join(cfg.no_deps))
+    if cfg.env.no_deps:
+        with step(f"install {', '.join(cfg.env.no_deps)} without dependencies"):
+            _pip(
+                cfg, env, "--no-deps", *cfg.env.no_deps, what=", ".join(cfg.env.no_deps)
+            )
     if cfg.connectors_lock is not None:
         lock = cfg.connectors_lock
         if not lock.exists():

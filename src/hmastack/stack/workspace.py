@@ -328,7 +328,7 @@ def apply(cfg: Config, upto: int, force: bool = False) -> dict[str, int]:
     trees = list(cfg.trees.values())
     for tree in trees:
         base_mod.materialize(cfg, tree)
-        set_identity(cfg.workspace(tree.name), cfg.series_author)
+        set_identity(cfg.workspace(tree.name), cfg.series.author)
     if not force:
         for tree in trees:
             ensure_safe_to_reset(cfg, tree, cfg.workspace(tree.name), stages)
@@ -365,12 +365,12 @@ def subject_stage(cfg: Config, subject: str) -> int | None:
     of a series of 4 with title tag T. A ``K/N`` tag whose N is not the series'
     number of stages, or whose K exceeds it, names no stage.
     """
-    tag = re.escape(cfg.title_tag)
+    tag = re.escape(cfg.series.title_tag)
     if m := re.search(rf"\[{tag} (\d+)/(\d+)\]", subject):
         k, n = int(m[1]), int(m[2])
-        return k if n == cfg.num_series_stages and 1 <= k <= n else None
+        return k if n == cfg.series.stages and 1 <= k <= n else None
     if m := re.search(rf"\[{tag} follow-up (\d+)\]", subject):
-        return cfg.num_series_stages + int(m[1])
+        return cfg.series.stages + int(m[1])
     return None
 
 
@@ -383,10 +383,10 @@ def commits_by_stage(cfg: Config, tree: Tree, repo: Path) -> dict[int, list[str]
         subject = git(repo, "log", "-1", "--format=%s", commit)
         stage = subject_stage(cfg, subject)
         if stage is None or not 1 <= stage <= cfg.num_stages:
-            forms = f"'{cfg.stage_tag(1)}' .. '{cfg.stage_tag(cfg.num_series_stages)}'"
-            if cfg.num_followups:
-                forms += f" or '{cfg.stage_tag(cfg.num_series_stages + 1)}'"
-                if cfg.num_followups > 1:
+            forms = f"'{cfg.stage_tag(1)}' .. '{cfg.stage_tag(cfg.series.stages)}'"
+            if cfg.series.followups:
+                forms += f" or '{cfg.stage_tag(cfg.series.stages + 1)}'"
+                if cfg.series.followups > 1:
                     forms += f" .. '{cfg.stage_tag(cfg.num_stages)}'"
             raise HmastackError(
                 f"commit {commit[:12]} in {repo} names no stage: {subject!r}",
