@@ -84,7 +84,7 @@ def test_manifest_covers_every_model_file_and_records_results():
             )
         # EagleHits is violated by an initial state (one lookup is one state):
         # TLC prints no numbered trace for it.
-        one_state = spec_manifest.module_of(model, SETTINGS) == "EagleHits"
+        one_state = spec_manifest.module_of(model, SETTINGS) == "MCEagleHits"
         if model.result == "liveness failure":
             # TLC checks temporal properties at intervals of wall-clock time:
             # the lasso it reports differs from run to run.
@@ -377,11 +377,11 @@ def test_spec_commands_call_their_step_with_the_flags(monkeypatch):
 
 def test_a_model_may_name_its_module(tmp_path):
     eagle = MODELS["eagle-hits"]
-    assert spec_manifest.module_of(eagle, SETTINGS) == "EagleHits"
+    assert spec_manifest.module_of(eagle, SETTINGS) == "MCEagleHits"
     assert spec_manifest.module_of(MODELS["series-wide"], SETTINGS) == SETTINGS.module
     cmd = spec.tlc_command("java", Path("t.jar"), SETTINGS, eagle, tmp_path)
-    assert cmd[-1] == "EagleHits"
-    assert spec_manifest.witness_model(eagle, "EagleHit").module == "EagleHits"
+    assert cmd[-1] == "MCEagleHits"
+    assert spec_manifest.witness_model(eagle, "EagleHit").module == "MCEagleHits"
     with pytest.raises(ValueError, match="module"):
         spec_manifest.parse_model("m", {"result": "success", "module": "a/b"}, tmp_path)
 
