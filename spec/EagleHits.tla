@@ -27,12 +27,10 @@ CONSTANTS
     W,        \* sliding window in tokens (the window counts the token itself)
     C,        \* attention_chunk_size of chunked local attention, in tokens
     MaxLen,   \* longest request, in tokens
-    Stage,    \* 3: stages 03-04 (vLLM 0.13.0's lookup); 5: stage 05 on (patch 5A's)
-    Mutation  \* "none"; "Base": at stage 5, vLLM 0.13.0's lookup (each type drops EAGLE's block on its own); "NoKeep": a connector-loaded prefix keeps no block before its window; "KeepOne": at stage 3, it keeps the one block of stage 5
+    Stage     \* 3: stages 03-04 (vLLM 0.13.0's lookup); 5: stage 05 on (patch 5A's)
 
 ASSUME /\ B \in Nat \ {0} /\ W \in Nat \ {0, 1} /\ C \in Nat \ {0} /\ C % B = 0
        /\ MaxLen \in Nat \ {0} /\ Stage \in {3, 5}
-       /\ Mutation \in {"none", "Base", "NoKeep", "KeepOne"}
 
 Kinds == {"swa", "chunked", "mamba"}     \* attention type of the second group
 Groups == {"full", "other"}
@@ -53,9 +51,9 @@ vars == <<kind, eagle, len, cached, hit>>
 Hashed(n) == {i \in 0..(MaxLen \div B - 1) : (i + 1) * B <= n}
 
 (***************************************************************************)
-(* The code. Fix == patch 5A is applied (Stage = 5, Mutation = "none").    *)
+(* The code. Fix == patch 5A is applied (Stage = 5).                      *)
 (***************************************************************************)
-Fix == Stage = 5 /\ Mutation # "Base"
+Fix == Stage = 5
 \* Block hashes a hit may use (KVCacheCoordinator.hit_block_hashes): with
 \* EAGLE (patch 5A) those ending at or before max_cache_hit_length; 0.13.0
 \* passes all of them.
@@ -177,9 +175,7 @@ HitEnd(x) == ((x - 1) \div B) * B
 Dropped == IF Stage = 3 /\ kind = "swa" THEN 2 ELSE 1
 \* The hit's end the null prefix keeps the window of: HitEnd(x), one block
 \* earlier for each further block the lookup drops.
-KeptDrops == CASE Mutation = "NoKeep" -> 0
-               [] Mutation = "KeepOne" -> 1
-               [] OTHER -> Dropped
+KeptDrops == Dropped
 SkipStart(x, e) ==
     IF e /\ KeptDrops > 0 THEN Max(0, HitEnd(x) - (KeptDrops - 1) * B) ELSE x
 FirstReal(x, e) == Max(0, SkipStart(x, e) - W + 1) \div B
@@ -207,20 +203,6 @@ KeptBlocks ==
     \A x \in 1..(len - 1) :
       FirstReal(x, FALSE) - FirstReal(x, eagle) \in 0..MaxKept
 
-\* Witnesses: lookups the property must see (each "never happens" is
-\* expected to be violated).
-WitnessEagleHit == [](~(eagle /\ hit > 0))
-WitnessEagleSwaRun == [](~(eagle /\ kind = "swa" /\ hit >= W))
-\* A loaded prefix whose hit needs the kept block (the window of HitEnd(x)
-\* starts a block before the window of x) and gets a hit.
-WitnessEagleLoadedKept ==
-    [](~(eagle /\ kind = "swa" /\ hit > 0
-         /\ \E x \in 1..(len - 1) :
-              /\ x % B = 0 /\ FirstReal(x, TRUE) < FirstReal(x, FALSE)
-              /\ Coordinator(kind, eagle, len, LoadedCache(x, TRUE)) > 0))
-WitnessEagleChunkBack ==
-    [](~(eagle /\ kind = "chunked" /\ hit > 0 /\ hit < ((len - 1) \div C) * C))
-
-THEOREM (Stage = 5 /\ Mutation = "none") => (Spec => []LongestServableHit)
-THEOREM (Mutation = "none") => (Spec => [](LoadedPrefixHit /\ KeptBlocks))
+THEOREM (Stage = 5) => (Spec => []LongestServableHit)
+THEOREM Spec => [](LoadedPrefixHit /\ KeptBlocks)
 =============================================================================

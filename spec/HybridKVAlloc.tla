@@ -50,6 +50,9 @@
 (* can be replayed against the implementation; `event` is a               *)
 (* history variable: the VIEW leaves it out, and the properties that read *)
 (* it are action properties.                                              *)
+(*                                                                         *)
+(* TLC checks it through spec/MCHybridKVAlloc.tla, which adds the          *)
+(* mutations (one protection of the code switched off) and the witnesses. *)
 (***************************************************************************)
 EXTENDS Integers, Sequences, FiniteSets, TLC
 
@@ -72,8 +75,7 @@ CONSTANTS
     CanAbort,    \* TRUE: a client may abort its request
     Refusals,    \* TRUE: a refused allocation of a waiting request is a step (replays)
     Policy,      \* "Legacy" (0.13.0), "SeriesAllocOnly", "SeriesAsCoded" (below)
-    ConnectorHMA, \* TRUE: the connector uses HMA (two KV cache groups); FALSE: it declines it, on a model whose only group is a sliding window (below)
-    Mutation     \* "none", or the one protection of the code that is switched off
+    ConnectorHMA  \* TRUE: the connector uses HMA (two KV cache groups); FALSE: it declines it, on a model whose only group is a sliding window (below)
 
 ASSUME /\ N \in Nat \ {0} /\ B \in Nat \ {0} /\ W \in Nat \ {0, 1}
        /\ PromptLen \in Nat \ {0} /\ MaxLen > PromptLen /\ Shared <= PromptLen
@@ -85,12 +87,6 @@ ASSUME /\ N \in Nat \ {0} /\ B \in Nat \ {0} /\ W \in Nat \ {0, 1}
        /\ CanAbort \in BOOLEAN /\ Refusals \in BOOLEAN
        /\ Policy \in {"Legacy", "SeriesAllocOnly", "SeriesAsCoded"}
        /\ ConnectorHMA \in BOOLEAN
-       /\ Mutation \in {"none", "EarlyPublish", "PublishDraft", "LateClaim",
-                        "FreeInFlight", "EagerFree", "AllocSkipped", "PadFull",
-                        "UnderCount", "SkipTouch", "LeakSkipped", "SkipCeil",
-                        "RangeByCached", "IgnoreZeroedLoad",
-                        "KeepLoadFailedMark", "MarkOnlyNoValidToken",
-                        "PadDeclined"}
 
 -----------------------------------------------------------------------------
 (***************************************************************************)
@@ -125,8 +121,8 @@ Fixed == Policy = "SeriesAsCoded"
 \* preemption, stall fix, load-failure restart, abort), the connector names
 \* those its stores still read (request_blocks_freed); they keep one
 \* reference (KVCacheManager.held_blocks, a block at most once per request)
-\* until finished_sending. Mutation "FreeInFlight" switches it off.
-SaveHold == Fixed /\ Mutation # "FreeInFlight"
+\* until finished_sending.
+SaveHold == Fixed
 \* Patch 7: when the first waiting request cannot be allocated and nothing
 \* runs, the other waiting requests back from async loads free their blocks
 \* and start over (FreeWaiting).
@@ -146,21 +142,18 @@ Uncache == Fixed
 \* Patch 8: a running request's load-failure range is the tokens it computed
 \* before its step (num_computed_tokens less the tokens in flight that are
 \* not external), not num_cached_tokens (which preemption never resets:
-\* series-stale-read-preempt). Mutation "RangeByCached" switches it off.
-RangeByComputed == Fixed /\ Mutation # "RangeByCached"
+\* series-stale-read-preempt).
+RangeByComputed == Fixed
 \* Patch 9: Scheduler._update_requests_with_invalid_blocks marks every request
 \* a load failure affects (KVConnectorRequest.load_failed); a marked
 \* request takes no external tokens any more (it computes them); the mark
 \* goes when the request finishes (Scheduler._free_request). Without it, a
 \* connector that offers the same tokens and fails at every attempt keeps the
-\* request loading for ever (series-loads-fail-alloc-only). Mutation
-\* "MarkOnlyNoValidToken" marks only a request the failure left with no
-\* valid computed token (num_computed_tokens == 0): a load that fails past
-\* block 0 and is preempted after it (LateReport) looks up again and loads
-\* the same tokens again, for ever (mutations/mark-only-no-valid-token).
+\* request loading for ever (series-loads-fail-alloc-only).
 NoReload == Fixed
-Marked(aff, nc) == IF Mutation = "MarkOnlyNoValidToken"
-                   THEN {q \in aff : nc[q] = 0} ELSE aff
+\* The requests a load failure marks, of those it affected (aff, with their
+\* new num_computed_tokens nc): all of them.
+Marked(aff, nc) == aff
 \* Patches 11 and 13: one HMA decision. VllmConfig leaves the hybrid KV cache
 \* manager on with a connector only if the connector supports it
 \* (connector_supports_hma: a SupportsHMA subclass whose
@@ -179,10 +172,9 @@ Marked(aff, nc) == IF Mutation = "MarkOnlyNoValidToken"
 \*    num_external_computed_tokens): a real block for every external token,
 \*    only the local hit null-padded, as on vLLM 0.13.0; a finish calls
 \*    request_finished with the table of the one group (block_ids[0]).
-\* Mutation "PadDeclined": the null padding of skipped external tokens for
-\* every connector (an allocation that asks isinstance(connector,
-\* SupportsHMA) while the configuration asked supports_hma_with_config).
-PadExternal == ConnectorHMA \/ Mutation = "PadDeclined"
+\* The null padding of skipped external tokens is that of a connector that
+\* uses HMA.
+PadExternal == ConnectorHMA
 \* The full-attention group exists (HMA on).
 HasFull == ConnectorHMA
 \* The connector method a finish (or abort) calls (Scheduler._connector_finished).
@@ -228,9 +220,7 @@ Contig == CeilDiv(W - 1, B)
 \* n-W+1..n in the window).
 SkippedTokens(g, n) == IF g = "swa" THEN Max(0, n - W + 1) ELSE 0
 \* Blocks holding only skipped tokens (num_skipped_tokens // block_size).
-SkippedBlocks(g, n) ==
-    IF Mutation = "SkipCeil" THEN CeilDiv(SkippedTokens(g, n), B)  \* off by one
-    ELSE SkippedTokens(g, n) \div B
+SkippedBlocks(g, n) == SkippedTokens(g, n) \div B
 \* The hash of block i (1-based) of request r in group g (token ids -> hashes).
 Hash(g, r, i) == IF i * B <= Shared THEN <<g, i>> ELSE <<g, i, r>>
 MaxBlocks == CeilDiv(MaxLen + MaxDraft, B)  \* longest block table
@@ -351,15 +341,24 @@ DraftChoices(r) ==
 (* get_num_blocks_to_allocate's count (`predicted`), computed as the code  *)
 (* computes it, apart from the allocation itself.                         *)
 (***************************************************************************)
+\* vLLM 0.13.0 null-pads the local hit of a fresh table only.
+PadsHitOnly == Policy = "Legacy"
 \* The skipped prefix of a fresh table (save_new_computed_blocks) after a
 \* local hit of h blocks, with c tokens computed (hit and external).
 FreshSkip(g, c, h) ==
     IF g = "full" THEN 0
-    ELSE IF Policy = "Legacy" \/ Mutation = "AllocSkipped"
+    ELSE IF PadsHitOnly
          THEN Max(h - Contig, 0)          \* 0.13.0: only the hit is padded
          ELSE IF ~PadExternal
          THEN SkippedBlocks(g, h * B)      \* HMA off: the external tokens are new tokens
          ELSE SkippedBlocks(g, c)          \* the series: everything skipped
+\* Null entries at the head of a fresh table: its skipped prefix.
+FreshPad(g, c, h) == FreshSkip(g, c, h)
+\* The evictable (ref_cnt 0) hits of group g that a fresh table claims past
+\* its skipped prefix of sk blocks (get_num_blocks_to_allocate counts them:
+\* touching them takes them from the free queue).
+EvictableHits(hit, g, sk, h) ==
+    Cardinality({i \in (sk + 1)..h : hit[g][i] # Null /\ ref[hit[g][i]] = 0})
 Plan(r, e, async, d, hit) ==
   LET fresh == Fresh(r)
       h == IF fresh THEN HitLen(r) ELSE 0
@@ -367,10 +366,7 @@ Plan(r, e, async, d, hit) ==
       n == IF async THEN 0 ELSE Min(Chunk, len[r] - c)
       nb == CeilDiv(c + n + d, B)
       s == SkippedBlocks("swa", c)
-      \* Null entries at the head of a fresh table.
-      pad == [g \in Groups |->
-               IF g = "full" /\ Mutation = "PadFull" THEN Min(s, h)
-               ELSE FreshSkip(g, c, h)]
+      pad == [g \in Groups |-> FreshPad(g, c, h)]
       base == SeqFcn([g \in Groups |->
                 IF fresh
                 THEN [i \in 1..Max(pad[g], h) |->
@@ -391,9 +387,7 @@ Plan(r, e, async, d, hit) ==
         IF fresh
         THEN LET sk == FreshSkip(g, c, h)
              IN  Max(0, nb - Max(sk, h))
-                 + (IF Mutation = "UnderCount" THEN 0
-                    ELSE Cardinality({i \in (sk + 1)..h :
-                                        hit[g][i] # Null /\ ref[hit[g][i]] = 0}))
+                 + EvictableHits(hit, g, sk, h)
         ELSE Max(0, nb - Len(table[r][g]))
   IN [fresh |-> fresh, h |-> h, c |-> c, n |-> n, d |-> d, e |-> e,
       async |-> async, nb |-> nb, base |-> base, claimed |-> claimed,
@@ -402,14 +396,13 @@ Plan(r, e, async, d, hit) ==
       predicted |-> (IF HasFull THEN count("full") ELSE 0) + count("swa")]
 
 \* Free queue after remove_skipped_blocks returned the plan's blocks.
-FreeAfterRemove(p) ==
-    IF Mutation = "LeakSkipped" THEN freeQ
-    ELSE freeQ \cup {b \in p.toFree : ref[b] = 1}
+FreeAfterRemove(p) == freeQ \cup {b \in p.toFree : ref[b] = 1}
 \* Hits claimed (touched) before any group allocates, and after.
 ClaimedIn(p, g) == IF g \in Groups THEN p.claimed[g] ELSE {}
-ClaimFirst(p) == IF Mutation = "LateClaim" THEN ClaimedIn(p, "full")
-                 ELSE ClaimedIn(p, "full") \cup ClaimedIn(p, "swa")
-ClaimLate(p) == IF Mutation = "LateClaim" THEN ClaimedIn(p, "swa") ELSE {}
+ClaimFirst(p) == ClaimedIn(p, "full") \cup ClaimedIn(p, "swa")
+ClaimLate(p) == {}
+\* BlockPool.touch: every hit claimed gets one more reference.
+Touched(p) == ClaimFirst(p) \cup ClaimLate(p)
 \* BlockPool.get_new_blocks(k) from free set Q: the lowest uncached ids,
 \* or any evictable cached blocks instead (eviction).
 NewBlockChoices(Q, k) ==
@@ -461,6 +454,10 @@ Publish(h0, r, tbl, from, to) ==
      IN  IF cands = {} \/ h0[b] # NoHash THEN h0[b]
          ELSE LET gi == CHOOSE x \in cands : TRUE IN Hash(gi[1], r, gi[2])]
 NewCached(old, to) == [g \in Groups |-> Max(old[g], to)]
+\* The full blocks allocate_slots publishes for request r with plan p, up
+\* to this slot: none while an asynchronous load writes them
+\* (delay_cache_blocks), else those of the verified tokens (no draft token).
+PublishTo(p, r) == IF p.async THEN 0 ELSE Min(p.c + p.n, len[r]) \div B
 
 RECURSIVE FreeSeq(_)
 \* The blocks KVCacheManager.free returns for the requests Qs (all groups).
@@ -609,13 +606,9 @@ AllocateSlots(r) ==
                                   p.newCount["swa"]) :
         \E tbl \in {[g \in Groups |-> p.base[g] \o SeqOf(IF g = "full" THEN nf ELSE ns)]} :
         LET q3 == q1 \ (ClaimFirst(p) \cup nf \cup ClaimLate(p) \cup ns)
-            touched == IF Mutation = "SkipTouch" THEN {}
-                       ELSE ClaimFirst(p) \cup ClaimLate(p)
+            touched == Touched(p)
             h1 == [b \in Blocks |-> IF b \in nf \cup ns THEN NoHash ELSE hash[b]]
-            publishTo == IF p.async /\ Mutation # "EarlyPublish" THEN 0
-                         ELSE IF Mutation = "PublishDraft"
-                              THEN (p.c + p.n + p.d) \div B
-                              ELSE Min(p.c + p.n, len[r]) \div B
+            publishTo == PublishTo(p, r)
             from == IF p.fresh THEN [g \in Groups |-> Len(p.base[g])] ELSE ncached[r]
         IN
         /\ ref' = [b \in Blocks |->
@@ -671,6 +664,12 @@ Refuse(r) ==
                  loads, saves, held, running, failures, bad, cachedTok, order,
                  stallHead, noLoad>>
 
+\* request_finished -> delay_free_blocks: the free of a finished or aborted
+\* request waits while a transfer runs or blocks are held for one.
+DelaysFree(transfers, holds) == transfers # {} \/ holds # {}
+\* Scheduler._free_request clears r's KVConnectorRequest.load_failed.
+Unmark(marks, r) == marks \ {r}
+
 \* The blocks of request v that SaveHold keeps when v's tables are freed
 \* while it runs: those a store that outlives the step still reads (a step's
 \* own loads and in-step saves are over when it returned).
@@ -695,7 +694,7 @@ Execute(r) ==
                THEN saves[r] \cup SlotsAt(table[r], (st.from \div B) + 1, c2 \div B)
                ELSE {}
          fin == len2 >= MaxLen
-         delay == Mutation # "EagerFree" /\ (sv # {} \/ held[r] # {})
+         delay == DelaysFree(sv, held[r])
          fr == AllOf(r) \o SeqOf(held[r])
      IN
      /\ computed' = [computed EXCEPT ![r] = c2]
@@ -721,10 +720,8 @@ Execute(r) ==
         ELSE /\ event' = Ev("Execute", r, NoBlocks, [acceptedTokens |-> a])
              /\ UNCHANGED <<ref, freeQ, table, ncached, held, status, running>>
      \* Scheduler._free_request (called when the request finishes) clears its
-     \* KVConnectorRequest.load_failed (KVConnectorRequests.finish; mutation
-     \* KeepLoadFailedMark: it does not).
-     /\ noLoad' = IF fin /\ Mutation # "KeepLoadFailedMark" THEN noLoad \ {r}
-                  ELSE noLoad
+     \* KVConnectorRequest.load_failed (KVConnectorRequests.finish).
+     /\ noLoad' = IF fin THEN Unmark(noLoad, r) ELSE noLoad
   /\ UNCHANGED <<hash, loads, failures, cachedTok, order, stallHead>>
 
 \* Scheduler.update_from_output with invalid_block_ids: request r's
@@ -866,11 +863,13 @@ FreeFinished(r) ==
 \* With LoadsFail no load succeeds, but a load whose request has no valid
 \* token left to fail on (a sharer's failure set computed to 0, patch 5) is
 \* still reported: the code frees the request and it starts over, failed or
-\* not (series-loads-fail-shared; mutation IgnoreZeroedLoad drops it).
+\* not (series-loads-fail-shared; LoadReported).
+LoadReported(r) ==
+    \/ ~LoadsFail
+    \/ computed[r] = 0
 FinishLoad(r) ==
   /\ loads[r] # {}
-  /\ \/ ~LoadsFail
-     \/ computed[r] = 0 /\ Mutation # "IgnoreZeroedLoad"
+  /\ LoadReported(r)
   /\ loads' = [loads EXCEPT ![r] = {}]
   /\ IF status[r] = "finishing" /\ saves[r] = {}
      THEN /\ FreeFinished(r)
@@ -959,14 +958,14 @@ SaveDone(r) ==
 Abort(r) ==
   /\ CanAbort /\ status[r] \in {"waiting", "loading", "running"} /\ ~step[r].on
   /\ running' = Without(running, r)
-  /\ IF Mutation # "EagerFree" /\ (Transfers(r) \cup held[r]) # {}
+  /\ IF DelaysFree(Transfers(r), held[r])
      THEN /\ status' = [status EXCEPT ![r] = "finishing"]
           /\ event' = Ev("AbortDelayed", r, NoBlocks, [call |-> FinishCall])
           /\ UNCHANGED <<ref, freeQ, table, ncached, held>>
      ELSE /\ FreeFinished(r)
           /\ event' = Ev("Abort", r, table[r], [call |-> FinishCall])
   /\ stallHead' = IF stallHead # NoHead /\ stallHead.h = r THEN NoHead ELSE stallHead
-  /\ noLoad' = IF Mutation = "KeepLoadFailedMark" THEN noLoad ELSE noLoad \ {r}
+  /\ noLoad' = Unmark(noLoad, r)
   /\ UNCHANGED <<hash, len, computed, step, loads, saves, failures, bad, cachedTok,
                  order>>
 
@@ -1180,69 +1179,9 @@ Symmetry == Permutations(Req)
 
 -----------------------------------------------------------------------------
 (***************************************************************************)
-(* Witnesses: situations a model must reach for its properties to mean     *)
-(* something. Each Witness<X> says "X never happens"; a model that claims  *)
-(* its properties is expected to violate the witnesses listed for it in    *)
-(* spec/manifest.toml (TLC's trace is the shortest way there).             *)
-(***************************************************************************)
-AllocNow == event'.act = "AllocateSlots"
-NewNow == UNION {Range(event'.blocks[g]) : g \in Groups}
-ReachHeld == \E r \in Req : held'[r] # {}
-ReachPreemptOther == event'.act = "Preempt" /\ event'.args.by # event'.req
-ReachEviction == AllocNow /\ \E b \in NewNow : hash[b] # NoHash
-ReachWindowAtBound ==
-    AllocNow /\ Cardinality(Real(table'[event'.req]["swa"])) = WindowMax(event'.args)
-ReachSwaBeyondTwo == \E r \in Req : Cardinality(Real(table'[r]["swa"])) > 2
-ReachNullPadExternal ==
-    AllocNow /\ event'.args.extTokens > 0
-    /\ \E i \in (event'.args.hitBlocks + 1)..Len(table'[event'.req]["swa"]) :
-          table'[event'.req]["swa"][i] = Null
-\* External tokens past the window, each with a real block (a declining connector).
-ReachRealPastWindow ==
-    AllocNow /\ event'.args.extTokens > 0
-    /\ \E i \in ExternalSlots(event'.args) :
-          /\ i <= SkippedBlocks("swa", event'.args.hitBlocks * B + event'.args.extTokens)
-          /\ i <= Len(table'[event'.req]["swa"])
-          /\ table'[event'.req]["swa"][i] # Null
-ReachDraft == AllocNow /\ event'.args.draftTokens > 0
-ReachAsyncSave == \E r \in Req : saves'[r] # {} /\ status'[r] = "running" /\ ~step'[r].on
-ReachLoadFailure == event'.act \in {"LoadFailed", "SyncLoadFailed"}
-ReachAsyncFailKeep == event'.act = "LoadFailed" /\ event'.args.computedTokens > 0
-ReachAsyncFailRestart ==
-    event'.act = "LoadFailed" /\ event'.args.computedTokens = 0 /\ event'.args.atSlot > 1
-ReachSyncFailKeep == event'.act = "SyncLoadFailed" /\ event'.args.computedTokens > 0
-ReachSyncFailRestart == event'.act = "SyncLoadFailed" /\ event'.args.restart # {}
-ReachSharedInvalid ==
-    event'.act = "SyncLoadFailed" /\ event'.args.affected \ {event'.req} # {}
-ReachFailAfterAbort == event'.act = "LoadFailed" /\ event'.args.computedTokens = -1
-ReachRefused == event'.act = "Refused"
-ReachFreeWaiting == event'.act = "FreeWaiting"
-WitnessHeld == [][~ReachHeld]_vars
-WitnessPreemptOther == [][~ReachPreemptOther]_vars
-WitnessEviction == [][~ReachEviction]_vars
-WitnessWindowAtBound == [][~ReachWindowAtBound]_vars
-WitnessSwaBeyondTwo == [][~ReachSwaBeyondTwo]_vars
-WitnessNullPadExternal == [][~ReachNullPadExternal]_vars
-WitnessRealPastWindow == [][~ReachRealPastWindow]_vars
-WitnessDraft == [][~ReachDraft]_vars
-WitnessAsyncSave == [][~ReachAsyncSave]_vars
-WitnessLoadFailure == [][~ReachLoadFailure]_vars
-WitnessAsyncFailKeep == [][~ReachAsyncFailKeep]_vars
-WitnessAsyncFailRestart == [][~ReachAsyncFailRestart]_vars
-WitnessSyncFailKeep == [][~ReachSyncFailKeep]_vars
-WitnessSyncFailRestart == [][~ReachSyncFailRestart]_vars
-WitnessSharedInvalid == [][~ReachSharedInvalid]_vars
-WitnessFailAfterAbort == [][~ReachFailAfterAbort]_vars
-WitnessRefused == [][~ReachRefused]_vars
-WitnessFreeWaiting == [][~ReachFreeWaiting]_vars
-
------------------------------------------------------------------------------
-(***************************************************************************)
 (* Theorems, each under the assumptions it needs (TLC checks them on the  *)
 (* models of spec/manifest.toml; the expected failures are recorded there).*)
 (***************************************************************************)
-\* The code's protections are all on.
-Unmutated == Mutation = "none"
 \* Stores that outlive the step are held (patch 14), or there are none.
 SavesSafe == SaveMode # "async" \/ SaveHold
 \* Load failures cannot leave a shared block unrecomputed: every holder
@@ -1264,27 +1203,27 @@ PoolChecked == N >= OneRequestBlocks
 NoStall == ~AsyncLoad \/ (StallFix /\ PoolChecked)
 
 THEOREM Spec => []TypeOK
-THEOREM (IsSeries /\ Unmutated) => (Spec => []Conservation)
-THEOREM (IsSeries /\ Unmutated) => (Spec => []ExclusiveOwnership)
-THEOREM (IsSeries /\ Unmutated /\ SavesSafe) => (Spec => []NoTransferRace)
-THEOREM (IsSeries /\ Unmutated) => (Spec => []RefCount)
-THEOREM (IsSeries /\ Unmutated) => (Spec => []NullPrefix)
-THEOREM (IsSeries /\ Unmutated) => (Spec => []WindowCovered)
-THEOREM (IsSeries /\ Unmutated /\ FailuresSafe) => (Spec => []NoStaleRead)
-THEOREM (IsSeries /\ Unmutated) => (Spec => []NoPrematurePublish)
-THEOREM (IsSeries /\ Unmutated) => (Spec => WindowBound)
-THEOREM (IsSeries /\ Unmutated) => (Spec => ExactAdmission)
+THEOREM (IsSeries) => (Spec => []Conservation)
+THEOREM (IsSeries) => (Spec => []ExclusiveOwnership)
+THEOREM (IsSeries /\ SavesSafe) => (Spec => []NoTransferRace)
+THEOREM (IsSeries) => (Spec => []RefCount)
+THEOREM (IsSeries) => (Spec => []NullPrefix)
+THEOREM (IsSeries) => (Spec => []WindowCovered)
+THEOREM (IsSeries /\ FailuresSafe) => (Spec => []NoStaleRead)
+THEOREM (IsSeries) => (Spec => []NoPrematurePublish)
+THEOREM (IsSeries) => (Spec => WindowBound)
+THEOREM (IsSeries) => (Spec => ExactAdmission)
 \* The one HMA decision (patches 11, 13): a connector that declines HMA gets
 \* a real block for every external token (mutations/series-pad-declined).
-THEOREM (Unmutated) => (Spec => RealExternalBlocks)
+THEOREM Spec => RealExternalBlocks
 \* Deadlock freedom (TLC's deadlock check): some action is always enabled
 \* until every request is done.
-THEOREM (IsSeries /\ Unmutated /\ NoStall /\ ~CanAbort) => (Spec => [](ENABLED Next))
+THEOREM (IsSeries /\ NoStall /\ ~CanAbort) => (Spec => [](ENABLED Next))
 \* A connector whose loads all fail: only patch 9 (NoReload) ends the loop of
 \* failed loads, also for a failure past block 0 that is preempted after it
 \* (series-loads-fail-alloc-only, series-loads-fail, series-loads-fail-late;
 \* mutations/mark-only-no-valid-token).
 LoadsEnd == ~LoadsFail \/ NoReload
-THEOREM (IsSeries /\ Unmutated /\ NoStall /\ ~CanAbort /\ LoadsEnd)
+THEOREM (IsSeries /\ NoStall /\ ~CanAbort /\ LoadsEnd)
             => (FairSpec => Liveness)
 =============================================================================

@@ -300,10 +300,9 @@ def test_model_page_lists_every_manifest_model_before_any_run(project):
     page = docs.generate(project).pages["model-results.md"]
     assert "## Stage 03: allocation alone and as coded" in page
     assert "| `SaveHold` |" in page and "| `RangeByComputed` |" in page
-    assert (
-        "| `WindowCovered` | `Spec => []WindowCovered` | `IsSeries /\\ Unmutated` |"
-        in page
-    )
+    assert "| `WindowCovered` | `Spec => []WindowCovered` | `IsSeries` |" in page
+    assert "Generated from `spec/HybridKVAlloc.tla`" in page
+    assert "through `spec/MCHybridKVAlloc.tla`" in page
     models = spec_manifest.load_manifest(spec_manifest.load_settings(project.root))
     for name in models:
         assert f"| `{name}` |" in page, name

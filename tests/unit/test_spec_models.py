@@ -2,9 +2,10 @@
 state counts, counterexample lengths and witnesses.
 
 Includes the mutation checks: each model under spec/models/mutations/ is a model
-that passes unmutated with one protection switched off (constant ``Mutation``),
-and TLC must report the property that protection guards. TLC runs are skipped
-only when Java is missing.
+that passes unmutated with one protection switched off (constant ``Mutation``
+of the model-checking wrapper, with the wrapper's broken definition in place
+of the spec's), and TLC must report the property that protection guards. TLC
+runs are skipped only when Java is missing.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import msgspec
 import pytest
 
 from hmastack.core.errors import HmastackError
+from hmastack.site import model as site_model
 from hmastack.spec import cfg as spec_cfg
 from hmastack.spec import install as spec_install
 from hmastack.spec import manifest as spec_manifest
@@ -52,6 +54,21 @@ def constants(model: spec_manifest.Model) -> dict[str, str]:
     return spec_cfg.read_cfg(model.path).constants
 
 
+def module_text(module: str) -> str:
+    """spec/<module>.tla and the spec/ modules it EXTENDS (a model-checking
+    wrapper extends the spec)."""
+    text = (SETTINGS.spec_dir / f"{module}.tla").read_text()
+    extends = re.search(r"^EXTENDS\s+(.*)$", text, flags=re.M)
+    for name in re.findall(r"\w+", extends[1]) if extends else []:
+        if (SETTINGS.spec_dir / f"{name}.tla").is_file():
+            text += module_text(name)
+    return text
+
+
+def definitions(text: str) -> set[str]:
+    return set(re.findall(r"^(\w+)(?:\(.*?\))?\s*==", text, flags=re.M))
+
+
 def test_manifest_covers_every_model_file_and_records_results():
     cfgs = {
         p.relative_to(SETTINGS.spec_dir / "models").with_suffix("").as_posix()
@@ -68,7 +85,7 @@ def test_manifest_covers_every_model_file_and_records_results():
             )
         # EagleHits is violated by an initial state (one lookup is one state):
         # TLC prints no numbered trace for it.
-        one_state = spec_manifest.module_of(model, SETTINGS) == "EagleHits"
+        one_state = spec_manifest.module_of(model, SETTINGS) == "MCEagleHits"
         if model.result == "liveness failure":
             # TLC checks temporal properties at intervals of wall-clock time:
             # the lasso it reports differs from run to run.
@@ -94,9 +111,27 @@ def test_each_mutation_is_a_passing_model_with_one_protection_off():
         and m.mode == "exhaustive"
         and m.size == "ci"
     }
+    assert not any(
+        spec_cfg.read_cfg(m.path).overrides
+        for n, m in MODELS.items()
+        if not n.startswith("mutations/")
+    ), "only a mutation replaces a definition"
     for name, model in mutations.items():
-        c = constants(model)
+        cfg = spec_cfg.read_cfg(model.path)
+        c = cfg.constants
         assert c["Mutation"] != '"none"'
+        module = spec_manifest.module_of(model, SETTINGS)
+        spec_module = site_model.extended_spec(SETTINGS.spec_dir, module)
+        if spec_module != module:
+            # The wrapper's broken definition replaces the spec's: each named
+            # after the mutation, each replacing a definition of the spec.
+            spec_defs = definitions(module_text(spec_module))
+            wrapper_defs = definitions(module_text(module)) - spec_defs
+            mutation = c["Mutation"].strip('"')
+            assert cfg.overrides, f"{name}: no definition replaced"
+            for old, new in cfg.overrides.items():
+                assert old in spec_defs and new in wrapper_defs, (name, old, new)
+                assert new.startswith(f"Mut{mutation}"), (name, new)
         unmutated = {**c, "Mutation": '"none"'}
         base = [b for b, bc in bases.items() if bc == unmutated]
         assert base, f"{name}: no passing ci model has its other constants"
@@ -304,7 +339,7 @@ def test_witness_run_keeps_the_constants_and_checks_only_the_witness():
 def test_every_witness_and_property_is_defined_in_the_spec():
     for model in MODELS.values():
         module = spec_manifest.module_of(model, SETTINGS)
-        text = (SETTINGS.spec_dir / f"{module}.tla").read_text()
+        text = module_text(module)
         cfg = spec_cfg.read_cfg(model.path)
         for name in [*cfg.invariants, *cfg.properties] + [
             f"Witness{w}" for w in model.witnesses
@@ -349,13 +384,13 @@ def test_spec_commands_call_their_step_with_the_flags(monkeypatch):
 
 def test_a_model_may_name_its_module(tmp_path):
     eagle = MODELS["eagle-hits"]
-    assert spec_manifest.module_of(eagle, SETTINGS) == "EagleHits"
+    assert spec_manifest.module_of(eagle, SETTINGS) == "MCEagleHits"
     assert (
         spec_manifest.module_of(MODELS["series-wide"], SETTINGS) == SETTINGS.spec.module
     )
     cmd = spec.tlc_command("java", Path("t.jar"), SETTINGS, eagle, tmp_path)
-    assert cmd[-1] == "EagleHits"
-    assert spec_manifest.witness_model(eagle, "EagleHit").module == "EagleHits"
+    assert cmd[-1] == "MCEagleHits"
+    assert spec_manifest.witness_model(eagle, "EagleHit").module == "MCEagleHits"
     with pytest.raises(ValueError, match="module"):
         spec_manifest.parse_model("m", {"result": "success", "module": "a/b"}, tmp_path)
 

@@ -173,7 +173,7 @@ def test_missing_manifest_says_restore_it(tmp_path):
     "old, new, expected",
     [
         ("workers = 1", 'workers = "1"', "`int`, got `str` - at `run.workers`"),
-        ('module = "HybridKVAlloc"\n', "", "required field `module` - at `spec`"),
+        ('module = "MCHybridKVAlloc"\n', "", "required field `module` - at `spec`"),
         (
             "java_opts = [",
             "java_opts = [1, ",

@@ -326,6 +326,19 @@ def _witness_rows(
     return rows
 
 
+def extended_spec(spec_dir: Path, module: str) -> str:
+    """The spec a model-checking wrapper checks (tlaplus/Examples' MC module):
+    the first ``spec/`` module its EXTENDS names; a module that extends none
+    is its own."""
+    path = spec_dir / f"{module}.tla"
+    text = path.read_text(errors="replace") if path.is_file() else ""
+    extends = re.search(r"^EXTENDS\s+(.*)$", text, flags=re.M)
+    for name in re.findall(r"\w+", extends[1]) if extends else []:
+        if (spec_dir / f"{name}.tla").is_file():
+            return name
+    return module
+
+
 def model_page(root: Path, reports_dir: Path) -> str:
     """The model-results page: what the spec says, and every manifest model
     with the verdict of the last ``hmastack spec check`` (its own ``ok``)."""
@@ -336,21 +349,30 @@ def model_page(root: Path, reports_dir: Path) -> str:
     out = ["# The model: properties and results\n"]
     specs = sorted(spec_dir.glob("*.tla")) if spec_dir.is_dir() else []
     specs = [p for p in specs if "_TTrace_" not in p.name]
-    # The main module (spec/tlc.toml) first; others (EagleHits) are models of
-    # their own, listed with the manifest's models.
+    # The spec TLC checks by default first (spec/tlc.toml names its
+    # model-checking wrapper); others (EagleHits) are models of their own,
+    # listed with the manifest's models.
     try:
-        main = spec_manifest.load_settings(root).spec.module
+        checked = spec_manifest.load_settings(root).spec.module
     except Exception:  # noqa: BLE001 - no settings: the first module
-        main = None
+        checked = None
+    main = extended_spec(spec_dir, checked) if checked else None
     specs.sort(key=lambda p: p.stem != main)
     if not specs:
         out.append('!!! note "No model yet"\n    `spec/` holds no TLA+ module yet.\n')
         return "\n".join(out)
     info = read_spec(specs[0])
+    wrapper = (
+        f" TLC checks it through `spec/{checked}.tla`, its model-checking "
+        "wrapper: the mutations (the one definition each replaces, named in "
+        "its cfg) and the witnesses."
+        if checked and checked != info.module
+        else ""
+    )
     out.append(
         f"Generated from `spec/{specs[0].name}` (module `{info.module}`), "
         "`spec/models/*.cfg`, `spec/manifest.toml` and the last reports of "
-        "`hmastack spec check`.\n"
+        f"`hmastack spec check`.{wrapper}\n"
     )
     if info.header:
         out += ["## What is modelled\n", fence(info.header, "text")]

@@ -38,6 +38,9 @@ class ModelConfig:
     name: str
     path: Path
     constants: dict[str, str] = field(default_factory=dict)
+    # ``Definition <- Replacement`` lines of CONSTANTS (a mutation's broken
+    # definition, spec/MCHybridKVAlloc.tla)
+    overrides: dict[str, str] = field(default_factory=dict)
     invariants: list[str] = field(default_factory=list)
     properties: list[str] = field(default_factory=list)
     comment: str = ""
@@ -81,7 +84,10 @@ def read_cfg(path: Path) -> ModelConfig:
 
 
 def _cfg_item(cfg: ModelConfig, section: str | None, s: str) -> None:
-    if section == "CONSTANT" and "=" in s:
+    if section == "CONSTANT" and "<-" in s:
+        key, _, value = s.partition("<-")
+        cfg.overrides[key.strip()] = value.strip()
+    elif section == "CONSTANT" and "=" in s:
         key, _, value = s.partition("=")
         cfg.constants[key.strip()] = value.strip()
     elif section == "INVARIANT":

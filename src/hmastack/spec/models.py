@@ -143,6 +143,14 @@ def tlc_command(
     return cmd
 
 
+def copy_modules(settings: Settings, workdir: Path) -> None:
+    """Every ``spec/*.tla`` into ``workdir``: a model-checking wrapper
+    (``MCHybridKVAlloc``) EXTENDS the spec module beside it."""
+    for tla in settings.spec_dir.glob("*.tla"):
+        if "_TTrace_" not in tla.name:
+            shutil.copyfile(tla, workdir / tla.name)
+
+
 def trace_length(trace: list[dict[str, Any]]) -> int:
     """States in a counterexample (a liveness loop's back-edge is not a state)."""
     return sum(1 for s in trace if s.get("num") is not None)
@@ -164,7 +172,7 @@ def run_model(
             f"model {model.name}: {tla_file} is missing",
             "fix the model's module in spec/manifest.toml",
         )
-    shutil.copyfile(tla_file, workdir / tla_file.name)
+    copy_modules(settings, workdir)
     (workdir / "model.cfg").write_text(cfg_text(model))
     cmd = tlc_command(java, jar, settings, model, workdir)
     run, exit_code, seconds = tlc.run(cmd, workdir)

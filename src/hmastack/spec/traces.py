@@ -136,7 +136,7 @@ def generate(
         shutil.rmtree(out)
     out.mkdir(parents=True)
     (work / "sim").mkdir(parents=True)
-    shutil.copyfile(tla_file, work / tla_file.name)
+    spec.copy_modules(settings, work)
     cfg_text = cfg.read_text()
     # Symmetry sets do not apply to simulation.
     (work / "model.cfg").write_text(
