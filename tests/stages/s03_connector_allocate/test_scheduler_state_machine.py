@@ -1067,13 +1067,21 @@ class Harness:
         self.finished_sending.clear()
         self.invalid_block_ids.clear()
         # Blocks computed on the invalid KV (this step's and the later ones'
-        # in flight), with the block hash they had when they were computed.
+        # in flight), with the block hash they had when they were computed;
+        # not a block that a step scheduled after that one writes whole again
+        # (freed and allocated again meanwhile): steps run in order, so the
+        # block holds what the later step writes.
+        steps = (step, *self.in_flight)
         computed_on_invalid = [
             (r, block_id, block_hash)
-            for s in (step, *self.in_flight)
+            for i, s in enumerate(steps)
             for r in s.tainted
             for block_id, block_hash in s.computed.get(r, {}).items()
             if block_hash is not None
+            and not any(
+                all((block_id, offset) in later.written for offset in range(BLOCK_SIZE))
+                for later in steps[i + 1 :]
+            )
         ]
         # A request finished before this output (aborted, its blocks kept for
         # a delayed free) has no client any more: its tokens reach nobody.
@@ -2305,6 +2313,37 @@ def test_sharer_of_a_sync_load_preempted_with_its_step_in_flight():
     )
     state.safety()
     state.steps(accept=0, eos_pick=None, fail_left=None, fail_sync=0, num_steps=2)
+    state.teardown()
+
+
+def test_block_computed_on_a_failed_load_written_again_by_a_later_step():
+    """The shrunk schedule of a fresh-seed run (Mistral-like with a connector
+    that declines HMA, batch queue): r4's sync load of block 27 fails while
+    its next step, computing block 29 on it, is in flight; r4 is preempted,
+    and its prompt sent again (r5) is allocated block 29 and computes it
+    whole in a step scheduled after r4's. Steps run in order: block 29 holds
+    r5's KV, under r5's block hash, and is a valid prefix cache hit (the
+    check of InvalidHit on that block fails without the later write)."""
+    state = SchedulerMachine()
+    state.start(
+        setup=Setup(
+            "mistral_like_declined", 32, 32, 0, False, 128, "recompute", False, True
+        ),
+        first=[
+            _request(num_own=49, num_external=64),
+            _request(num_own=81, num_external=100, load_async=True),
+            _request(prefix=1, num_own=81),
+            _request(prefix=2, num_own=33, num_external=160),
+        ],
+    )
+    state.safety()
+    state.fail_sync_load(
+        args=_request(num_own=48, num_external=16),
+        fail=0,
+        leaves=None,
+        again=True,
+        num_steps=3,
+    )
     state.teardown()
 
 
