@@ -345,6 +345,16 @@ def headline(verdicts: dict, rounds: int) -> str:
     return "; ".join(parts) + "." if parts else "no run completed."
 
 
+def cache_mismatches(runs: dict[tuple[str, str], list[dict]]) -> list[str]:
+    """Every run's cache mismatches, named by case and tree."""
+    return [
+        f"{case} {label}: {m}"
+        for (case, label), rs in runs.items()
+        for r in rs
+        for m in r.get("cache_mismatches", [])
+    ]
+
+
 def engine_trees(
     cfg: Config, stages: set[int], names: set[str]
 ) -> tuple[Path, dict[int, dict[str, Path]]]:
@@ -412,12 +422,7 @@ def run(cfg: Config, quick: bool) -> dict:
                 runs.setdefault((case, label), []).append(result)
     rows = summarize(runs, labels)
     verdicts = judge(rows, labels)
-    mismatches = [
-        f"{case} {label}: {m}"
-        for (case, label), rs in runs.items()
-        for r in rs
-        for m in r.get("cache_mismatches", [])
-    ]
+    mismatches = cache_mismatches(runs)
     return {
         "title": "Real-engine throughput under a KV budget",
         "method": f"vLLM 0.13.0's engine on CPU ({MODEL}: 5 sliding-window layers, "

@@ -321,12 +321,7 @@ def run(cfg: Config, quick: bool) -> dict:
                 runs.setdefault((case, label), []).append(result)
     rows = with_layout_prediction(thr.summarize(runs, labels, CASES), runs)
     verdicts = thr.judge(rows, labels, CASES)
-    mismatches = [
-        f"{case} {label}: {m}"
-        for (case, label), rs in runs.items()
-        for r in rs
-        for m in r.get("cache_mismatches", [])
-    ]
+    mismatches = thr.cache_mismatches(runs)
     return {
         "title": "P/D with NixlConnector: decode-side throughput under a KV budget",
         "method": "two vLLM 0.13.0 CPU engines per run, NIXL over UCX on 127.0.0.1 "

@@ -452,17 +452,22 @@ def _nixl_folder(s: Session) -> Path:
     return folder
 
 
-def _write_json(path: Path, data: dict) -> None:
+def write_json(path: Path, data: dict) -> None:
+    """The file one side of a P/D pair hands to the other."""
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data))
     tmp.rename(path)  # the other process never reads half a file
 
 
-def _wait_for(path: Path, what: str, step=None) -> None:
-    deadline = time.monotonic() + NIXL_WAIT_SECONDS
+def wait_for(
+    path: Path, what: str, step=None, seconds: float = NIXL_WAIT_SECONDS
+) -> None:
+    """Until the other side of a P/D pair wrote ``path``, calling ``step``
+    (e.g. the engine's) meanwhile; a TimeoutError after ``seconds``."""
+    deadline = time.monotonic() + seconds
     while not path.exists():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"no {what} after {NIXL_WAIT_SECONDS:.0f} s ({path})")
+            raise TimeoutError(f"no {what} after {seconds:.0f} s ({path})")
         if step is not None:
             step()
         time.sleep(0.05)
@@ -486,8 +491,8 @@ def nixl_produce(s: Session, c: bool, obs: Observation):
             "the producer's NixlConnector returned no kv_transfer_params"
         )
     folder = _nixl_folder(s)
-    _write_json(folder / "handoff.json", params)
-    _wait_for(folder / "done", "consumer", step=s.llm.llm_engine.step)
+    write_json(folder / "handoff.json", params)
+    wait_for(folder / "done", "consumer", step=s.llm.llm_engine.step)
     # The consumer's notification reaches the producer's worker at its next
     # step: a bounded number of steps to release the blocks.
     for _ in range(100):
@@ -504,7 +509,7 @@ def _nixl_consume(s: Session, c: bool, obs: Observation, tamper=None):
     if not c:
         return s.run([("nixl-a", tokens, None, None)], observation=obs)
     folder = _nixl_folder(s)
-    _wait_for(folder / "handoff.json", "kv_transfer_params from the producer")
+    wait_for(folder / "handoff.json", "kv_transfer_params from the producer")
     params = json.loads((folder / "handoff.json").read_text())
     if tamper is not None:
         params = tamper(params)

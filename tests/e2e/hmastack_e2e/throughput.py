@@ -54,6 +54,7 @@ import traceback
 from pathlib import Path
 
 from hmastack_e2e.models import BLOCK_SIZE
+from hmastack_e2e.scenarios import wait_for, write_json
 
 
 def prompts(batch: dict) -> list[list[int]]:
@@ -130,22 +131,6 @@ class Timers:
 PAIR_WAIT_SECONDS = 400.0
 
 
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
-    tmp.rename(path)  # the other process never reads half a file
-
-
-def _wait_for(path: Path, what: str, step=None) -> None:
-    deadline = time.monotonic() + PAIR_WAIT_SECONDS
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no {what} after {PAIR_WAIT_SECONDS:.0f} s ({path})")
-        if step is not None:
-            step()
-        time.sleep(0.05)
-
-
 def produce(session, batch: dict, result: dict) -> None:
     """The P/D producer: prefill, hand the transfer params over, keep stepping
     until the consumer is done and the blocks it read are back in the pool."""
@@ -161,8 +146,13 @@ def produce(session, batch: dict, result: dict) -> None:
     params = [r.returned_kv_transfer_params for r in out]
     if not all(params):
         raise RuntimeError("the producer returned no kv_transfer_params")
-    _write_json(folder / "handoff.json", {"params": params})
-    _wait_for(folder / "done", "consumer", step=session.llm.llm_engine.step)
+    write_json(folder / "handoff.json", {"params": params})
+    wait_for(
+        folder / "done",
+        "consumer",
+        step=session.llm.llm_engine.step,
+        seconds=PAIR_WAIT_SECONDS,
+    )
     # The consumer's last notifications reach the worker at its next steps.
     for _ in range(200):
         if session.num_free_blocks() == free_before:
@@ -180,7 +170,11 @@ def requests_of(session, batch: dict, role: str | None, result: dict) -> list:
     reqs = prompts(batch)
     if role == "consumer":
         folder = session.plan.store_dir
-        _wait_for(folder / "handoff.json", "kv_transfer_params from the producer")
+        wait_for(
+            folder / "handoff.json",
+            "kv_transfer_params from the producer",
+            seconds=PAIR_WAIT_SECONDS,
+        )
         handed = json.loads((folder / "handoff.json").read_text())["params"]
         # NixlConnector offers every prompt token but the last.
         return [(f"req-{i}", p, handed[i], len(p) - 1) for i, p in enumerate(reqs)]
