@@ -507,8 +507,9 @@ def add_e2e_parser(subparsers: Subparsers) -> None:
 def add_run_parser(subparsers: Subparsers) -> None:
     parser = subparsers.add_parser(
         "run",
-        help="the main job: base, env, apply, stage matrix, model, conformance, "
-        "quick benchmarks, quick end to end, site (--full: every commit too)",
+        help="the main job: base, env, apply, quick stage matrix, model, "
+        "conformance, quick benchmarks, quick end to end, site (--full: every "
+        "stage's whole suite and every commit too)",
         description=doc(pipeline)
         + "\n"
         + textwrap.fill(
@@ -528,8 +529,8 @@ def add_run_parser(subparsers: Subparsers) -> None:
     parser.add_argument(
         "--full",
         action="store_true",
-        help="also every commit, the full end-to-end set and the throughput "
-        "benchmark (make run FULL=1)",
+        help="also the whole suite at every stage, every commit, the full "
+        "end-to-end set and the throughput benchmarks (make run FULL=1)",
     )
     parser.set_defaults(func=run_command)
 

@@ -1,11 +1,13 @@
 """``hmastack run``: the main job, every step of the pipeline in order.
 
-base → env → apply (all stages into the workspaces) → stage matrix → model
-check → conformance (TLC behaviours replayed, random schedules, broken copies)
-→ quick benchmarks → end to end (the quick set at every stage) → site, then one
-summary. ``--full`` (``make run FULL=1``) adds what does not fit in the main
-job: every commit (vLLM's suite and ruff per commit), the full end-to-end set
-and the benchmarks' real-engine throughput.
+base → env → apply (all stages into the workspaces) → stage matrix (quick:
+the whole suite at the base and the last stage, each other stage's own test
+files) → model check → conformance (TLC behaviours replayed, random schedules,
+broken copies) → quick benchmarks → end to end (the quick set) → site, then
+one summary. ``--full`` (``make run FULL=1``) adds what does not fit in the
+main job: the whole suite at every stage, every commit (vLLM's suite and ruff
+per commit), the full end-to-end set and the benchmarks' real-engine
+throughput.
 
 Each step is the same function its subcommand calls (``run_step`` of its
 module). A failing step is reported and the later steps still run where they
@@ -55,7 +57,11 @@ def steps(jobs: int = matrix.DEFAULT_JOBS, full: bool = False) -> list[Step]:
         Step("base", lambda cfg: base.run_step(cfg)),
         Step("env", lambda cfg: env.run_step(cfg), ("base",)),
         Step("apply", lambda cfg: workspace.run_step(cfg), ("env",)),
-        Step("stage matrix", lambda cfg: matrix.run_step(cfg, jobs=jobs), ("apply",)),
+        Step(
+            "stage matrix",
+            lambda cfg: matrix.run_step(cfg, jobs=jobs, quick=not full),
+            ("apply",),
+        ),
     ]
     if full:
         chosen.append(

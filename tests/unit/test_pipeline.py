@@ -68,19 +68,21 @@ def test_every_step_runs_in_order(steps, capsys):
         "base", "env", "apply", "matrix", "model", "conform", "bench", "e2e", "site",
     ]  # fmt: skip
     options = dict(steps.called)
+    assert options["matrix"]["quick"] is True
     assert options["e2e"]["quick"] is True
     assert options["bench"] == {"quick": True, "throughput": False}
     out = capsys.readouterr().err
     assert "conform outcome" in out and "site outcome" in out
 
 
-def test_full_adds_every_commit_the_full_e2e_set_and_the_throughput(steps):
+def test_full_adds_every_stage_every_commit_the_full_e2e_set_and_throughput(steps):
     assert pipeline.cmd_run(full=True) == 0
     assert names(steps.called) == [
         "base", "env", "apply", "matrix", "per commit",
         "model", "conform", "bench", "e2e", "site",
     ]  # fmt: skip
     options = dict(steps.called)
+    assert options["matrix"]["quick"] is False
     assert options["e2e"]["quick"] is False
     assert options["bench"] == {"quick": True, "throughput": True}
 
