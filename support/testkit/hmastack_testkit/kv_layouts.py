@@ -1,5 +1,5 @@
 """KV cache specs, KV cache groups and CPU configurations built the way vLLM's
-own tests build them: one copy for the stage tests (``tests/stages/kvtest.py``,
+own tests build them: one copy for the stage tests (``hmastack_testkit.kvtest``,
 ``tests/stages/s04_lmcache/layouts.py``) and the benchmark scenarios
 (``bench/scenarios/_common.py``).
 

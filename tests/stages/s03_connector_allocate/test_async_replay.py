@@ -53,7 +53,7 @@ from collections import deque
 from pathlib import Path
 
 import pytest
-from kvtest import make_cpu_vllm_config, make_kv_cache_groups
+from hmastack_testkit.kvtest import make_cpu_vllm_config, make_kv_cache_groups
 from test_scheduler_replay import ReplayConnector
 from vllm.config import KVTransferConfig
 from vllm.sampling_params import SamplingParams

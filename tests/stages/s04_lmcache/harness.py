@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from kvtest import make_request
+from hmastack_testkit.kvtest import make_request
 from s04_lmcache import cuda_boundary
 from s04_lmcache.layouts import (
     BLOCK_SIZE,

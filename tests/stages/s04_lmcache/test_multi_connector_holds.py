@@ -38,15 +38,15 @@ import itertools
 import os
 from dataclasses import dataclass, field
 
-from hypothesis import Phase, settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from kvtest import (
+from hmastack_testkit.kvtest import (
     hypothesis_settings,
     make_cpu_vllm_config,
     make_kv_cache_groups,
     make_request,
 )
+from hypothesis import Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (

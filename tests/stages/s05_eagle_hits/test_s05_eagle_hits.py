@@ -25,14 +25,14 @@ from __future__ import annotations
 import os
 from collections import Counter
 
-from hypothesis import settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from kvtest import (
+from hmastack_testkit.kvtest import (
     hypothesis_settings,
     make_cpu_vllm_config,
     make_kv_cache_config,
 )
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from vllm.config import SpeculativeConfig
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
