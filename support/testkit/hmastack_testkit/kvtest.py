@@ -3,9 +3,9 @@ vLLM's own tests build them, with one hashing setup for every stage.
 
 Imported by ``tests/stages/sNN_*/test_*.py`` (``support/testkit`` is on
 PYTHONPATH inside the stage matrix); it imports vLLM and Hypothesis, so it runs
-in build/env only. The KV cache specs, groups and the CPU VllmConfig are
-:mod:`hmastack_testkit.kv_layouts`'s (shared with the benchmark scenarios),
-under the names the stage tests import from here.
+in build/env only. The KV cache specs, groups, the CPU VllmConfig and its
+scheduler are :mod:`hmastack_testkit.kv_layouts`'s (shared with the benchmark
+scenarios), under the names the stage tests import from here.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from hmastack_testkit.kv_layouts import (  # noqa: F401 - the stage tests' names
     make_kv_cache_config,
     make_kv_cache_groups,
     make_request,
+    make_scheduler,
     make_spec,
 )
 
