@@ -107,6 +107,7 @@ def make_scheduler(
     """A ``Scheduler`` of this tree for ``layout`` (HMA on), with the scripted
     ``connector`` when ``hit_tokens`` is not None. The model is a hub config
     only (offline cache; no weights, no tokenizer)."""
+    from hmastack_testkit.kv_layouts import make_scheduler
     from vllm.config import (
         CacheConfig,
         KVTransferConfig,
@@ -114,8 +115,6 @@ def make_scheduler(
         SchedulerConfig,
         VllmConfig,
     )
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.structured_output import StructuredOutputManager
 
     model_config = ModelConfig(
         model=LAYOUTS[layout]["model"],
@@ -156,13 +155,7 @@ def make_scheduler(
         layout_kinds(layout), LAYOUTS[layout]["window"], BLOCK, num_blocks
     )
     cache_config.num_gpu_blocks = num_blocks
-    sched = Scheduler(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        block_size=BLOCK,
-        log_stats=True,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-    )
+    sched = make_scheduler(vllm_config, kv_cache_config, log_stats=True)
     if hit_tokens is not None:
         assert type(sched.connector).__name__ == connector, type(sched.connector)
     return sched

@@ -2,17 +2,17 @@
 
 The engine runs themselves belong to `hmastack bench --throughput` (minutes of
 engine processes, not `make test`); here the pure parts, on run results shaped
-as `hmastack_e2e.throughput` writes them.
+as `hmastack_testkit.e2e.throughput` writes them.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
+from hmastack_testkit.e2e.models import MODELS
 
 from hmastack.bench import plots as bench_plots
 from hmastack.bench import run as bench
@@ -62,11 +62,6 @@ def test_plans_base_hma_off_plain_connector_series_hma_on():
     assert (forced["hma"], forced["connector"]) == (True, "hma")
     assert bt.tree_label(0, True) == "stage 0 (HMA on)"
     assert bt.tree_label(3, None) == bt.tree_label(3, True) == "stage 3"
-    sys.path.insert(0, str(ROOT / "tests" / "e2e"))
-    try:
-        from hmastack_e2e.models import MODELS
-    finally:
-        sys.path.pop(0)
     spec = MODELS[bt.MODEL]
     assert spec.num_layers == bt.LAYERS
     assert spec.num_blocks(bt.MEMORY_BOUND_LAYER_BLOCKS, False) == 240

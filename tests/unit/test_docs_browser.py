@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 
 from hmastack.core import config as config_mod
-from hmastack.site import docs, pages
+from hmastack.site import browser, docs, pages
 from hmastack.site import model as site_model
-from tests.site import browser
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from hmastack_testkit.e2e.scenarios import SCENARIOS as ENGINE_SCENARIOS
 
 from hmastack.core import config, reports
 from hmastack.core.errors import HmastackError
@@ -224,15 +225,11 @@ def test_a_failed_build_leaves_no_environment_behind(tmp_path, monkeypatch):
 # --- the catalogue and the plans ----------------------------------------------------
 
 
-def test_every_catalogued_scenario_exists_engine_side(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "tests" / "e2e"))
-    sys.modules.pop("hmastack_e2e.scenarios", None)
-    from hmastack_e2e.scenarios import SCENARIOS
-
+def test_every_catalogued_scenario_exists_engine_side():
     for s in cat.SCENARIOS:
-        assert s.name in SCENARIOS, s.name
+        assert s.name in ENGINE_SCENARIOS, s.name
         if s.producer:
-            assert s.producer in SCENARIOS
+            assert s.producer in ENGINE_SCENARIOS
     ids = [cat.scenario_id(s) for s in cat.SCENARIOS]
     assert len(ids) == len(set(ids)), "two scenarios share a report name"
 

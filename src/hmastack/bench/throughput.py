@@ -2,11 +2,11 @@
 
 vLLM 0.13.0's engine on CPU (the end-to-end environment of ``hmastack e2e``,
 ``build/e2e-env``) serves a fixed batch of requests whose long prefixes come
-from the CPU test connector (``tests/e2e/hmastack_e2e/connector.py``), on the
-tiny Gemma-3-like model (5 sliding-window layers, W=32, and 1 full-attention
-layer; ``hmastack_e2e.models``). One engine process per run
-(``hmastack_e2e.throughput``); runs alternate between the trees (base, stage
-3, stage 4: A B C, C B A, ...) within one invocation, for each KV budget:
+from the CPU test connector (``hmastack_testkit.e2e.connector``), on the tiny
+Gemma-3-like model (5 sliding-window layers, W=32, and 1 full-attention layer;
+``hmastack_testkit.e2e.models``). One engine process per run
+(``hmastack_testkit.e2e.throughput``); runs alternate between the trees (base,
+stage 3, stage 4: A B C, C B A, ...) within one invocation, for each KV budget:
 
 * **memory-bound**: a pool of :data:`MEMORY_BOUND_LAYER_BLOCKS` blocks of one
   layer. The base runs as 0.13.0 does with a connector: HMA off (the plain
@@ -77,7 +77,7 @@ def tree_label(stage: int, hma: bool | None) -> str:
 def plan(
     case: str, stage: int, model_dir: Path, store: Path, hma: bool | None = None
 ) -> dict:
-    """The engine plan of one run (``hmastack_e2e.throughput``): HMA on from
+    """The engine plan of one run (``hmastack_testkit.e2e.throughput``): HMA on from
     :data:`HMA_FROM_STAGE` (the test connector that supports it) unless
     ``hma`` says otherwise."""
     hma = stage >= HMA_FROM_STAGE if hma is None else hma
@@ -122,7 +122,7 @@ def run_one(
 
     ran = run_engine_process(
         cfg,
-        "hmastack_e2e.throughput",
+        "hmastack_testkit.e2e.throughput",
         name,
         the_plan,
         trees,

@@ -3,7 +3,7 @@
 
 The setting of :mod:`hmastack.bench.throughput` with the KV coming from a
 prefill engine instead of the CPU test connector: two engine processes at once
-per run, as the end-to-end NIXL scenarios run them (``hmastack_e2e.throughput``
+per run, as the end-to-end NIXL scenarios run them (``hmastack_testkit.e2e.throughput``
 with ``role`` producer and consumer; NIXL over UCX and the side channel on
 127.0.0.1). The producer prefills the batch (``max_tokens=1``,
 ``do_remote_decode``) in a pool that holds all of it and hands the
@@ -66,7 +66,7 @@ TREES: list[tuple[str, int, bool]] = [
 ]
 WITNESS = "stage 6 (HMA off)"  # run on the memory-bound budgets only
 ROUNDS = {"quick": 1, "full": 2}
-BLOCK_SIZE = 16  # hmastack_e2e.models.BLOCK_SIZE
+BLOCK_SIZE = 16  # hmastack_testkit.e2e.models.BLOCK_SIZE
 
 
 def tokens_held(batch: dict) -> int:
@@ -124,7 +124,7 @@ def prediction_mismatches(runs: dict[tuple[str, str], list[dict]]) -> list[str]:
 def plan(
     case: str, hma: bool, model_dir: Path, folder: Path, port: int, role: str
 ) -> dict:
-    """The engine plan of one side of a pair (``hmastack_e2e.throughput``)."""
+    """The engine plan of one side of a pair (``hmastack_testkit.e2e.throughput``)."""
     return {
         "model": MODEL_OF[case],
         "model_dir": str(model_dir),

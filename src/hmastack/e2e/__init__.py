@@ -10,8 +10,9 @@ Modules, following the data:
 * :mod:`~hmastack.e2e.compare`: verdicts (outputs, cached tokens, blocks);
 * :mod:`~hmastack.e2e.site`: the "End to end" page.
 
-The engine-side code (models, connector, driver) is in ``tests/e2e/hmastack_e2e``;
-it runs inside build/e2e-env with a stage tree on ``PYTHONPATH``.
+The engine-side code (models, connector, driver) is the package
+``hmastack_testkit.e2e`` (``support/testkit``); it runs inside build/e2e-env with
+a stage tree on ``PYTHONPATH``.
 
 Entry points: :func:`run` (the report) and :func:`run_step` (the step of
 ``hmastack e2e`` and ``hmastack run``; the parser is in :mod:`hmastack.cli`).

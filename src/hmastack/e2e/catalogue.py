@@ -1,9 +1,9 @@
 """What the end-to-end set runs: scenarios, engine settings, expectations.
 
 A scenario's engine-side code is the function of the same name in
-``tests/e2e/hmastack_e2e/scenarios.py``; this module says where it runs (which
-stages, which engine settings, which model), what counts as passing, and whether
-it is in the CI-sized set (``--quick``).
+``hmastack_testkit.e2e.scenarios`` (``support/testkit``); this module says where
+it runs (which stages, which engine settings, which model), what counts as
+passing, and whether it is in the CI-sized set (``--quick``).
 
 At every stage the connector matches what the stage supports: stages 0-2 run
 with HMA off and the plain connector (``CPUTestConnector``), stages 3 and 4 with

@@ -1,6 +1,6 @@
 """Judging one scenario at one stage: outputs, cached tokens, engine figures.
 
-Pure functions over the driver's JSON (``hmastack_e2e.driver``): a run with the
+Pure functions over the driver's JSON (``hmastack_testkit.e2e.driver``): a run with the
 connector against the reference run (no connector, no prefix caching) of the
 same stage, model and HMA setting.
 """

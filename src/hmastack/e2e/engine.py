@@ -19,14 +19,14 @@ from hmastack.core.progress import step
 from hmastack.e2e.environment import env_python
 from hmastack.stack import env as env_mod
 
-MODELS_SOURCE = "tests/e2e/hmastack_e2e/models.py"
+MODELS_SOURCE = env_mod.TESTKIT / "hmastack_testkit" / "e2e" / "models.py"
 
 
 def engine_support(cfg: Config) -> list[Path]:
     """Our code an engine process imports, after the trees on ``PYTHONPATH``:
-    ``tests/e2e`` (``hmastack_e2e``) and ``support/testkit``
-    (``hmastack_testkit``)."""
-    return [cfg.root / "tests" / "e2e", cfg.root / env_mod.TESTKIT]
+    ``support/testkit`` (``hmastack_testkit``, the engine side in
+    ``hmastack_testkit.e2e``)."""
+    return [cfg.root / env_mod.TESTKIT]
 
 
 def engine_environ(
@@ -120,8 +120,8 @@ def ensure_models(cfg: Config, dest: Path, names: set[str]) -> Path:
         if tmp.exists():
             rmtree(tmp)
         run(
-            [env_python(cfg), "-m", "hmastack_e2e.models", tmp, *sorted(names)],
-            env={"PYTHONPATH": str(cfg.root / "tests" / "e2e"), "OMP_NUM_THREADS": "1"},
+            [env_python(cfg), "-m", "hmastack_testkit.e2e.models", tmp, *sorted(names)],
+            env={"PYTHONPATH": str(cfg.root / env_mod.TESTKIT), "OMP_NUM_THREADS": "1"},
             log=cfg.build / "logs" / "e2e-models.log",
         )
         if dest.exists():

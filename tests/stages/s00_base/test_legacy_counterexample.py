@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvtest import make_request
+from hmastack_testkit.kvtest import make_request
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.kv_cache_interface import (

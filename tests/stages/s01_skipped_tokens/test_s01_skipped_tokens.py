@@ -5,15 +5,15 @@ hypothesis and interleave several requests on one shared block pool.
 """
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
-from kvtest import (
+from hmastack_testkit.kvtest import (
     GROUP_KINDS,
     hypothesis_settings,
     make_kv_cache_config,
     make_request,
     make_spec,
 )
+from hypothesis import given
+from hypothesis import strategies as st
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.single_type_kv_cache_manager import get_manager_for_kv_cache_spec

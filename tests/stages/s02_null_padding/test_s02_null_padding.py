@@ -7,15 +7,15 @@ computed outside the prefix cache; every allocation is checked against
 ownership and KV cache event invariants on one shared pool.
 """
 
-from hypothesis import given
-from hypothesis import strategies as st
-from kvtest import (
+from hmastack_testkit.kvtest import (
     GROUP_KINDS,
     hypothesis_settings,
     make_kv_cache_config,
     make_request,
     make_spec,
 )
+from hypothesis import given
+from hypothesis import strategies as st
 from vllm.distributed.kv_events import BlockStored
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import (

@@ -53,7 +53,11 @@ from collections import deque
 from pathlib import Path
 
 import pytest
-from kvtest import make_cpu_vllm_config, make_kv_cache_groups
+from hmastack_testkit.kvtest import (
+    make_cpu_vllm_config,
+    make_kv_cache_groups,
+    make_scheduler,
+)
 from test_scheduler_replay import ReplayConnector
 from vllm.config import KVTransferConfig
 from vllm.sampling_params import SamplingParams
@@ -64,7 +68,6 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
-from vllm.v1.structured_output import StructuredOutputManager
 
 FIXTURES = Path(__file__).parent / "fixtures" / "async-replay"
 LOAD_FIXTURES = Path(__file__).parent / "fixtures" / "async-replay-loads"
@@ -152,16 +155,14 @@ class AsyncReplay:
             max_model_len=constants["MaxLen"] + 1,
         )
         vllm_config.scheduler_config.async_scheduling = True
-        self.sched = AsyncScheduler(
-            vllm_config=vllm_config,
-            kv_cache_config=KVCacheConfig(
+        self.sched = make_scheduler(
+            vllm_config,
+            KVCacheConfig(
                 num_blocks=NUM_BLOCKS,
                 kv_cache_tensors=[],
                 kv_cache_groups=make_kv_cache_groups(["full", "sliding_window"], b, w),
             ),
-            structured_output_manager=StructuredOutputManager(vllm_config),
-            block_size=b,
-            log_stats=False,
+            scheduler_cls=AsyncScheduler,
         )
         self.request = Request(
             request_id=REQ,

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvtest import (
+from hmastack_testkit.kvtest import (
     REPLAY_POLICIES,
     AdmissionSpy,
     SkippedBlocksSpy,

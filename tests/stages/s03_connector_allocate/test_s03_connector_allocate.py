@@ -20,9 +20,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
+from hmastack_testkit.kvtest import (
+    hypothesis_settings,
+    make_kv_cache_groups,
+    make_request,
+)
 from hypothesis import given
 from hypothesis import strategies as st
-from kvtest import hypothesis_settings, make_kv_cache_groups, make_request
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.kv_cache_interface import (

@@ -82,7 +82,7 @@ from typing import Any
 
 import pytest
 import torch
-from kvtest import (
+from hmastack_testkit.kvtest import (
     REPLAY_POLICIES,
     AdmissionSpy,
     SkippedBlocksSpy,

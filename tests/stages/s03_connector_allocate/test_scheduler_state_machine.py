@@ -116,6 +116,11 @@ from typing import Any
 
 import pytest
 import torch
+from hmastack_testkit.kvtest import (
+    hypothesis_settings,
+    make_cpu_vllm_config,
+    make_kv_cache_groups,
+)
 from hypothesis import Phase, event, settings
 from hypothesis import strategies as st
 from hypothesis.control import _current_build_context
@@ -125,7 +130,6 @@ from hypothesis.stateful import (
     invariant,
     rule,
 )
-from kvtest import hypothesis_settings, make_cpu_vllm_config, make_kv_cache_groups
 from vllm.config import (
     KVTransferConfig,
     SpeculativeConfig,

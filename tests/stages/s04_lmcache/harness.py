@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from kvtest import make_request
+from hmastack_testkit.kvtest import make_request, make_scheduler
 from s04_lmcache import cuda_boundary
 from s04_lmcache.layouts import (
     BLOCK_SIZE,
@@ -42,7 +42,6 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.forward_context import ForwardContext
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     KVCacheSpec,
@@ -50,7 +49,6 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
-from vllm.v1.structured_output import StructuredOutputManager
 
 _HASH_MOD = 1 << 19
 # What vLLM's null block (block 0) holds here: garbage as far as LMCache is
@@ -139,13 +137,7 @@ class Engine:
         self.worker = KVConnectorFactory.create_connector(
             self.vllm_config, KVConnectorRole.WORKER, self.worker_config
         )
-        self.scheduler = Scheduler(
-            vllm_config=self.vllm_config,
-            kv_cache_config=self.scheduler_config,
-            structured_output_manager=StructuredOutputManager(self.vllm_config),
-            block_size=BLOCK_SIZE,
-            log_stats=False,
-        )
+        self.scheduler = make_scheduler(self.vllm_config, self.scheduler_config)
         self.connector = self.scheduler.connector
         self.groups = self.scheduler_config.kv_cache_groups
         self.group_of_layer = {

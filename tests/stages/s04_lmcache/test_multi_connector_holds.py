@@ -38,15 +38,16 @@ import itertools
 import os
 from dataclasses import dataclass, field
 
-from hypothesis import Phase, settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from kvtest import (
+from hmastack_testkit.kvtest import (
     hypothesis_settings,
     make_cpu_vllm_config,
     make_kv_cache_groups,
     make_request,
+    make_scheduler,
 )
+from hypothesis import Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -58,11 +59,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
     MultiConnector,
 )
-from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import RequestStatus
-from vllm.v1.structured_output import StructuredOutputManager
 
 BLOCK_SIZE = 16
 WINDOW = 32
@@ -227,13 +226,7 @@ class MultiHoldMachine(RuleBasedStateMachine):
                 ["sliding_window", "full"], BLOCK_SIZE, WINDOW
             ),
         )
-        self.scheduler = Scheduler(
-            vllm_config=vllm_config,
-            kv_cache_config=kv_cache_config,
-            structured_output_manager=StructuredOutputManager(vllm_config),
-            block_size=BLOCK_SIZE,
-            log_stats=False,
-        )
+        self.scheduler = make_scheduler(vllm_config, kv_cache_config)
         self.worker = MultiConnector(
             vllm_config, KVConnectorRole.WORKER, kv_cache_config
         )

@@ -10,11 +10,10 @@ with an error that names the group or layers and says what to do.
 from __future__ import annotations
 
 import pytest
+from hmastack_testkit.kvtest import make_scheduler
 from s04_lmcache import cuda_boundary, layouts
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.structured_output import StructuredOutputManager
 
 
 def start(layout, hma: bool, role: KVConnectorRole):
@@ -29,13 +28,7 @@ def start(layout, hma: bool, role: KVConnectorRole):
             return KVConnectorFactory.create_connector(vllm_config, role, worker_config)
         finally:
             cuda_boundary.destroy_engine()
-    return Scheduler(
-        vllm_config=vllm_config,
-        kv_cache_config=scheduler_config,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=layouts.BLOCK_SIZE,
-        log_stats=False,
-    )
+    return make_scheduler(vllm_config, scheduler_config)
 
 
 @pytest.mark.parametrize("role", [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER])

@@ -25,22 +25,21 @@ from __future__ import annotations
 import os
 from collections import Counter
 
-from hypothesis import settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from kvtest import (
+from hmastack_testkit.kvtest import (
     hypothesis_settings,
     make_cpu_vllm_config,
     make_kv_cache_config,
+    make_scheduler,
 )
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from vllm.config import SpeculativeConfig
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
-from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
-from vllm.v1.structured_output import StructuredOutputManager
 
 BLOCK_SIZE = 16
 EOS = 2
@@ -107,14 +106,8 @@ class Harness:
         # built on CPU.
         object.__setattr__(speculative_config, "method", "eagle")
         config.speculative_config = speculative_config
-        self.scheduler = Scheduler(
-            vllm_config=config,
-            kv_cache_config=make_kv_cache_config(
-                self.kinds, BLOCK_SIZE, window, num_blocks
-            ),
-            structured_output_manager=StructuredOutputManager(config),
-            block_size=BLOCK_SIZE,
-            log_stats=False,
+        self.scheduler = make_scheduler(
+            config, make_kv_cache_config(self.kinds, BLOCK_SIZE, window, num_blocks)
         )
         assert self.scheduler.use_eagle
         self.manager = self.scheduler.kv_cache_manager

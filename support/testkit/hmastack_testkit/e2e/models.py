@@ -19,7 +19,7 @@ mistral-swa    4 sliding (W=32)                     1 (sliding window)
 llama4-chunk   3 chunked local (chunk 32) + 1 full  see :data:`MODELS`
 =============  ==================================  ==============================
 
-Usage: ``python -m hmastack_e2e.models OUT_DIR [NAME ...]``.
+Usage: ``python -m hmastack_testkit.e2e.models OUT_DIR [NAME ...]``.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ import sys
 import types
 
 import torch
+
 from hmastack_testkit.lmcache_cpu import initialize_pointers_without_device_check
 
 os.environ.setdefault("LMCACHE_CHUNK_SIZE", "256")

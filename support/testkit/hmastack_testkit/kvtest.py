@@ -1,24 +1,27 @@
 """Shared helpers of our stage tests: KV cache specs and requests built the way
 vLLM's own tests build them, with one hashing setup for every stage.
 
-Imported by ``tests/stages/sNN_*/test_*.py`` (``tests/stages`` is on PYTHONPATH
-inside the stage matrix). The KV cache specs, groups and the CPU VllmConfig are
-``hmastack_testkit.kv_layouts``'s (``support/testkit``, shared with the
-benchmark scenarios), under the names the stage tests import from here.
+Imported by ``tests/stages/sNN_*/test_*.py`` (``support/testkit`` is on
+PYTHONPATH inside the stage matrix); it imports vLLM and Hypothesis, so it runs
+in build/env only. The KV cache specs, groups, the CPU VllmConfig and its
+scheduler are :mod:`hmastack_testkit.kv_layouts`'s (shared with the benchmark
+scenarios), under the names the stage tests import from here.
 """
 
 from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import init_none_hash
 
 from hmastack_testkit.kv_layouts import (  # noqa: F401 - the stage tests' names
     make_cpu_vllm_config,
     make_kv_cache_config,
     make_kv_cache_groups,
     make_request,
+    make_scheduler,
     make_spec,
 )
-from hypothesis import HealthCheck, settings
-from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import init_none_hash
 
 # The model policies (spec/HybridKVAlloc.tla) that describe this tree's stage
 # 03: "SeriesAllocOnly" (stage 03's allocation alone, patches 12-13 of the series) and

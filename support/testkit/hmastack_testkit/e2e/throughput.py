@@ -1,9 +1,9 @@
 """Throughput under a KV budget: one engine, one measured batch (``hmastack bench
 --throughput``).
 
-Usage: ``python -m hmastack_e2e.throughput PLAN_JSON OUT_JSON``
+Usage: ``python -m hmastack_testkit.e2e.throughput PLAN_JSON OUT_JSON``
 
-The plan is an engine plan (:class:`hmastack_e2e.engine.Plan` fields, with the
+The plan is an engine plan (:class:`hmastack_testkit.e2e.engine.Plan` fields, with the
 test connector and a KV cache pool) plus ``batch``: ``requests`` (N),
 ``prefix`` (tokens of each request's long prefix), ``suffix`` (tokens after
 it) and ``max_tokens`` (tokens generated per request).
@@ -53,13 +53,13 @@ import time
 import traceback
 from pathlib import Path
 
-from hmastack_e2e.models import BLOCK_SIZE
-from hmastack_e2e.scenarios import wait_for, write_json
+from hmastack_testkit.e2e.models import BLOCK_SIZE
+from hmastack_testkit.e2e.scenarios import wait_for, write_json
 
 
 def prompts(batch: dict) -> list[list[int]]:
     """The N prompts: request i is prefix document i + suffix i (seeded)."""
-    from hmastack_e2e.engine import prompt
+    from hmastack_testkit.e2e.engine import prompt
 
     return [
         prompt(10_000 + i, batch["prefix"]) + prompt(20_000 + i, batch["suffix"])
@@ -83,7 +83,7 @@ class Timers:
     does (steps)."""
 
     def __init__(self, session):
-        from hmastack_e2e import connector
+        from hmastack_testkit.e2e import connector
 
         self.load = self.save = 0.0
         self.steps: list[float] = []
@@ -194,7 +194,7 @@ def requests_of(session, batch: dict, role: str | None, result: dict) -> list:
 
 def measure(session, batch: dict, role: str | None, result: dict) -> None:
     """The measured batch (the test connector's loads or a P/D consumer)."""
-    from hmastack_e2e.engine import Observation
+    from hmastack_testkit.e2e.engine import Observation
 
     measured = requests_of(session, batch, role, result)
     obs = Observation()
@@ -233,7 +233,7 @@ def measure(session, batch: dict, role: str | None, result: dict) -> None:
         if r.num_cached_tokens != r.expected_cached
     ]
     if role == "consumer":
-        from hmastack_e2e import nixl_observe
+        from hmastack_testkit.e2e import nixl_observe
 
         # Local blocks read without error and reported failed, all KV cache
         # groups (a block holds every layer with HMA off, one group's layers
@@ -244,7 +244,7 @@ def measure(session, batch: dict, role: str | None, result: dict) -> None:
 
 def main(argv: list[str]) -> int:
     plan_path, out_path = Path(argv[0]), Path(argv[1])
-    from hmastack_e2e.engine import Plan, Session
+    from hmastack_testkit.e2e.engine import Plan, Session
 
     raw = json.loads(plan_path.read_text())
     batch = raw.pop("batch")

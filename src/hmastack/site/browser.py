@@ -1,7 +1,8 @@
 """Open pages of a built site in headless Chromium (Debian's package, offline).
 
-Used by the site test; also runnable by hand to look at a site:
-``python -m tests.site.browser build/site build/reports/site``.
+Runs in the tool's virtualenv (playwright, the ``dev`` extra, drives Debian's
+``/usr/bin/chromium``). Used by the site's browser test; also runnable by hand to
+look at a site: ``python -m hmastack.site.browser build/site build/reports/site``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from playwright.sync_api import BrowserContext
 
 CHROMIUM = Path("/usr/bin/chromium")
 # Offline, as root, no background traffic; a new empty profile every run.
@@ -60,7 +65,7 @@ def serve(folder: Path) -> Iterator[str]:
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, *args) -> None:
+    def log_message(self, *args: Any) -> None:
         pass
 
 
@@ -79,7 +84,7 @@ class Visit:
 
 
 @contextlib.contextmanager
-def browser() -> Iterator[object]:
+def browser() -> Iterator[BrowserContext]:
     from playwright.sync_api import sync_playwright
 
     profile = tempfile.mkdtemp(prefix="hmastack-chromium-")
@@ -100,7 +105,9 @@ def browser() -> Iterator[object]:
         shutil.rmtree(profile, ignore_errors=True)
 
 
-def visit(context, base: str, path: str, screenshot: Path | None) -> Visit:
+def visit(
+    context: BrowserContext, base: str, path: str, screenshot: Path | None
+) -> Visit:
     page = context.new_page()
     console_errors: list[str] = []
     page_errors: list[str] = []

@@ -21,10 +21,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hmastack_e2e.models import BLOCK_SIZE
+from hmastack_testkit.e2e.models import BLOCK_SIZE
 
 if TYPE_CHECKING:
-    from hmastack_e2e.engine import Observation, RequestRecord, Session
+    from hmastack_testkit.e2e.engine import Observation, RequestRecord, Session
 
 B = BLOCK_SIZE
 SCENARIOS: dict[str, Callable] = {}
@@ -36,7 +36,7 @@ def scenario(fn: Callable) -> Callable:
 
 
 def _p(seed: int, n: int) -> list[int]:
-    from hmastack_e2e.engine import prompt
+    from hmastack_testkit.e2e.engine import prompt
 
     return prompt(seed, n)
 
@@ -318,7 +318,7 @@ def control_lmcache_skip_layer(s: Session, c: bool, obs: Observation):
     leaves the first layer of every copy call (of every KV cache group)
     unwritten. Must be caught as not equal."""
     if c:
-        from hmastack_e2e import lmcache_cpu
+        from hmastack_testkit.e2e import lmcache_cpu
 
         lmcache_cpu.SKIP_LAYER = 0
     return lmcache_load(s, c, obs)
@@ -351,7 +351,7 @@ KV_EVENTS_REQUESTS = 48
 
 def _external_tokens(req_id: str) -> int:
     """The external tokens the connector offered request ``req_id``."""
-    from hmastack_e2e import connector
+    from hmastack_testkit.e2e import connector
 
     for inst in list(connector.INSTANCES):
         if req_id in inst.stats.hits:
@@ -707,7 +707,7 @@ def control_offload_no_hold(s: Session, c: bool, obs: Observation):
     stores still read."""
     if not c:
         return _store_race(s, c, obs, seed=750)
-    from hmastack_e2e import offload_observe
+    from hmastack_testkit.e2e import offload_observe
 
     restore = offload_observe.disable_hold()
     try:

@@ -1,6 +1,6 @@
 """Run one plan in one engine process and write what happened as JSON.
 
-Usage: ``python -m hmastack_e2e.driver PLAN_JSON OUT_JSON``
+Usage: ``python -m hmastack_testkit.e2e.driver PLAN_JSON OUT_JSON``
 
 The output holds, per scenario: its outcome (``ran``, ``stall``, ``error``), the
 requests (generated tokens, top-k logprobs, ``num_cached_tokens``, the count
@@ -22,7 +22,7 @@ from pathlib import Path
 
 
 def _connector_view(req_ids: set[str], seen_findings: int) -> tuple[dict, int]:
-    from hmastack_e2e import connector
+    from hmastack_testkit.e2e import connector
 
     view: dict = {
         "external_tokens": {},
@@ -52,8 +52,8 @@ def _connector_view(req_ids: set[str], seen_findings: int) -> tuple[dict, int]:
 
 def main(argv: list[str]) -> int:
     plan_path, out_path = Path(argv[0]), Path(argv[1])
-    from hmastack_e2e.engine import Observation, Plan, Session, Stall
-    from hmastack_e2e.scenarios import SCENARIOS
+    from hmastack_testkit.e2e.engine import Observation, Plan, Session, Stall
+    from hmastack_testkit.e2e.scenarios import SCENARIOS
 
     plan = Plan.from_json(json.loads(plan_path.read_text()))
     result: dict = {
@@ -68,7 +68,7 @@ def main(argv: list[str]) -> int:
         return _server_pd(plan, result, out_path, start)
     try:
         if plan.connector == "lmcache":
-            from hmastack_e2e import lmcache_cpu
+            from hmastack_testkit.e2e import lmcache_cpu
 
             lmcache_cpu.install()
         session = Session(plan)
@@ -112,15 +112,15 @@ def main(argv: list[str]) -> int:
         if plan.connector in ("plain", "hma"):
             entry["connector"], seen = _connector_view(req_ids, seen)
         elif plan.connector == "lmcache":
-            from hmastack_e2e import lmcache_cpu
+            from hmastack_testkit.e2e import lmcache_cpu
 
             entry["connector"] = {"lmcache_copies": dict(lmcache_cpu.COPIES)}
         elif plan.connector == "nixl":
-            from hmastack_e2e import nixl_observe
+            from hmastack_testkit.e2e import nixl_observe
 
             entry["connector"] = nixl_observe.view(first_id)
         elif plan.connector == "offload":
-            from hmastack_e2e import offload_observe
+            from hmastack_testkit.e2e import offload_observe
 
             entry["connector"], seen = offload_observe.view(first_id, seen)
         entry["seconds"] = round(time.monotonic() - t0, 2)
@@ -129,7 +129,7 @@ def main(argv: list[str]) -> int:
     result["seconds"] = round(time.monotonic() - start, 2)
     out_path.write_text(json.dumps(result, indent=1))
     if plan.connector == "lmcache":
-        from hmastack_e2e import lmcache_cpu
+        from hmastack_testkit.e2e import lmcache_cpu
 
         lmcache_cpu.shutdown()
     # A stalled engine holds requests that never finish: leave without waiting.
@@ -140,8 +140,8 @@ def main(argv: list[str]) -> int:
 
 def _server(plan, result: dict, out_path: Path, start: float) -> int:
     """The server smoke test: ``vllm serve`` in a child process."""
-    from hmastack_e2e import server
-    from hmastack_e2e.scenarios import PREFIX, SERVER_PROMPT, _p, _prefix
+    from hmastack_testkit.e2e import server
+    from hmastack_testkit.e2e.scenarios import PREFIX, SERVER_PROMPT, _p, _prefix
 
     entry: dict = {"outcome": "ran", "observation": {}}
     prompt = _prefix() + _p(201, SERVER_PROMPT - PREFIX)
@@ -161,8 +161,8 @@ def _server(plan, result: dict, out_path: Path, start: float) -> int:
 
 def _server_pd(plan, result: dict, out_path: Path, start: float) -> int:
     """The P/D server pair: two ``vllm serve`` and a proxy, in child processes."""
-    from hmastack_e2e import server
-    from hmastack_e2e.scenarios import _nixl_prompt
+    from hmastack_testkit.e2e import server
+    from hmastack_testkit.e2e.scenarios import _nixl_prompt
 
     entry: dict = {"outcome": "ran", "observation": {}}
     try:
@@ -181,7 +181,7 @@ def _server_pd(plan, result: dict, out_path: Path, start: float) -> int:
 
 def _ids_since(session, first_id: int) -> set[str]:
     """Request ids the session made since ``first_id`` (``key#n``)."""
-    from hmastack_e2e import connector
+    from hmastack_testkit.e2e import connector
 
     ids = set()
     for inst in list(connector.INSTANCES):

@@ -1,6 +1,6 @@
 """A CPU KV connector for tests: stores whole blocks on disk, loads them back.
 
-Loaded by vLLM with ``kv_connector_module_path="hmastack_e2e.connector"`` and
+Loaded by vLLM with ``kv_connector_module_path="hmastack_testkit.e2e.connector"`` and
 ``kv_connector`` = ``CPUTestConnector`` (plain: HMA stays off) or
 ``CPUTestHMAConnector`` (subclasses ``SupportsHMA``: HMA stays on).
 

@@ -71,7 +71,7 @@ def run(plan, prompt: list[int], log: Path) -> list[dict]:
         "kv_connector": "CPUTestHMAConnector"
         if plan.connector == "hma"
         else "CPUTestConnector",
-        "kv_connector_module_path": "hmastack_e2e.connector",
+        "kv_connector_module_path": "hmastack_testkit.e2e.connector",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"store_dir": str(plan.store_dir)},
     }

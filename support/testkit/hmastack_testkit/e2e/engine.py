@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hmastack_e2e.models import BLOCK_SIZE, MODELS, VOCAB
+from hmastack_testkit.e2e.models import BLOCK_SIZE, MODELS, VOCAB
 
 TOP_K = 5
 STALL_STEPS = 200  # steps without a new token or a finished request
@@ -139,7 +139,7 @@ class Session:
                 "kv_connector": "CPUTestHMAConnector"
                 if plan.connector == "hma"
                 else "CPUTestConnector",
-                "kv_connector_module_path": "hmastack_e2e.connector",
+                "kv_connector_module_path": "hmastack_testkit.e2e.connector",
                 "kv_role": "kv_both",
                 "kv_connector_extra_config": {
                     "store_dir": str(plan.store_dir),
@@ -156,7 +156,7 @@ class Session:
             # OffloadingConnector, kv_both) with the CPU test spec and an
             # explicit second-tier size (native's num_cpu_blocks is 0, which
             # the spec refuses).
-            from hmastack_e2e import offload_observe
+            from hmastack_testkit.e2e import offload_observe
 
             offload_observe.install()
             kwargs["kv_transfer_config"] = {
@@ -177,7 +177,7 @@ class Session:
             os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
             os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(plan.side_channel_port)
             os.environ.setdefault("UCX_NET_DEVICES", "lo")
-            from hmastack_e2e import nixl_observe
+            from hmastack_testkit.e2e import nixl_observe
 
             nixl_observe.install()
             kwargs["kv_transfer_config"] = {
@@ -189,8 +189,9 @@ class Session:
         # without a wildcard.
         self.kv_events = None
         if plan.kv_events and plan.connector is not None:
-            from hmastack_testkit.kv_events import Subscriber
             from vllm.config import KVEventsConfig
+
+            from hmastack_testkit.kv_events import Subscriber
 
             self.kv_events = Subscriber()
             kwargs["kv_events_config"] = KVEventsConfig(
