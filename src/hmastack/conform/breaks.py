@@ -208,7 +208,8 @@ BREAKS = {
             caught_by=("replay",),
             not_by_random=(
                 "no schedule of the random test's CI set fails a load past "
-                "block 0 whose request then looks up again; the file's explicit "
+                "block 0 whose request then looks up again; the explicit "
+                "test_machine_load_failures.py::"
                 "test_sync_load_failing_past_block_0_is_not_loaded_again "
                 "(NoReload) catches it"
             ),
