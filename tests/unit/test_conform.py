@@ -193,8 +193,9 @@ def test_a_break_of_a_later_stage_runs_that_stages_suites():
 def test_suites_and_reasons_name_tests_that_exist():
     """The test a suite runs alone on a broken tree (``broken_only``) and each
     ``FILE::TEST`` a break's reasons name are defined in that file of the stage
-    tests: a test moved or renamed without them would leave a break run
-    nothing, or a reason point nowhere."""
+    tests, and a suite's ``also`` names files: a test moved or renamed without
+    them would leave a break run nothing, a reason point nowhere, or the
+    series' run skip the explicit tests."""
     import ast
     import re
     from pathlib import Path
@@ -217,6 +218,8 @@ def test_suites_and_reasons_name_tests_that_exist():
     for suite in only:
         path = stage_tests / suite.directory / suite.file
         assert suite.broken_only in defined(path), (suite.file, suite.broken_only)
+    for suite in (s for s in suites if s.also):
+        assert list((stage_tests / suite.directory).glob(suite.also)), suite.also
     named = [
         m.groups()
         for brk in breaks.BREAKS.values()

@@ -29,6 +29,10 @@ class Suite:
     # On a broken tree only this test of the file runs (the file's explicit
     # regression tests would otherwise catch the break before the random test).
     broken_only: str = ""
+    # A glob of further files of the directory that run with ``file`` on the
+    # series' tree (the random test's explicit regression tests), not on a
+    # broken tree that runs ``broken_only``.
+    also: str = ""
     # The directory of ``file``, under tests/stages/.
     directory: str = SUITE_DIR.name
 
@@ -46,6 +50,7 @@ SUITES = (
         "random",
         "test_scheduler_state_machine.py",
         broken_only="test_scheduler_state_machine",
+        also="test_machine_*.py",
     ),
 )
 
