@@ -188,3 +188,46 @@ def test_a_break_of_a_later_stage_runs_that_stages_suites():
         assert any(s.kind in brk.caught_by for s in suites), brk.name
         for suite in suites:
             assert (root / breaks.STAGE_TESTS / suite.directory / suite.file).is_file()
+
+
+def test_suites_and_reasons_name_tests_that_exist():
+    """The test a suite runs alone on a broken tree (``broken_only``) and each
+    ``FILE::TEST`` a break's reasons name are defined in that file of the stage
+    tests, and a suite's ``also`` names files: a test moved or renamed without
+    them would leave a break run nothing, a reason point nowhere, or the
+    series' run skip the explicit tests."""
+    import ast
+    import re
+    from pathlib import Path
+
+    from hmastack.conform import breaks
+
+    stage_tests = Path(__file__).resolve().parents[2] / breaks.STAGE_TESTS
+
+    def defined(path: Path) -> set[str]:
+        tree = ast.parse(path.read_text())
+        names = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+        for node in tree.body:
+            if isinstance(node, ast.Assign):
+                names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        return names
+
+    suites = [*breaks.SUITES, *(s for v in breaks.STAGE_SUITES.values() for s in v)]
+    only = [s for s in suites if s.broken_only]
+    assert only
+    for suite in only:
+        path = stage_tests / suite.directory / suite.file
+        assert suite.broken_only in defined(path), (suite.file, suite.broken_only)
+    for suite in (s for s in suites if s.also):
+        assert list((stage_tests / suite.directory).glob(suite.also)), suite.also
+    named = [
+        m.groups()
+        for brk in breaks.BREAKS.values()
+        for m in re.finditer(
+            r"(test_\w+\.py)::(test_\w+)", brk.not_by_replay + brk.not_by_random
+        )
+    ]
+    assert named
+    for file, test in named:
+        (path,) = stage_tests.glob(f"s*/{file}")
+        assert test in defined(path), (file, test)

@@ -29,6 +29,10 @@ class Suite:
     # On a broken tree only this test of the file runs (the file's explicit
     # regression tests would otherwise catch the break before the random test).
     broken_only: str = ""
+    # A glob of further files of the directory that run with ``file`` on the
+    # series' tree (the random test's explicit regression tests), not on a
+    # broken tree that runs ``broken_only``.
+    also: str = ""
     # The directory of ``file``, under tests/stages/.
     directory: str = SUITE_DIR.name
 
@@ -46,6 +50,7 @@ SUITES = (
         "random",
         "test_scheduler_state_machine.py",
         broken_only="test_scheduler_state_machine",
+        also="test_machine_*.py",
     ),
 )
 
@@ -208,7 +213,8 @@ BREAKS = {
             caught_by=("replay",),
             not_by_random=(
                 "no schedule of the random test's CI set fails a load past "
-                "block 0 whose request then looks up again; the file's explicit "
+                "block 0 whose request then looks up again; the explicit "
+                "test_machine_load_failures.py::"
                 "test_sync_load_failing_past_block_0_is_not_loaded_again "
                 "(NoReload) catches it"
             ),

@@ -169,18 +169,19 @@ def run_suites(
         }
         if examples is not None:
             extra_env["HMASTACK_RANDOM_EXAMPLES"] = str(examples)
-        target = str(path)
+        also = sorted(path.parent.glob(suite.also)) if suite.also else []
+        targets = [str(p) for p in (path, *also)]
         if broken:
             extra_env["HMASTACK_RANDOM_NO_SHRINK"] = "1"
             if suite.broken_only:
-                target = f"{path}::{suite.broken_only}"
+                targets = [f"{path}::{suite.broken_only}"]
         log = out_dir / f"{path.stem}.log"
         start = time.monotonic()
         with step(f"{label}: {suite.name}", live=live):
             ran = pytest_runs.run_pytest(
                 cfg,
                 pyenv,
-                (["-x"] if broken else []) + matrix.our_test_args(cfg, [target]),
+                (["-x"] if broken else []) + matrix.our_test_args(cfg, targets),
                 cfg.root,
                 [*trees, cfg.root / STAGE_TESTS],
                 log,

@@ -23,7 +23,7 @@ budget is the model's ``Chunk``.
 The behaviours of ``fixtures/async-replay-loads/`` (simulated from
 ``fixtures/replay-async-loads.cfg``) add the model's connector side. The
 scheduler gets a ``SupportsHMA`` connector (``AsyncReplayConnector``, the
-scripted connector of test_scheduler_replay.py) that offers the first
+scripted connector of scheduler_replay.py) that offers the first
 ``Ext`` prompt tokens past the local hit at every lookup, loaded
 synchronously or asynchronously as the model chooses. A load that fails
 (the model's ``SyncLoadFailedAt(j)`` and ``LoadFailedAt(j)``) is reported
@@ -58,7 +58,7 @@ from hmastack_testkit.kvtest import (
     make_kv_cache_groups,
     make_scheduler,
 )
-from test_scheduler_replay import ReplayConnector
+from scheduler_replay import ReplayConnector
 from vllm.config import KVTransferConfig
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256

@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from test_scheduler_replay import Mismatch, Replay, pc_only
+from scheduler_replay import Mismatch, Replay, pc_only
 from vllm.v1.request import RequestStatus
 
 CEX = Path(__file__).parent / "fixtures" / "counterexamples"
