@@ -191,7 +191,7 @@ def headline(reports: dict[str, ScenarioReport], run: BenchRun | None) -> list[s
 def _scenario_seconds(reports: dict[str, ScenarioReport]) -> str:
     """Each scenario's own wall time, as its report records it (``seconds``)."""
     parts = [
-        f"{name} {r.seconds:g} s"
+        f"{name} {r.seconds:.0f} s"
         for name, r in reports.items()
         if r.seconds is not None
     ]
