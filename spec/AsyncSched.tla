@@ -41,6 +41,9 @@
 (*    the schedule that preempts it issues no step of it);                *)
 (*  - speculative decoding, aborts, connector saves, the load-failure     *)
 (*    policy "fail", structured output.                                   *)
+(*                                                                         *)
+(* TLC checks it through spec/MCAsyncSched.tla, which adds the mutations   *)
+(* (one protection of the code switched off) and the witnesses.            *)
 (***************************************************************************)
 EXTENDS Integers, Sequences
 
@@ -58,8 +61,7 @@ CONSTANTS
     MaxPreempts,  \* preemptions for memory allowed in one behaviour
     MarkRule,     \* which failed loads mark the request (KVConnectorRequest.load_failed): "AnyFailure" (the code) or "NoValidToken" (the code without patch 3.9's mark past block 0)
     Uncache,      \* TRUE (the code): a truncation also truncates num_cached_block (KVCacheManager.uncache_blocks); FALSE: the code without it
-    ConnectorHMA, \* TRUE: the connector uses HMA (Scheduler.connector_uses_hma); FALSE: it declines (supports_hma_with_config False, or HMA off): a real block for every external token, as on vLLM 0.13.0
-    Mutation      \* "none", or the one protection switched off: "NoFence" (patch 3.4), "NoLatePreempt", "KeepPlaceholders" (patch 3.6), "PadDeclined" (the one HMA decision), "KeepFreedOutput"
+    ConnectorHMA  \* TRUE: the connector uses HMA (Scheduler.connector_uses_hma); FALSE: it declines (supports_hma_with_config False, or HMA off): a real block for every external token, as on vLLM 0.13.0
 
 ASSUME /\ D \in Nat \ {0} /\ B \in Nat \ {0} /\ W \in Nat \ {0, 1}
        /\ Chunk \in Nat \ {0} /\ PromptLen \in Nat \ {0} /\ MaxLen > PromptLen
@@ -68,8 +70,6 @@ ASSUME /\ D \in Nat \ {0} /\ B \in Nat \ {0} /\ W \in Nat \ {0, 1}
        /\ MaxFailures \in Nat /\ MaxPreempts \in Nat
        /\ MarkRule \in {"NoValidToken", "AnyFailure"} /\ Uncache \in BOOLEAN
        /\ ConnectorHMA \in BOOLEAN
-       /\ Mutation \in {"none", "NoFence", "NoLatePreempt", "KeepPlaceholders",
-                        "PadDeclined", "KeepFreedOutput"}
 
 Min(a, b) == IF a < b THEN a ELSE b
 Max(a, b) == IF a > b THEN a ELSE b
@@ -105,35 +105,30 @@ vars == <<status, len, computed, ph, queue, discard, load, skip, cached, ncached
 
 NoLoad == [from |-> 0, e |-> 0]
 \* Patch 3.4: remove_skipped_blocks counts num_computed_tokens -
-\* num_in_flight_tokens. Mutation "NoFence" counts num_computed_tokens.
-Fence == Mutation # "NoFence"
+\* num_in_flight_tokens (the fence), not num_computed_tokens.
+Fence == TRUE
 \* Patch 3.6: a request whose load failure is reported after its next step
 \* was scheduled is preempted and the outputs of its later steps are
-\* dropped. Mutation "NoLatePreempt": it is truncated in place, as on
-\* vLLM 0.13.0, and those outputs are kept.
-LatePreempt == Mutation # "NoLatePreempt"
+\* dropped.
+LatePreempt == TRUE
 \* Patch 3.6 resets the output placeholders of a request it preempts (the
-\* outputs that would fill them are dropped). Mutation "KeepPlaceholders"
-\* keeps them.
-ResetPlaceholders == Mutation # "KeepPlaceholders"
+\* outputs that would fill them are dropped).
+ResetPlaceholders == TRUE
 \* Patch 3.13 with the one HMA decision (Scheduler.connector_uses_hma, which
 \* configuration, allocation and the finish path read): only a connector
 \* that uses HMA gets the null block for the external tokens its sliding
 \* window skips; one that declines gets a real block for each, as on vLLM
 \* 0.13.0 (the external tokens are allocated as new tokens, only the local
-\* hit is null-padded). Mutation "PadDeclined": the null padding for every
-\* connector (an allocation that asks isinstance(connector, SupportsHMA)
-\* while the configuration asked supports_hma_with_config).
-PadExternal == ConnectorHMA \/ Mutation = "PadDeclined"
+\* hit is null-padded).
+PadExternal == ConnectorHMA
 \* The null slots of a fresh sliding window table after a local hit of h
 \* tokens and e external tokens.
 FreshSkip(h, e) == IF PadExternal THEN SkippedBlocks(h + e) ELSE SkippedBlocks(h)
 \* A request preempted for memory (or aborted) while the step of its
 \* synchronous load is in flight: when that load fails, the step's output is
 \* dropped, and those of its later steps in flight
-\* (Scheduler.freed_blocks_of_loads_in_flight). Mutation "KeepFreedOutput":
-\* it holds no block, is not affected, and the output is appended.
-DropFreedOutput == Mutation # "KeepFreedOutput"
+\* (Scheduler.freed_blocks_of_loads_in_flight).
+DropFreedOutput == TRUE
 \* AsyncScheduler (output placeholders) for a queue deeper than one step.
 Async == D > 1
 
@@ -463,53 +458,14 @@ RealExternalBlocks ==
 \* Every request finishes.
 Liveness == <>(status = "done")
 
-\* Witnesses: situations the passing models must reach ("never happens",
-\* expected violated).
-ReachLatePreempt == discard' /\ ~discard
-ReachDiscard == discard /\ Len(queue') < Len(queue)
-\* A load failure that leaves valid tokens (the defect's trigger), and one
-\* that leaves none.
-ReachSyncFailKeep ==
-    \E j \in 1..(Ext \div B) : CanRecomputeFrom(j * B) /\ status = "running"
-                                /\ ~discard /\ SyncLoadFailedAt(j)
-ReachAsyncFailKeep == status = "loading" /\ LoadFailed /\ computed' > 0
-ReachFailRestart ==
-    \/ status = "loading" /\ LoadFailed /\ computed' = 0
-    \/ status = "running" /\ ~discard /\ SyncLoadFailed /\ computed' = 0
-ReachInPlace == status = "running" /\ SyncLoadFailed /\ status' = "running"
-ReachSlideInFlight == status = "running" /\ skip' > skip /\ queue # <<>>
-ReachMemoryPreempt == preempts' > preempts /\ queue # <<>>
-ReachRepublish == status' = "running" /\ cached' > cached /\ failures > 0
-ReachMarked == mark' /\ ~mark
-\* A load of external tokens that reach past the window: a connector that
-\* uses HMA would get null blocks for some of them.
-ReachExternalPastWindow ==
-    /\ status = "waiting" /\ computed = 0 /\ ~mark
-    /\ status' \in {"loading", "running"}
-    /\ LET h == Min(cached, (len - 1) \div B) * B
-       IN  SkippedBlocks(h + ExtOffer(h)) > SkippedBlocks(h)
-WitnessLatePreempt == [][~ReachLatePreempt]_vars
-WitnessDiscard == [][~ReachDiscard]_vars
-WitnessSyncFailKeep == [][~ReachSyncFailKeep]_vars
-WitnessAsyncFailKeep == [][~ReachAsyncFailKeep]_vars
-WitnessFailRestart == [][~ReachFailRestart]_vars
-WitnessInPlace == [][~ReachInPlace]_vars
-WitnessSlideInFlight == [][~ReachSlideInFlight]_vars
-WitnessMemoryPreempt == [][~ReachMemoryPreempt]_vars
-WitnessRepublish == [][~ReachRepublish]_vars
-WitnessMarked == [][~ReachMarked]_vars
-WitnessExternalPastWindow == [][~ReachExternalPastWindow]_vars
-
 \* What the models check (async-sched, async-sched-pp, async-loads,
 \* async-memory-preempt, sync-republish-fixed, async-loads-fail-any(-pp),
 \* sync-loads-fail, declined-hma); the findings (async-memory-preempt-keep,
 \* async-in-place-chunk, sync-republish, async-loads-fail) are where the
 \* assumptions do not hold.
-THEOREM (Mutation = "none") => (Spec => [](TypeOK /\ NoFreeInFlight))
-THEOREM (Mutation = "none") => (Spec => []RealExternalBlocks)
-THEOREM (Mutation = "none") => (Spec => []NoInvalidOutput)
-THEOREM (Mutation = "none" /\ (Uncache \/ LoadMode = "async"))
-            => (Spec => []Republished)
-THEOREM (MarkRule = "AnyFailure" \/ D = 1) /\ Mutation = "none"
-            => (FairSpec => Liveness)
+THEOREM Spec => [](TypeOK /\ NoFreeInFlight)
+THEOREM Spec => []RealExternalBlocks
+THEOREM Spec => []NoInvalidOutput
+THEOREM (Uncache \/ LoadMode = "async") => (Spec => []Republished)
+THEOREM (MarkRule = "AnyFailure" \/ D = 1) => (FairSpec => Liveness)
 =============================================================================

@@ -8,6 +8,7 @@ import math
 import re
 from pathlib import Path
 
+import msgspec
 import pytest
 from hmastack_testkit.window import window_min_blocks
 
@@ -19,6 +20,7 @@ from hmastack.bench import tables as bench_tables
 from hmastack.bench import trees as bench_trees
 from hmastack.core import config as config_mod
 from hmastack.core.errors import HmastackError
+from hmastack.core.reports import write as write_report
 from hmastack.site import docs
 from hmastack.stack import env as env_mod
 
@@ -173,6 +175,36 @@ def test_tree_colors_are_stable():
     assert bench_plots.tree_color("stage 4 slowed") == "#000000"
 
 
+def _checked(title: str, rows: list[dict], **extra) -> dict:
+    """A report of exact figures as its scenario writes it: every field of
+    its schema (figures.CheckedReport)."""
+    method = "the method"
+    return {"title": title, "method": method, "checked": "exact", "mismatches": []} | {
+        "errors": {},
+        "rows": rows,
+        **extra,
+    }
+
+
+def _counts_report(rows: list[dict]) -> dict:
+    """The counts' report as counts.instruction_counts writes it, no profile."""
+    return {
+        "title": "instructions",
+        "method": "the method",
+        "unit": "instructions per step",
+        "marker": "qsort",
+        "hardware_counters": "perf is not installed",
+        "steps": 6,
+        "threshold": bench_cost.THRESHOLD,
+        "named_above": bench_cost.NAMED,
+        "trees": {},
+        "preload_failed": [],
+        "errors": {},
+        "rows": rows,
+        "profiles": [],
+    }
+
+
 def _reports() -> dict[str, dict]:
     trees = ["stage 0", "stage 3", "v0.14.0"]
     peak = [
@@ -183,7 +215,11 @@ def _reports() -> dict[str, dict]:
             "L": L,
             "full": L // B + 1,
             "swa/group": L // B + 1 if t == "stage 0" else 33,
+            "swa groups": 5 if p == "gemma3" else 1,
             "swa min": 33,
+            "swa/min": round((L // B + 1 if t == "stage 0" else 33) / 33, 2),
+            "pool blocks": 6 * (L // B + 1),
+            "external arg": t != "stage 0",
         }
         for t in trees
         for p in ("gemma3", "gptoss")
@@ -224,17 +260,18 @@ def _reports() -> dict[str, dict]:
         for case, hit in (("fully cached", 4080), ("connector async", 0))
     ]
     return {
-        "eagle_hits": {"title": "eagle", "rows": eagle},
-        "peak_blocks": {"title": "peak", "block_size": B, "rows": peak},
-        "admission": {"title": "admission", "budget_blocks": 4096, "rows": admission},
-        "scheduler_instructions": {
-            "title": "instructions",
-            "unit": "instructions per step",
-            "rows": bench_cost.ratio_rows(trees, runs, "instructions_per_step"),
-        },
+        "eagle_hits": _checked("eagle", eagle),
+        "peak_blocks": _checked("peak", peak, block_size=B),
+        "admission": _checked("admission", admission, budget_blocks=4096),
+        "scheduler_instructions": _counts_report(
+            bench_cost.ratio_rows(trees, runs, "instructions_per_step")
+        ),
         "scheduler_cost": {
             "title": "cost",
+            "method": "the method",
             "unit": "CPU ms per step",
+            "steps": 10,
+            "errors": {},
             "rows": bench_cost.ratio_rows(trees, runs, "cpu_ms_per_step"),
         },
     }
@@ -715,9 +752,15 @@ def test_the_last_run_line_gives_each_scenario_its_seconds():
 
     run = BenchRun(True, 475, [], None, [], [], "2026-01-01 00:00:00")
     reports = {
-        "peak_blocks": {"rows": [], "seconds": 66},
-        "admission": {"rows": [], "seconds": 72},
-        "eagle_hits": {"rows": []},  # a report without its seconds: left out
+        "peak_blocks": msgspec.convert(
+            _checked("peak", [], block_size=B, seconds=66), figures.PeakReport
+        ),
+        "admission": msgspec.convert(
+            _checked("admission", [], budget_blocks=4096, seconds=72),
+            figures.AdmissionReport,
+        ),
+        # a report without its seconds: left out
+        "eagle_hits": msgspec.convert(_checked("eagle", []), figures.EagleReport),
     }
     last = site_bench.headline(reports, run)[-1]
     assert last.startswith("Last run: quick set, 2026-01-01 00:00:00, 475 s")
@@ -735,3 +778,104 @@ def test_a_bench_report_without_rows_names_the_file(project):
     with pytest.raises(HmastackError) as exc:
         docs.generate(project)
     assert "admission.json" in exc.value.message and "hmastack bench" in exc.value.hint
+
+
+# --- each scenario's report: one schema beside its writer ------------------------
+
+
+def _tree_outputs(name: str) -> dict:
+    """One tree's output of a deterministic scenario, shaped as its script in
+    bench/scenarios/ prints it."""
+    if name == "peak_blocks":
+        row = {"pattern": "gptoss", "window": 512, "external": 1024, "new": 1}
+        row |= {"full_blocks": 65, "swa_blocks": 65, "swa_groups": 1}
+        row |= {"swa_min": 33, "pool_taken": 130}
+        return {"separate_external_arg": False, "block_size": B, "rows": [row]}
+    if name == "admission":
+        row = {"pattern": "gptoss", "window": 512, "longest_hit": 32735}
+        row |= {"longest_hit_hma_off": 32735, "longest_hit_physical": 65487}
+        row |= {"concurrent": 3, "concurrent_hma_off": 3, "concurrent_physical": 7}
+        return {"separate_external_arg": False, "rows": [row]}
+    row = _eagle_row("fully cached") | {"pattern": "gptoss", "window": 128}
+    return {"rows": [row | {"hit": 4064, "hit_no_eagle": 4096}]}
+
+
+WRITERS = {
+    "peak_blocks": figures.bench_peak,
+    "admission": figures.bench_admission,
+    "eagle_hits": figures.bench_eagle,
+}
+
+
+@pytest.mark.parametrize("name", sorted(WRITERS))
+def test_each_writer_gives_its_schema_every_field(monkeypatch, project, name):
+    """What a scenario's writer returns decodes as its schema, is written as
+    such and read back by the site's reader field for field; a writer that
+    drops a field of its rows or of its report fails here."""
+    monkeypatch.setattr(
+        figures,
+        "_run_each",
+        lambda cfg, pyenv, trees, _, args: (
+            {t.label: [_tree_outputs(name)] for t in trees},
+            {},
+        ),
+    )
+    trees = [bench_trees.BenchTree(label, None) for label in ("stage 0", "stage 5")]
+    report = WRITERS[name](None, None, trees, bench.QUICK)
+    scenario = next(s for s in bench.SCENARIOS if s.name == name)
+    encoded = bench.encode(scenario, report)
+    assert isinstance(encoded, scenario.schema) and len(encoded.rows) == 2
+    out = project.reports / "bench"
+    write_report(out / f"{name}.json", encoded)
+    assert bench.read_report(out, name) == encoded
+    # The report as it is on disk: every key the writer gave, no other.
+    on_disk = json.loads((out / f"{name}.json").read_text())
+    assert set(on_disk["rows"][0]) == set(report["rows"][0])
+
+
+def test_the_no_instructions_report_is_a_whole_count_report():
+    ctx = figures.Context(None, None, [], bench.QUICK, True)
+    scenario = next(s for s in bench.SCENARIOS if s.name == "scheduler_instructions")
+    encoded = bench.encode(scenario, figures.run_instructions(ctx))
+    assert encoded.rows == [] and encoded.method == "not counted (--no-instructions)"
+
+
+def test_a_writer_that_drops_a_field_is_refused_before_the_report_is_written():
+    scenario = next(s for s in bench.SCENARIOS if s.name == "scheduler_cost")
+    report = _reports()["scheduler_cost"]
+    del report["rows"][0]["ratio median"]
+    with pytest.raises(HmastackError) as exc:
+        bench.encode(scenario, report)
+    assert "scheduler_cost" in exc.value.message and "CostReport" in exc.value.message
+    assert "`ratio median`" in exc.value.message
+
+
+@pytest.mark.parametrize(
+    "name, drop, where",
+    [
+        ("peak_blocks", ("rows", 0, "swa min"), "`swa min` - at `$.rows[0]`"),
+        ("admission", ("budget_blocks",), "`budget_blocks`"),
+        ("scheduler_instructions", ("threshold",), "`threshold`"),
+    ],
+)
+def test_a_report_missing_a_field_names_its_file_and_the_step(
+    project, name, drop, where
+):
+    """The site decodes each scenario's report as its schema: a report that
+    misses a field (written by another version of the writer) is refused with
+    the file, the field and the command that writes it anew, not shown with a
+    guessed value."""
+    out = project.reports / "bench"
+    out.mkdir(parents=True)
+    report = _reports()[name]
+    *path, key = drop
+    holder = report
+    for k in path:
+        holder = holder[k]
+    del holder[key]
+    (out / f"{name}.json").write_text(json.dumps(report))
+    with pytest.raises(HmastackError) as exc:
+        docs.generate(project)
+    assert f"{name}.json does not match the report" in exc.value.message
+    assert f"Object missing required field {where}" in exc.value.message
+    assert "run `hmastack bench` again" in exc.value.hint

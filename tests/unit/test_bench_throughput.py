@@ -11,6 +11,7 @@ import json
 import re
 from pathlib import Path
 
+import msgspec
 import pytest
 from hmastack_testkit.e2e.models import MODELS
 
@@ -102,6 +103,9 @@ def test_summary_ratio_per_round_and_verdict():
     assert "4.00x" in bt.headline({"memory-bound: stage 3": v}, 3)
     # Without the loads (1 s each) the rest shrinks 8/1 = 8x (medians 9 s, 2 s).
     assert v["ratio without loads"] == 8.0
+    # The verdict has every field of its schema, the load-free ones included.
+    typed = msgspec.convert(v, bt.Verdict)
+    assert typed.ratio_without_loads == 8.0 and typed.step_s == [0.005, 0.006]
     why = bt.explanation({"memory-bound: stage 3": v})
     assert "below the 5.33x" in why and "1.00 CPU s of the base's 9.00 s" in why
     assert "5.00x fewer engine steps" in why and "6.0 ms against 5.0 ms" in why
@@ -166,8 +170,12 @@ def test_the_page_shows_the_throughput_headline_plot_and_verdict(project):
         "cases": bt.CASES,
         "batch": bt.BATCH,
         "verdicts": verdicts,
+        "rounds": 2,
         "headline": bt.headline(verdicts, 2),
         "explanation": bt.explanation(verdicts),
+        "mismatches": [],
+        "errors": {},
+        "runs": {f"{c} / {t}": rs for (c, t), rs in runs.items()},
     }
     (out / "throughput.json").write_text(json.dumps(report))
     bench.plot("throughput", report, out)
@@ -305,6 +313,10 @@ def test_nixl_predictions_put_the_layout_beside_the_engine():
     }
     rows = bt.summarize(rows_runs, ["stage 0", "stage 6"], bn.CASES)
     pred = bn.predictions(rows, rows_runs)
+    # The writer gives every field of the schema the site reads.
+    typed = msgspec.convert(pred, dict[str, bn.Prediction])
+    assert typed["Gemma-3-like memory-bound: stage 0"].at_once_predicted == 3
+    assert msgspec.convert(rows, list[bt.ThroughputRow])[1].tree == "stage 6"
     base = pred["Gemma-3-like memory-bound: stage 0"]
     assert base["requests at once (predicted)"] == 3  # 239 // 69
     tree = pred["Gemma-3-like memory-bound: stage 6"]

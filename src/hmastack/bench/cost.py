@@ -31,7 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from hmastack.bench import callgrind
+from hmastack.bench.report import ScenarioReport, column
 from hmastack.bench.trees import (
     BenchTree,
     Slowdown,
@@ -121,6 +124,38 @@ def label(setting: dict) -> str:
 
 
 # --- ratios ------------------------------------------------------------------------
+
+
+class RatioRow(msgspec.Struct, kw_only=True):
+    """One row of :func:`ratio_rows`: a tree and setting, its figure over the
+    runs and its ratio to the base over the rounds."""
+
+    tree: str
+    layout: str
+    connector: str
+    mode: str
+    requests: int
+    median: float
+    min: float
+    max: float
+    runs: int
+    spread: float = column("spread %")
+    ratio_median: float = column("ratio median")
+    ratio_min: float = column("ratio min")
+    ratio_max: float = column("ratio max")
+    reps: int
+    same_work: bool = column("work = base")
+
+
+class CostReport(ScenarioReport, kw_only=True):
+    """``scheduler_cost.json``: CPU time per step, beside the counts."""
+
+    title: str
+    method: str
+    unit: str
+    steps: int
+    errors: dict[str, str]
+    rows: list[RatioRow]
 
 
 def ratio_rows(
@@ -248,6 +283,71 @@ def cpu_time(
 
 
 # --- where the cost goes ----------------------------------------------------------
+
+
+class PythonFunction(msgspec.Struct, kw_only=True):
+    """One Python function of a profile (:func:`diff_python`)."""
+
+    function: str
+    self_base: int = column("self base")
+    self_: int = column("self")
+    self_difference: int = column("self difference")
+    share: float | None
+    inclusive_difference: int = column("inclusive difference")
+    calls_base: int = column("calls base")
+    calls: int
+
+
+class CFunction(msgspec.Struct, kw_only=True):
+    """One C function of a profile (:func:`callgrind.diff_functions`)."""
+
+    function: str
+    base: int
+    other: int
+    difference: int
+    share: float | None
+
+
+class Profile(msgspec.Struct, kw_only=True):
+    """Where one row's cost goes (:func:`_profile`): the C part when both
+    trees left callgrind dumps, the Python part when both bytecode runs
+    returned the setting."""
+
+    tree: str
+    setting: str
+    instructions_base: int | None = msgspec.field(
+        default=None, name="instructions base"
+    )
+    instructions: int | None = None
+    c_functions: list[CFunction] = []
+    bytecodes_base: int | None = msgspec.field(default=None, name="bytecodes base")
+    bytecodes: int | None = None
+    python_functions: list[PythonFunction] = []
+
+
+class WitnessRow(msgspec.Struct, kw_only=True):
+    """One setting of the witness: its ratio to the stage it copies."""
+
+    layout: str
+    connector: str
+    mode: str
+    requests: int
+    ratio_median: float = column("ratio median")
+
+
+class WitnessReport(msgspec.Struct, kw_only=True):
+    """The witness of the counts (:func:`check_witness`); ``why`` when it is
+    not caught, its rows once the slowed tree ran, its profiles and the
+    functions they name once a ratio is above the threshold."""
+
+    tree: str
+    of: str
+    slowdown: str
+    caught: bool
+    why: str = ""
+    rows: list[WitnessRow] = []
+    profiles: list[Profile] = []
+    named: list[str] = []
 
 
 def _last_dump(runs: list[dict], k: tuple) -> Path | None:

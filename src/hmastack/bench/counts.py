@@ -17,13 +17,17 @@ from hmastack.bench.cost import (
     NAMED,
     SCENARIO,
     THRESHOLD,
+    Profile,
+    RatioRow,
     Witness,
+    WitnessReport,
     check_witness,
     key,
     profiles,
     ratio_rows,
     to_profile,
 )
+from hmastack.bench.report import ScenarioReport
 from hmastack.bench.trees import (
     BenchTree,
     parse_output,
@@ -36,6 +40,27 @@ from hmastack.core import process
 from hmastack.core.config import Config
 from hmastack.core.process import CommandError
 from hmastack.stack import env as env_mod
+
+
+class CountReport(ScenarioReport, kw_only=True):
+    """``scheduler_instructions.json``: instructions per step of every tree
+    and setting, the profiles of the rows above the threshold and the
+    witness (none when the last stage is the base)."""
+
+    title: str
+    method: str
+    unit: str
+    marker: str
+    hardware_counters: str
+    steps: int
+    threshold: float
+    named_above: float
+    trees: dict[str, str]  # tree -> what it is (a commit prefix, a slowed copy)
+    preload_failed: list[str] | None
+    errors: dict[str, str]
+    rows: list[RatioRow]
+    profiles: list[Profile]
+    witness: WitnessReport | None = None
 
 
 class ForkServer:

@@ -9,8 +9,11 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
+
 from hmastack.bench import cost as bench_cost
 from hmastack.bench import counts as bench_counts
+from hmastack.bench.report import ScenarioReport, column
 from hmastack.bench.trees import (
     PEER_LABEL,
     BenchTree,
@@ -42,14 +45,92 @@ class Context:
 
 @dataclass(frozen=True)
 class Scenario:
-    """One benchmark: ``run`` returns its report (a dict with ``title``,
-    ``rows``, ``errors`` and, for deterministic figures, ``checked``); ``plot``
-    draws it (or None); ``failed`` says whether the report fails the command."""
+    """One benchmark: ``run`` returns its report (a dict that ``schema``, the
+    scenario's :class:`ScenarioReport`, must decode: a writer that leaves out
+    a field fails before the report is written); ``plot`` draws it (or None);
+    ``failed`` says whether the report fails the command."""
 
     name: str
     run: Callable[[Context], dict]
+    schema: type[ScenarioReport]
     plot: Callable | None = None
     failed: Callable[[dict], list[str]] = lambda report: []
+
+
+# --- the reports of the deterministic figures (build/reports/bench/) ----------
+
+
+class CheckedReport(ScenarioReport, kw_only=True):
+    """What a scenario with exact figures adds: whether they matched."""
+
+    title: str
+    method: str
+    checked: str  # "exact" | "MISMATCH"
+    mismatches: list[str]
+    errors: dict[str, str]
+
+
+class PeakRow(msgspec.Struct, kw_only=True):
+    """One tree, pattern, window and external hit of ``peak_blocks``."""
+
+    tree: str
+    pattern: str
+    W: int
+    L: int
+    full: int  # blocks of the full-attention group
+    swa_per_group: int = column("swa/group")
+    swa_groups: int = column("swa groups")
+    swa_min: int = column("swa min")
+    swa_over_min: float = column("swa/min")
+    pool_blocks: int = column("pool blocks")
+    external_arg: bool = column("external arg")
+
+
+class PeakReport(CheckedReport, kw_only=True):
+    """``peak_blocks.json``."""
+
+    rows: list[PeakRow]
+    block_size: int
+
+
+class AdmissionRow(msgspec.Struct, kw_only=True):
+    """One tree, pattern and window of ``admission``."""
+
+    tree: str
+    pattern: str
+    W: int
+    longest_hit: int = column("longest hit")
+    longest_hit_hma_off: int = column("HMA off")
+    longest_hit_physical: int = column("physical")
+    concurrent: int = column("concurrent@8k")
+    concurrent_hma_off: int = column("conc. HMA off")
+    concurrent_physical: int = column("conc. physical")
+
+
+class AdmissionReport(CheckedReport, kw_only=True):
+    """``admission.json``."""
+
+    rows: list[AdmissionRow]
+    budget_blocks: int
+
+
+class EagleRow(msgspec.Struct, kw_only=True):
+    """One tree, pattern, window and case of ``eagle_hits``."""
+
+    tree: str
+    pattern: str
+    W: int
+    case: str
+    prompt: int
+    hit: int = column("hit (eagle)")
+    rule: int | str  # "-": not checked (a connector load before the rule's stage)
+    hit_no_eagle: int = column("hit without eagle")
+
+
+class EagleReport(CheckedReport, kw_only=True):
+    """``eagle_hits.json``."""
+
+    rows: list[EagleRow]
 
 
 def expected_swa_blocks(
@@ -355,9 +436,18 @@ def run_instructions(ctx: Context) -> dict:
     if ctx.counting is None:
         return {
             "title": "Scheduler instructions per step",
-            "skipped": "--no-instructions",
+            "method": "not counted (--no-instructions)",
+            "unit": "instructions per step",
+            "marker": "",
+            "hardware_counters": "",
+            "steps": 0,
+            "threshold": bench_cost.THRESHOLD,
+            "named_above": bench_cost.NAMED,
+            "trees": {},
+            "preload_failed": None,
             "errors": {},
             "rows": [],
+            "profiles": [],
         }
     cg, server = ctx.counting
     trees = count_trees(ctx)

@@ -104,7 +104,7 @@ def plot_peak(report: dict, plt: Any) -> Figure | None:
     axes.flat[0].legend(fontsize=7)
     fig.suptitle(
         "Peak blocks per SWA group right after allocate_slots "
-        f"(B={report.get('block_size', 16)})"
+        f"(B={report['block_size']})"
     )
     return fig
 
@@ -168,7 +168,7 @@ def plot_admission(report: dict, plt: Any) -> Figure | None:
         ax.set_ylabel(ylabel)
         ax.grid(True, axis="y", alpha=0.3)
     axes[0].set_title(
-        f"Longest external hit admitted ({report.get('budget_blocks')} blocks)"
+        f"Longest external hit admitted ({report['budget_blocks']} blocks)"
     )
     axes[1].set_title("Concurrent requests with an 8k external prefix")
     axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
@@ -178,7 +178,7 @@ def plot_admission(report: dict, plt: Any) -> Figure | None:
 def plot_ratios(report: dict, plt: Any) -> Figure | None:
     """Ratio tree/base per setting, median with min-max bars, one panel per KV
     cache layout; the 1.01 threshold dashed."""
-    rows = [r for r in report.get("rows", []) if r["tree"] != report["rows"][0]["tree"]]
+    rows = [r for r in report["rows"] if r["tree"] != report["rows"][0]["tree"]]
     if not rows:
         return None
     layouts = list(dict.fromkeys(r["layout"] for r in rows))
@@ -221,7 +221,7 @@ def plot_ratios(report: dict, plt: Any) -> Figure | None:
         ax.axhline(bench_cost.THRESHOLD, color="r", linewidth=0.8, linestyle="--")
         ax.set_xticks(range(len(cats)))
         ax.set_xticklabels([f"{c}\n{m} {n}" for c, m, n in cats], fontsize=8)
-        ax.set_ylabel(f"{report.get('unit', 'cost')} / base")
+        ax.set_ylabel(f"{report['unit']} / base")
         ax.set_title(f"layout {layout}")
         ax.grid(True, axis="y", alpha=0.3)
     axes.flat[0].legend(fontsize=7, ncol=min(len(trees), 5))
@@ -290,7 +290,7 @@ def plot_throughput(report: dict, plt: Any) -> Figure | None:
     min-max bars).
     Right: ratio to the base with min-max bars, and the ratio of admitted
     requests the block counts predict (dashed)."""
-    rows = report.get("rows", [])
+    rows = report["rows"]
     if not rows:
         return None
 

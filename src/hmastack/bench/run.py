@@ -43,8 +43,6 @@ stage 6, on the Gemma-3-like and gpt-oss-like layouts.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -56,8 +54,13 @@ from hmastack.bench import cost as bench_cost
 from hmastack.bench import counts as bench_counts
 from hmastack.bench import throughput as bench_throughput
 from hmastack.bench import throughput_nixl as bench_throughput_nixl
+from hmastack.bench.cost import CostReport
+from hmastack.bench.counts import CountReport
 from hmastack.bench.figures import (
+    AdmissionReport,
     Context,
+    EagleReport,
+    PeakReport,
     Scenario,
     bench_admission,
     bench_eagle,
@@ -74,7 +77,13 @@ from hmastack.bench.plots import (
     plot_ratios,
     plot_throughput,
 )
-from hmastack.bench.report import RUN_REPORTS, BenchRun, ScenarioReport
+from hmastack.bench.report import (
+    RUN_REPORTS,
+    BenchRun,
+    OtherReport,
+    ScenarioReport,
+    read_scenario,
+)
 from hmastack.bench.tables import print_table, summary_markdown
 from hmastack.bench.trees import (
     PEER_LABEL,
@@ -152,22 +161,31 @@ SCENARIOS: list[Scenario] = [
     Scenario(
         "peak_blocks",
         lambda ctx: bench_peak(ctx.cfg, ctx.pyenv, ctx.trees, ctx.plan),
+        PeakReport,
         plot_peak,
         memory_failed,
     ),
     Scenario(
         "admission",
         lambda ctx: bench_admission(ctx.cfg, ctx.pyenv, ctx.trees, ctx.plan),
+        AdmissionReport,
         plot_admission,
         memory_failed,
     ),
     # CPU time before the counts: the fork server of the counts imports vLLM's
     # dependencies under valgrind meanwhile (the timings are noisy anyway).
-    Scenario("scheduler_cost", run_cpu_time, plot_ratios),
-    Scenario("scheduler_instructions", run_instructions, plot_ratios, count_failed),
+    Scenario("scheduler_cost", run_cpu_time, CostReport, plot_ratios),
+    Scenario(
+        "scheduler_instructions",
+        run_instructions,
+        CountReport,
+        plot_ratios,
+        count_failed,
+    ),
     Scenario(
         "eagle_hits",
         lambda ctx: bench_eagle(ctx.cfg, ctx.pyenv, ctx.trees, ctx.plan),
+        EagleReport,
         plot_eagle,
         memory_failed,
     ),
@@ -176,18 +194,46 @@ SCENARIOS: list[Scenario] = [
     Scenario(
         "throughput",
         lambda ctx: bench_throughput.run(ctx.cfg, ctx.quick),
+        bench_throughput.ThroughputReport,
         plot_throughput,
         bench_throughput.failed,
     ),
     Scenario(
         "throughput_nixl",
         lambda ctx: bench_throughput_nixl.run(ctx.cfg, ctx.quick),
+        bench_throughput_nixl.NixlReport,
         plot_throughput,
         bench_throughput_nixl.failed,
     ),
 ]
 # run only when asked for (--throughput runs both, --only names one)
 OPTIONAL = ("throughput", "throughput_nixl")
+
+
+def schema_of(name: str) -> type[ScenarioReport]:
+    """The schema of ``<name>.json``: its scenario's, or :class:`OtherReport`
+    for a report no scenario of :data:`SCENARIOS` writes."""
+    return next((s.schema for s in SCENARIOS if s.name == name), OtherReport)
+
+
+def read_report(folder: Path, name: str) -> ScenarioReport | None:
+    """``<name>.json`` of ``folder`` as its scenario's schema (None: not
+    there); a report that misses a field is an error naming the file and the
+    command that writes it anew."""
+    return read_scenario(folder / f"{name}.json", schema_of(name))
+
+
+def encode(scenario: Scenario, report: dict) -> ScenarioReport:
+    """A scenario's report as its schema: a field the writer left out (or
+    gave the wrong type) is an error naming the scenario."""
+    try:
+        return msgspec.convert(report, scenario.schema)
+    except msgspec.ValidationError as exc:
+        raise HmastackError(
+            f"the report of {scenario.name} does not match its schema "
+            f"{scenario.schema.__name__}: {exc}",
+            "the scenario's writer and its schema must agree",
+        ) from None
 
 
 def selected_scenarios(only: str | None, throughput: bool) -> tuple[str, ...]:
@@ -266,8 +312,7 @@ def _run_scenarios(
         report["quick"] = bool(ctx.quick)
         report["seconds"] = round(time.monotonic() - t0)
         report["generated"] = time.strftime("%Y-%m-%d %H:%M:%S")
-        msgspec.convert(report, ScenarioReport)  # the part the site reads
-        (out / f"{scenario.name}.json").write_text(json.dumps(report, indent=2) + "\n")
+        write_report(out / f"{scenario.name}.json", encode(scenario, report))
         plot(scenario.name, report, out)
         print_table(report)
         reports[scenario.name] = report
@@ -356,9 +401,9 @@ def run_bench(
         if ctx.counting is not None:
             ctx.counting[1].close()
     for s in SCENARIOS:  # the last report of a scenario not run this time
-        if s.name not in reports and (out / f"{s.name}.json").is_file():
-            with contextlib.suppress(ValueError):
-                reports[s.name] = json.loads((out / f"{s.name}.json").read_text())
+        last = None if s.name in reports else read_report(out, s.name)
+        if last is not None:
+            reports[s.name] = msgspec.to_builtins(last)
     (out / SUMMARY).write_text(summary_markdown(reports))
     for label, why in skipped.items():
         console.print(f"[yellow]skipped {label}:[/yellow] {why}")

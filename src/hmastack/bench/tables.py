@@ -18,7 +18,7 @@ from hmastack.core.progress import console
 def print_table(report: dict) -> None:
     from rich.table import Table
 
-    rows = report.get("rows", [])
+    rows = report["rows"]
     table = Table(title=report["title"])
     cols = (
         [
@@ -34,7 +34,7 @@ def print_table(report: dict) -> None:
     for r in rows:
         table.add_row(*(str(r.get(c, "")) for c in cols))
     console.print(table)
-    for label, why in report.get("errors", {}).items():
+    for label, why in report["errors"].items():
         console.print(f"[red]{label} failed:[/red] {why}")
 
 
@@ -43,7 +43,7 @@ def summary_markdown(reports: dict[str, dict]) -> str:
     blocks per group against the minimum, admission limits against HMA off and
     the physical limit, instruction ratios with their spread, CPU-time ratios."""
     out = []
-    peak = reports.get("peak_blocks", {}).get("rows", [])
+    peak = reports["peak_blocks"]["rows"] if "peak_blocks" in reports else []
     if peak:
         trees = list(dict.fromkeys(r["tree"] for r in peak))
         by = {(r["tree"], r["pattern"], r["W"], r["L"]): r for r in peak}
@@ -65,11 +65,11 @@ def summary_markdown(reports: dict[str, dict]) -> str:
         out.append(
             md_table(["pattern", "W", "L", "full group", "SWA minimum", *trees], rows)
         )
-    adm = reports.get("admission", {}).get("rows", [])
+    adm = reports["admission"]["rows"] if "admission" in reports else []
     if adm:
         trees = list(dict.fromkeys(r["tree"] for r in adm))
         adm_by = {(r["tree"], r["pattern"], r["W"]): r for r in adm}
-        budget = reports["admission"].get("budget_blocks", "?")
+        budget = reports["admission"]["budget_blocks"]
         for title, key, off, phys in (
             (
                 "Longest admitted external hit (tokens)",
@@ -115,10 +115,10 @@ def summary_markdown(reports: dict[str, dict]) -> str:
         ("scheduler_instructions", "Scheduler instructions per step", "{:,.0f}"),
         ("scheduler_cost", "Scheduler CPU time per step (noisy)", "{:.3f} ms"),
     ):
-        report = reports.get(name, {})
-        if report.get("rows"):
+        report = reports.get(name)
+        if report and report["rows"]:
             out.append(ratio_table(report, what, fmt))
-    eagle = reports.get("eagle_hits", {}).get("rows", [])
+    eagle = reports["eagle_hits"]["rows"] if "eagle_hits" in reports else []
     if eagle:
         out.append(eagle_markdown(eagle))
     return "\n".join(out)
@@ -144,7 +144,7 @@ def ratio_table(report: dict, what: str, fmt: str) -> str:
                 cell += f" ({r['ratio min']:.3f}-{r['ratio max']:.3f})"
             if r["ratio median"] > bench_cost.THRESHOLD:
                 cell = f"**{cell}**"
-            if not r.get("work = base", True):
+            if not r["work = base"]:
                 cell += " (other work)"
             cells.append(cell)
         figure = fmt.format(base["median"]) if base else "-"

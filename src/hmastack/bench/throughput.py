@@ -44,6 +44,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
+from hmastack.bench.report import ScenarioReport, column
 from hmastack.bench.trees import round_order
 from hmastack.core.config import Config
 from hmastack.core.errors import HmastackError
@@ -146,6 +149,88 @@ def _peak(run: dict) -> int:
     if "peak_blocks_in_use" in run:
         return run["peak_blocks_in_use"]
     return sum(run["peak_total_blocks"])
+
+
+class ThroughputRow(msgspec.Struct, kw_only=True):
+    """One case and tree of :func:`summarize`: requests per CPU second and
+    per wall second over the rounds, their ratios to the base (None without
+    a base round to pair), admission and blocks."""
+
+    case: str
+    pool_layer_blocks: int = column("pool layer blocks")
+    tree: str
+    hma: bool = column("HMA")
+    kv_cache_groups: int = column("KV cache groups")
+    blocks: int
+    rounds: int
+    rate_median: float = column("req/s median")
+    rate_min: float = column("req/s min")
+    rate_max: float = column("req/s max")
+    ratio_median: float | None = column("ratio median")
+    ratio_min: float | None = column("ratio min")
+    ratio_max: float | None = column("ratio max")
+    wall_rate_median: float = column("wall req/s median")
+    wall_rate_min: float = column("wall req/s min")
+    wall_rate_max: float = column("wall req/s max")
+    wall_ratio_median: float | None = column("wall ratio median")
+    wall_ratio_min: float | None = column("wall ratio min")
+    wall_ratio_max: float | None = column("wall ratio max")
+    s_median: float = column("s median")
+    load_s_median: float | None = column("load s median")
+    step_s_median: float | None = column("step s median")
+    wall_s_median: float = column("wall s median")
+    steps: list[int]
+    max_running: list[int] = column("max running")
+    per_request_blocks: int = column("per-request blocks")
+    predicted_running: int = column("predicted running")
+    peak_blocks: int = column("peak blocks")
+    peak_layer_blocks: int = column("peak layer blocks")
+    preemptions: int
+    cached_tokens: list[int] = column("cached tokens")
+
+
+class Verdict(msgspec.Struct, kw_only=True):
+    """One case and tree of :func:`judge`; the load-free figures when both
+    runs timed the connector's loads."""
+
+    throughput_ratio: float = column("throughput ratio")
+    min: float
+    max: float
+    wall_ratio: list[float] = column("wall ratio")
+    admitted: str = column("admitted (base → tree)")
+    predicted_admitted_ratio: float = column("predicted admitted ratio")
+    measured_admitted_ratio: float = column("measured admitted ratio")
+    steps_ratio: float = column("steps ratio (base / tree)")
+    at_least_predicted: bool = column("at least predicted")
+    load_s: list[float] | None = msgspec.field(default=None, name="load s (base, tree)")
+    batch_s: list[float] | None = msgspec.field(
+        default=None, name="batch s (base, tree)"
+    )
+    ratio_without_loads: float | None = msgspec.field(
+        default=None, name="ratio without loads"
+    )
+    step_s: list[float | None] | None = msgspec.field(
+        default=None, name="step s median (base, tree)"
+    )
+
+
+class ThroughputReport(ScenarioReport, kw_only=True):
+    """``throughput.json``: the rows, the verdicts and the headline; ``runs``
+    holds each engine process's own result as it wrote it
+    (``tests/e2e/hmastack_e2e/throughput.py``), which only the writer reads."""
+
+    title: str
+    method: str
+    batch: dict[str, int]
+    cases: dict[str, int]  # case -> pool layer blocks
+    rounds: int
+    headline: str
+    explanation: str
+    verdicts: dict[str, Verdict]
+    mismatches: list[str]
+    errors: dict[str, str]
+    runs: dict[str, list[dict]]
+    rows: list[ThroughputRow]
 
 
 def first_ok_hma(ok: list[dict]) -> bool:

@@ -41,7 +41,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import msgspec
+
 from hmastack.bench import throughput as thr
+from hmastack.bench.report import column
 from hmastack.bench.trees import round_order
 from hmastack.core.config import Config
 from hmastack.core.progress import console, step
@@ -201,6 +204,29 @@ def pair_leaks(runs: dict[tuple[str, str], list[dict]]) -> list[str]:
         and r.get("stage", FREED_FROM_STAGE) >= FREED_FROM_STAGE
         and r.get("producer_blocks_held_after_read")
     ]
+
+
+class Prediction(msgspec.Struct, kw_only=True):
+    """One case and tree of :func:`predictions`."""
+
+    groups: int
+    blocks_predicted: list[int] = column("blocks per request (predicted)")
+    blocks_measured: list[int] = column("blocks per request (measured)")
+    free_blocks: int = column("free blocks")
+    at_once_predicted: int = column("requests at once (predicted)")
+    at_once_measured: list[int] = column("requests at once (measured)")
+    preemptions: int
+    nixl_blocks_read: list[int] = column("blocks read with NIXL")
+    failed_loads: int = column("failed loads")
+
+
+class NixlReport(thr.ThroughputReport, kw_only=True):
+    """``throughput_nixl.json``: the throughput's report, with the layout's
+    predictions beside the engine's figures and what the producer held."""
+
+    predictions: dict[str, Prediction]
+    prediction_mismatches: list[str]
+    leaks: list[str]
 
 
 def predictions(rows: list[dict], runs: dict) -> dict:

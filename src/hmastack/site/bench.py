@@ -8,11 +8,16 @@ later shows up there without changes here).
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
-from hmastack.bench.report import BenchRun, read_run
+import msgspec
+
+from hmastack.bench.cost import CostReport, Profile
+from hmastack.bench.counts import CountReport
+from hmastack.bench.figures import AdmissionReport, PeakReport
+from hmastack.bench.report import BenchRun, ScenarioReport, read_run
+from hmastack.bench.throughput import ThroughputReport
+from hmastack.bench.throughput_nixl import NixlReport, Prediction
 from hmastack.core.config import Config
 from hmastack.core.markdown import md_table
 from hmastack.site import reports as site_reports
@@ -50,14 +55,6 @@ PLOT_CAPTIONS = {
 }
 
 
-def _load(folder: Path, name: str) -> dict:
-    try:
-        data = json.loads((folder / f"{name}.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def _shown(trees: list[str]) -> list[str]:
     """The base, the last stage and the peer (when measured), in that order."""
     stages = [t for t in trees if t.startswith("stage ")]
@@ -65,49 +62,48 @@ def _shown(trees: list[str]) -> list[str]:
     return list(dict.fromkeys([trees[0], *stages[-1:], *others[-1:]]))
 
 
-def headline(reports: dict[str, dict], run: BenchRun | None) -> list[str]:
+def headline(reports: dict[str, ScenarioReport], run: BenchRun | None) -> list[str]:
     """One line per result, with its figure: what the series changes."""
     out = []
-    peak = reports.get("peak_blocks", {}).get("rows", [])
-    if peak:
-        longest = max(r["L"] for r in peak)
-        mine = [r for r in peak if r["L"] == longest]
-        trees = list(dict.fromkeys(r["tree"] for r in mine))
+    peak = reports.get("peak_blocks")
+    if isinstance(peak, PeakReport) and peak.rows:
+        longest = max(r.L for r in peak.rows)
+        mine = [r for r in peak.rows if longest == r.L]
+        trees = list(dict.fromkeys(r.tree for r in mine))
         first = mine[0]
-        by = {t: [r for r in mine if r["tree"] == t] for t in trees}
+        by = {t: [r for r in mine if r.tree == t] for t in trees}
         parts = ", ".join(
-            f"{t}: {max(r['swa/group'] for r in by[t])}" for t in _shown(trees)
+            f"{t}: {max(r.swa_per_group for r in by[t])}" for t in _shown(trees)
         )
         out.append(
             f"**Peak blocks**: for an external hit of {longest:,} tokens, a "
             f"sliding-window group holds at most {parts} blocks (the full-attention "
-            f"group {first['full']:,}; the window minimum is "
-            f"{min(r['swa min'] for r in mine)}-{max(r['swa min'] for r in mine)})."
+            f"group {first.full:,}; the window minimum is "
+            f"{min(r.swa_min for r in mine)}-{max(r.swa_min for r in mine)})."
         )
-    adm = reports.get("admission", {}).get("rows", [])
-    if adm:
-        trees = list(dict.fromkeys(r["tree"] for r in adm))
+    adm_report = reports.get("admission")
+    if isinstance(adm_report, AdmissionReport) and adm_report.rows:
+        adm = adm_report.rows
+        trees = list(dict.fromkeys(r.tree for r in adm))
         shown = _shown(trees)
         last = shown[1] if len(shown) > 1 else trees[-1]
         peer = shown[2] if len(shown) > 2 else None
         cells = []
-        for r in [x for x in adm if x["tree"] == last]:
+        for r in [x for x in adm if x.tree == last]:
             base = next(
-                x
-                for x in adm
-                if (x["tree"], x["pattern"], x["W"]) == (trees[0], r["pattern"], r["W"])
+                x for x in adm if (x.tree, x.pattern, x.W) == (trees[0], r.pattern, r.W)
             )
             theirs = next(
                 (
-                    x["concurrent@8k"]
+                    x.concurrent
                     for x in adm
-                    if (x["tree"], x["pattern"], x["W"]) == (peer, r["pattern"], r["W"])
+                    if (x.tree, x.pattern, x.W) == (peer, r.pattern, r.W)
                 ),
                 None,
             )
             cells.append(
-                f"{r['pattern']} W={r['W']}: {base['conc. HMA off']} → "
-                f"{r['concurrent@8k']} (limit {r['conc. physical']}"
+                f"{r.pattern} W={r.W}: {base.concurrent_hma_off} → "
+                f"{r.concurrent} (limit {r.concurrent_physical}"
                 + (f", {peer} {theirs}" if theirs is not None else "")
                 + ")"
             )
@@ -115,69 +111,69 @@ def headline(reports: dict[str, dict], run: BenchRun | None) -> list[str]:
             "**Admission** (requests with an 8k external prefix admitted together, "
             f"HMA off on 0.13.0 → {last}): " + "; ".join(cells) + "."
         )
-    counts = reports.get("scheduler_instructions", {})
-    if counts.get("rows"):
-        rows = counts["rows"]
-        trees = list(dict.fromkeys(r["tree"] for r in rows))
+    counts = reports.get("scheduler_instructions")
+    if isinstance(counts, CountReport) and counts.rows:
+        rows = counts.rows
+        trees = list(dict.fromkeys(r.tree for r in rows))
         spans = []
         for t in trees[1:]:
-            mine = [r["ratio median"] for r in rows if r["tree"] == t]
-            spans.append(f"{t} {min(mine):.3f}-{max(mine):.3f}")
-        spread = [r["spread %"] for r in rows if r["runs"] > 1]
-        above = [r for r in rows if r["ratio median"] > counts.get("threshold", 1.01)]
+            ratios = [r.ratio_median for r in rows if r.tree == t]
+            spans.append(f"{t} {min(ratios):.3f}-{max(ratios):.3f}")
+        spread = [r.spread for r in rows if r.runs > 1]
+        above = [r for r in rows if r.ratio_median > counts.threshold]
+        settings = {(r.layout, r.connector, r.mode, r.requests) for r in rows}
         line = (
             "**Scheduler instructions per step**, ratio to the base over "
-            f"{len({tuple(r[k] for k in ('layout', 'connector', 'mode', 'requests')) for r in rows})}"  # noqa: E501
-            " settings: " + "; ".join(spans) + "."
+            f"{len(settings)} settings: " + "; ".join(spans) + "."
         )
         if spread:
             line += (
                 f" Run-to-run spread of a count: at most {max(spread):.3f}% "
                 f"({len(spread)} rows measured more than once)."
             )
-        line += f" {len(above)} row(s) above {counts.get('threshold', 1.01)}" + (
+        line += f" {len(above)} row(s) above {counts.threshold}" + (
             " (profiles below)." if above else "."
         )
         out.append(line)
-        witness = counts.get("witness")
+        witness = counts.witness
         if witness:
             out.append(
-                f"**Witness**: {witness['tree']} ({witness.get('slowdown', '')}) "
+                f"**Witness**: {witness.tree} ({witness.slowdown}) "
                 + (
                     "is caught: "
-                    + ", ".join(
-                        f"{r['ratio median']:.3f}" for r in witness.get("rows", [])
-                    )
-                    + f"; the profile names `{(witness.get('named') or ['?'])[0]}`."
-                    if witness.get("caught")
-                    else f"is **not caught**: {witness.get('why')}."
+                    + ", ".join(f"{r.ratio_median:.3f}" for r in witness.rows)
+                    + f"; the profile names `{(witness.named or ['?'])[0]}`."
+                    if witness.caught
+                    else f"is **not caught**: {witness.why}."
                 )
             )
-    cost = reports.get("scheduler_cost", {}).get("rows", [])
-    if cost:
-        trees = list(dict.fromkeys(r["tree"] for r in cost))
+    cost_report = reports.get("scheduler_cost")
+    if isinstance(cost_report, CostReport) and cost_report.rows:
+        cost = cost_report.rows
+        trees = list(dict.fromkeys(r.tree for r in cost))
         spans = []
         for t in trees[1:]:
-            mine = [r for r in cost if r["tree"] == t]
+            mine_cost = [r for r in cost if r.tree == t]
             spans.append(
-                f"{t} {min(r['ratio min'] for r in mine):.2f}-"
-                f"{max(r['ratio max'] for r in mine):.2f}"
+                f"{t} {min(r.ratio_min for r in mine_cost):.2f}-"
+                f"{max(r.ratio_max for r in mine_cost):.2f}"
             )
         out.append(
             "**Scheduler CPU time** (noisy, beside the counts): ratios to the base "
             "range over " + "; ".join(spans) + "."
         )
-    if "throughput" in reports:
-        out.append(f"**Throughput**: {reports['throughput'].get('headline', '')}")
+    thr = reports.get("throughput")
+    if isinstance(thr, ThroughputReport):
+        out.append(f"**Throughput**: {thr.headline}")
     else:
         out.append(
             "**Throughput** of the real engine under a KV budget: not measured yet "
             "(it needs the end-to-end harness)."
         )
-    if "throughput_nixl" in reports:
+    pd = reports.get("throughput_nixl")
+    if isinstance(pd, NixlReport):
         out.append(
-            "**Throughput, P/D with NixlConnector** (decode side): "
-            + reports["throughput_nixl"].get("headline", "")
+            "**Throughput, P/D with NixlConnector** (decode side): " + pd.headline
         )
     if run:
         out.append(
@@ -192,38 +188,37 @@ def headline(reports: dict[str, dict], run: BenchRun | None) -> list[str]:
     return out
 
 
-def _scenario_seconds(reports: dict[str, dict]) -> str:
+def _scenario_seconds(reports: dict[str, ScenarioReport]) -> str:
     """Each scenario's own wall time, as its report records it (``seconds``)."""
     parts = [
-        f"{name} {r['seconds']} s"
+        f"{name} {r.seconds:.0f} s"
         for name, r in reports.items()
-        if isinstance(r.get("seconds"), int | float)
+        if r.seconds is not None
     ]
     return f" (by scenario, from its report: {', '.join(parts)})" if parts else ""
 
 
-def count_table(report: dict) -> str:
+def count_table(report: CountReport) -> str:
     """Instructions per step of every tree and setting, the spread of the counts
     over runs and the ratio to the base (median, min-max over rounds)."""
-    rows = report["rows"]
     body = []
-    for r in rows:
-        ratio = f"{r['ratio median']:.4f}"
-        if r["reps"] > 1:
-            ratio += f" ({r['ratio min']:.4f}-{r['ratio max']:.4f})"
-        if r["ratio median"] > report.get("threshold", 1.01):
+    for r in report.rows:
+        ratio = f"{r.ratio_median:.4f}"
+        if r.reps > 1:
+            ratio += f" ({r.ratio_min:.4f}-{r.ratio_max:.4f})"
+        if r.ratio_median > report.threshold:
             ratio = f"**{ratio}**"
         body.append(
             [
-                r["tree"],
-                r["layout"],
-                r["connector"],
-                r["mode"],
-                r["requests"],
-                f"{r['median']:,}",
-                f"{r['spread %']:.4f}%" if r["runs"] > 1 else "-",
+                r.tree,
+                r.layout,
+                r.connector,
+                r.mode,
+                r.requests,
+                f"{r.median:,.0f}",
+                f"{r.spread:.4f}%" if r.runs > 1 else "-",
                 ratio,
-                "" if r.get("work = base", True) else "other work",
+                "" if r.same_work else "other work",
             ]
         )
     return md_table(
@@ -242,22 +237,22 @@ def count_table(report: dict) -> str:
     )
 
 
-def profile_section(profiles: list[dict], threshold: float) -> list[str]:
+def profile_section(profiles: list[Profile], threshold: float) -> list[str]:
     out = []
     if not profiles:
         return [f"No row's ratio is above {threshold}: nothing to explain.\n"]
     for p in profiles:
-        out.append(f"### {p['tree']}, {p['setting']}\n")
-        if "instructions" in p:
+        out.append(f"### {p.tree}, {p.setting}\n")
+        if p.instructions is not None and p.instructions_base:
             out.append(
-                f"Instructions {p['instructions base']:,} (base) → "
-                f"{p['instructions']:,} "
-                f"({p['instructions'] / p['instructions base']:.4f}x).\n"
+                f"Instructions {p.instructions_base:,} (base) → "
+                f"{p.instructions:,} "
+                f"({p.instructions / p.instructions_base:.4f}x).\n"
             )
-        if p.get("python_functions"):
+        if p.python_functions:
             out.append(
-                f"Python functions by bytecodes executed ({p['bytecodes base']:,} → "
-                f"{p['bytecodes']:,}), largest change of their own count first:\n"
+                f"Python functions by bytecodes executed ({p.bytecodes_base:,} → "
+                f"{p.bytecodes:,}), largest change of their own count first:\n"
             )
             out.append(
                 md_table(
@@ -273,33 +268,33 @@ def profile_section(profiles: list[dict], threshold: float) -> list[str]:
                     ],
                     [
                         [
-                            f"`{f['function']}`",
-                            f"{f['self base']:,}",
-                            f"{f['self']:,}",
-                            f"{f['self difference']:+,}",
-                            "" if f["share"] is None else f"{f['share']:.0%}",
-                            f"{f['inclusive difference']:+,}",
-                            f["calls base"],
-                            f["calls"],
+                            f"`{f.function}`",
+                            f"{f.self_base:,}",
+                            f"{f.self_:,}",
+                            f"{f.self_difference:+,}",
+                            "" if f.share is None else f"{f.share:.0%}",
+                            f"{f.inclusive_difference:+,}",
+                            f.calls_base,
+                            f.calls,
                         ]
-                        for f in p["python_functions"]
+                        for f in p.python_functions
                     ],
                 )
             )
-        if p.get("c_functions"):
+        if p.c_functions:
             out.append("C functions by callgrind self instructions:\n")
             out.append(
                 md_table(
                     ["function", "base", "tree", "difference", "share"],
                     [
                         [
-                            f"`{f['function']}`",
-                            f"{f['base']:,}",
-                            f"{f['other']:,}",
-                            f"{f['difference']:+,}",
-                            "" if f["share"] is None else f"{f['share']:.0%}",
+                            f"`{f.function}`",
+                            f"{f.base:,}",
+                            f"{f.other:,}",
+                            f"{f.difference:+,}",
+                            "" if f.share is None else f"{f.share:.0%}",
                         ]
-                        for f in p["c_functions"]
+                        for f in p.c_functions
                     ],
                 )
             )
@@ -323,7 +318,7 @@ def page(cfg: Config, site: Any) -> str:
         out.append("## Method\n")
         out.append(method_text)
         return "\n".join(out)
-    reports = {b.name: _load(folder, b.name) for b in benches}
+    reports = {b.name: b.report for b in benches}
     run = read_run(folder)
     out.append("## Headline\n")
     out += [f"* {line}" for line in headline(reports, run)]
@@ -341,54 +336,45 @@ def page(cfg: Config, site: Any) -> str:
     for plot in loose:
         site.assets[f"assets/bench/{plot.name}"] = plot.read_bytes()
         out.append(f"![{plot.stem}](assets/bench/{plot.name})\n")
-    counts = reports.get("scheduler_instructions", {})
-    if counts.get("rows"):
+    counts = reports.get("scheduler_instructions")
+    if isinstance(counts, CountReport) and counts.rows:
         out.append("## Scheduler instructions per step\n")
-        out.append(f"{counts.get('method', '')}.\n")
+        out.append(f"{counts.method}.\n")
         out.append(count_table(counts))
         out.append("## Where the cost goes\n")
-        out += profile_section(
-            counts.get("profiles", []), counts.get("threshold", 1.01)
-        )
-        witness = counts.get("witness")
+        out += profile_section(counts.profiles, counts.threshold)
+        witness = counts.witness
         if witness:
             out.append("## Witness: a slowed stage is caught\n")
             out.append(
-                f"`{witness['tree']}`: {witness.get('slowdown', '')}; ratios to "
-                f"{witness.get('of', 'the stage it copies')}. "
-                + (
-                    "Caught"
-                    if witness.get("caught")
-                    else f"**Not caught**: {witness.get('why')}"
-                )
+                f"`{witness.tree}`: {witness.slowdown}; ratios to {witness.of}. "
+                + ("Caught" if witness.caught else f"**Not caught**: {witness.why}")
                 + ".\n"
             )
-            if witness.get("rows"):
+            if witness.rows:
                 out.append(
                     md_table(
                         ["layout", "connector", "mode", "requests", "ratio"],
                         [
                             [
-                                r["layout"],
-                                r["connector"],
-                                r["mode"],
-                                r["requests"],
-                                f"{r['ratio median']:.4f}",
+                                r.layout,
+                                r.connector,
+                                r.mode,
+                                r.requests,
+                                f"{r.ratio_median:.4f}",
                             ]
-                            for r in witness["rows"]
+                            for r in witness.rows
                         ],
                     )
                 )
-            out += profile_section(
-                witness.get("profiles", []), counts.get("threshold", 1.01)
-            )
-    thr = reports.get("throughput", {})
-    if thr.get("rows"):
+            out += profile_section(witness.profiles, counts.threshold)
+    thr = reports.get("throughput")
+    if isinstance(thr, ThroughputReport) and thr.rows:
         out += throughput_section(thr)
-    pd = reports.get("throughput_nixl", {})
-    if pd.get("rows"):
-        out += throughput_section(pd, pd.get("title"))
-        out += predictions_section(pd.get("predictions", {}))
+    pd = reports.get("throughput_nixl")
+    if isinstance(pd, NixlReport) and pd.rows:
+        out += throughput_section(pd, pd.title)
+        out += predictions_section(pd.predictions)
     summary = folder / "summary.md"
     if summary.is_file():
         out.append("## Summary of the last run\n")
@@ -404,26 +390,27 @@ def page(cfg: Config, site: Any) -> str:
         out.append("## Other reports\n")
     for b in others:
         out.append(f"### {b.title}\n")
-        if b.rows:
-            cols = list(dict.fromkeys(k for r in b.rows for k in r))[:12]
+        rows = msgspec.to_builtins(b.report.rows)
+        if rows:
+            cols = list(dict.fromkeys(k for r in rows for k in r))[:12]
             out.append(
-                md_table(cols, [[str(r.get(c, "")) for c in cols] for r in b.rows])
+                md_table(cols, [[str(r.get(c, "")) for c in cols] for r in rows])
             )
     return "\n".join(out)
 
 
-def throughput_section(report: dict, title: str | None = None) -> list[str]:
+def throughput_section(report: ThroughputReport, title: str | None = None) -> list[str]:
     """The real-engine throughput: the verdict per case and tree, then every
     tree's figures."""
     out = [
         f"## {title or 'Real-engine throughput under a KV budget'}\n",
-        f"{report['method']}.\n",
+        f"{report.method}.\n",
         "Requests per second here are per CPU second of the engine process "
         "(`time.process_time`: its own work); the wall clock beside them is "
         "inflated by whatever else this shared machine runs. `s median`: CPU "
         "seconds of the measured batch.\n",
     ]
-    verdicts = report.get("verdicts", {})
+    verdicts = report.verdicts
     if verdicts:
         out.append(
             md_table(
@@ -439,19 +426,19 @@ def throughput_section(report: dict, title: str | None = None) -> list[str]:
                 [
                     [
                         name,
-                        f"{v['throughput ratio']:.3f} ({v['min']:.3f}-{v['max']:.3f})",
-                        "{:.3f} ({:.3f}-{:.3f})".format(*v["wall ratio"]),
-                        v["admitted (base → tree)"],
-                        f"{v['predicted admitted ratio']:.3f}",
-                        f"{v['steps ratio (base / tree)']:.3f}",
-                        "yes" if v["at least predicted"] else "no",
+                        f"{v.throughput_ratio:.3f} ({v.min:.3f}-{v.max:.3f})",
+                        "{:.3f} ({:.3f}-{:.3f})".format(*v.wall_ratio),
+                        v.admitted,
+                        f"{v.predicted_admitted_ratio:.3f}",
+                        f"{v.steps_ratio:.3f}",
+                        "yes" if v.at_least_predicted else "no",
                     ]
                     for name, v in verdicts.items()
                 ],
             )
         )
-    if report.get("explanation"):
-        out.append(report["explanation"] + "\n")
+    if report.explanation:
+        out.append(report.explanation + "\n")
     cols = [
         "case",
         "tree",
@@ -470,35 +457,76 @@ def throughput_section(report: dict, title: str | None = None) -> list[str]:
         "peak layer blocks",
         "preemptions",
     ]
-    out.append(
-        md_table(
-            cols,
-            [
-                [
-                    ", ".join(map(str, r[c])) if isinstance(r[c], list) else str(r[c])
-                    for c in cols
-                ]
-                for r in report["rows"]
-            ],
-        )
-    )
+    body = [
+        [
+            _cell(x)
+            for x in (
+                r.case,
+                r.tree,
+                r.blocks,
+                r.rate_median,
+                r.rate_min,
+                r.rate_max,
+                r.s_median,
+                r.wall_rate_median,
+                r.wall_s_median,
+                r.steps,
+                r.max_running,
+                r.predicted_running,
+                r.per_request_blocks,
+                r.peak_blocks,
+                r.peak_layer_blocks,
+                r.preemptions,
+            )
+        ]
+        for r in report.rows
+    ]
+    out.append(md_table(cols, body))
     return out
 
 
-def predictions_section(predictions: dict) -> list[str]:
+def _cell(value: object) -> str:
+    return ", ".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def predictions_section(predictions: dict[str, Prediction]) -> list[str]:
     """The block counts' prediction beside the measured figures, per case and
     tree."""
     if not predictions:
         return []
-    cols = list(dict.fromkeys(k for v in predictions.values() for k in v))
+    cols = [
+        "groups",
+        "blocks per request (predicted)",
+        "blocks per request (measured)",
+        "free blocks",
+        "requests at once (predicted)",
+        "requests at once (measured)",
+        "preemptions",
+        "blocks read with NIXL",
+        "failed loads",
+    ]
+    body = [
+        [
+            name,
+            *(
+                _cell(x)
+                for x in (
+                    v.groups,
+                    v.blocks_predicted,
+                    v.blocks_measured,
+                    v.free_blocks,
+                    v.at_once_predicted,
+                    v.at_once_measured,
+                    v.preemptions,
+                    v.nixl_blocks_read,
+                    v.failed_loads,
+                )
+            ),
+        ]
+        for name, v in predictions.items()
+    ]
     return [
         "Blocks per request (per KV cache group) and requests at once: "
         "predicted from the layout, measured in the engine.\n",
-        md_table(
-            ["case: tree", *cols],
-            [
-                [name, *(str(v.get(c, "")) for c in cols)]
-                for name, v in predictions.items()
-            ],
-        ),
+        md_table(["case: tree", *cols], body),
     ]

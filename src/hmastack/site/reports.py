@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from hmastack.bench.report import RUN_REPORTS, read_scenario
+from hmastack.bench.report import RUN_REPORTS, ScenarioReport
+from hmastack.bench.run import read_report
 from hmastack.core.config import Config
 from hmastack.matrix.reports import StageResult, stage_table_rows
 
@@ -35,7 +36,7 @@ def new_failures(entry: StageResult, base: StageResult | None) -> list[str]:
 class Bench:
     name: str
     title: str
-    rows: list[dict]
+    report: ScenarioReport  # as its scenario's schema (hmastack.bench.run)
     plots: list[Path]
 
 
@@ -51,10 +52,10 @@ def load_benchmarks(cfg: Config) -> tuple[list[Bench], list[Path]]:
     for path in sorted(folder.glob("*.json")):
         if path.name in RUN_REPORTS:
             continue
-        report = read_scenario(path)
+        report = read_report(folder, path.stem)
         assert report is not None  # globbed
         mine = [p for p in plots if p.stem.startswith(path.stem)]
         used.update(mine)
         title = report.title or path.stem.replace("_", " ")
-        benches.append(Bench(path.stem, title, report.rows, mine))
+        benches.append(Bench(path.stem, title, report, mine))
     return benches, [p for p in plots if p not in used]
