@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -503,3 +504,26 @@ def test_a_tlc_that_does_not_start_is_an_error_and_keeps_the_last_report(
     assert good.read_text() == '{"model": "legacy", "ok": true}\n'
     out = capsys.readouterr()
     assert "MISMATCH" not in out.out + out.err and "✓" not in out.out + out.err
+
+
+@pytest.mark.tlc
+@needs_java
+def test_each_tlc_run_reads_the_standard_modules_from_its_own_directory(
+    tlc_env, tmp_path
+):
+    """TLC copies its standard modules out of the jar into java.io.tmpdir;
+    two runs side by side that share it can find them gone. Each run parses
+    them from its own work directory."""
+    java, jar = tlc_env
+    work = tmp_path / "run"
+    work.mkdir()
+    (work / "Tiny.tla").write_text(
+        "---- MODULE Tiny ----\nEXTENDS Naturals, Sequences\nVARIABLE x\n"
+        "Init == x = <<>>\nNext == Len(x) < 2 /\\ x' = Append(x, 1)\n====\n"
+    )
+    (work / "model.cfg").write_text("INIT Init\nNEXT Next\n")
+    cmd = spec.tlc_base_command(java, jar, SETTINGS, 1, 1, work) + ["Tiny"]
+    out = subprocess.run(cmd, cwd=work, capture_output=True, text=True, check=False)
+    parsed = re.findall(r"Parsing file (\S*Sequences\.tla)", out.stdout)
+    assert parsed, out.stdout[-2000:]
+    assert all(Path(p).parent == work / "tmp" for p in parsed), parsed

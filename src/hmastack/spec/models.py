@@ -100,11 +100,18 @@ def tlc_base_command(
     """TLC in ``-tool`` mode on ``workdir/model.cfg``, with fixed workers and seed.
 
     Deadlocks are reported only with ``deadlock`` (TLC's ``-deadlock`` flag
-    turns the check off); states go to ``workdir/states``. Callers add the
-    mode flags and the module name.
+    turns the check off); states go to ``workdir/states``. TLC copies its
+    standard modules (Naturals.tla, Sequences.tla, ...) out of the jar into
+    ``java.io.tmpdir``, and a TLC that runs beside another can find them
+    half-written or gone ("File does not exist", "Module-Table lookup
+    failure"): each run has its own, ``workdir/tmp``. Callers add the mode
+    flags and the module name.
     """
+    tmp = workdir / "tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
     return [
         java,
+        f"-Djava.io.tmpdir={tmp}",
         *settings.run.java_opts,
         "-cp",
         str(jar),
