@@ -18,10 +18,11 @@ A setting is (layout, connector, mode, requests):
   (7935 blocks), the context of the model's config less the decode steps: what
   a per-step scan of a request's block table costs.
 * connector ``none``: no KV connector; ``connector``: the scripted
-  ``BenchConnector`` (``_bench_connector.py``), which reports the first 3/4 of
-  every prompt (whole blocks) as an external hit loaded synchronously;
-  ``hook``: the same with a ``request_blocks_freed`` hook that holds nothing
-  (``BenchHookConnector``).
+  ``ScriptedConnector`` (``hmastack_testkit.scripted_connector``), which
+  reports the first 3/4 of every prompt (whole blocks) as an external hit
+  loaded synchronously; ``hook``: the same with a ``request_blocks_freed``
+  hook that holds nothing (``HoldingScriptedConnector``, whose stores read no
+  block).
 * mode ``decode``: prompts admitted during the warm-up, then every step decodes
   one token for each request; ``prefill``: ``max_tokens=1``, every finished
   request is replaced by a fresh one between steps (outside the measured calls),
@@ -42,12 +43,16 @@ from __future__ import annotations
 import os
 import sys
 
-import _bench_connector as conn
 import _common as c
 import _meters
 
 BLOCK = 16
 HIT_FRACTION = 0.75
+# The scripted connector (scheduler side only: it moves no data) and its
+# variant with the `request_blocks_freed` hook.
+CONNECTOR_MODULE = "hmastack_testkit.scripted_connector"
+CONNECTOR = "ScriptedConnector"
+HOOK_CONNECTOR = "HoldingScriptedConnector"
 SMALL = {"layout": "gemma3", "connector": "connector", "mode": "prefill"}
 
 # Per layout: KV cache group kinds, the window (tokens) and prompt lengths.
@@ -102,7 +107,7 @@ def make_scheduler(
     max_num_batched_tokens: int,
     max_model_len: int,
     num_blocks: int,
-    connector: str = conn.NAME,
+    connector: str = CONNECTOR,
 ):
     """A ``Scheduler`` of this tree for ``layout`` (HMA on), with the scripted
     ``connector`` when ``hit_tokens`` is not None. The model is a hub config
@@ -141,9 +146,9 @@ def make_scheduler(
     if hit_tokens is not None:
         kv_transfer_config = KVTransferConfig(
             kv_connector=connector,
-            kv_connector_module_path=conn.MODULE,
+            kv_connector_module_path=CONNECTOR_MODULE,
             kv_role="kv_both",
-            kv_connector_extra_config={"hit_tokens": hit_tokens},
+            kv_connector_extra_config={"offer_tokens": hit_tokens},
         )
     vllm_config = VllmConfig(
         scheduler_config=scheduler_config,
@@ -222,7 +227,7 @@ class Workload:
             max_num_batched_tokens=batched,
             max_model_len=prompt + DECODE_STEPS_AHEAD + BLOCK,
             num_blocks=groups * n * blocks_per_req + 16,
-            connector=conn.HOOK_NAME if setting["connector"] == "hook" else conn.NAME,
+            connector=HOOK_CONNECTOR if setting["connector"] == "hook" else CONNECTOR,
         )
         self.pool = requests(pool_size, prompt, max_tokens)
         self.pool.reverse()

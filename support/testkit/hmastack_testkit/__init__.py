@@ -14,6 +14,8 @@ Modules: :mod:`~hmastack_testkit.window` (pure Python, no vLLM),
 :mod:`~hmastack_testkit.kvtest` (the stage tests' helpers: hashing set-up,
 deterministic Hypothesis settings, the replays' steering and spies),
 :mod:`~hmastack_testkit.lmcache_cpu` (LMCache's pointer set-up on CPU),
+:mod:`~hmastack_testkit.scripted_connector` (the scripted KV connector of
+the scheduler-level tests and the scheduler-cost benchmark),
 :mod:`~hmastack_testkit.kv_events` and :mod:`~hmastack_testkit.offloading`;
 the subpackage :mod:`~hmastack_testkit.e2e` is the engine side of the
 end-to-end runs and the throughput benchmark.

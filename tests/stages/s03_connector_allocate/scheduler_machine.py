@@ -11,10 +11,12 @@ in flight without output placeholders).
 The KVCacheConfig is built directly: Gemma-3-like (5 sliding window groups :
 1 full attention group) or gpt-oss-like (one group of each; the explicit
 tests also use Llama-like, one full attention group), with a scripted
-`SupportsHMA` connector (`ScriptedConnector`); or Mistral-like (one sliding
+`SupportsHMA` connector (`MachineConnector`); or Mistral-like (one sliding
 window group) with a connector that does not support HMA
-(`PlainScriptedConnector`) or a `SupportsHMA` connector that declines it for
-its configuration (`DecliningScriptedConnector`): HMA is then off. A small
+(`PlainMachineConnector`) or a `SupportsHMA` connector that declines it for
+its configuration (`DecliningMachineConnector`): HMA is then off (the three
+are `hmastack_testkit.scripted_connector`'s connectors with the checks of
+`MachineChecks`). A small
 pool, so that requests are refused, evicted and preempted; prefix caching on;
 speculative decoding with draft tokens, with eagle-style lookahead slots or
 without.
@@ -113,7 +115,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from hmastack_testkit import kvtest
+from hmastack_testkit import scripted_connector as scripted
 from hmastack_testkit.kvtest import make_cpu_vllm_config, make_kv_cache_groups
+from hmastack_testkit.scripted_connector import Load, Offer
 from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.control import _current_build_context
@@ -130,10 +135,8 @@ from vllm.config import (
 )
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    SupportsHMA,
 )
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
@@ -150,7 +153,6 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
-from vllm.v1.structured_output import StructuredOutputManager
 
 BLOCK_SIZE = 16
 EOS = 2
@@ -200,67 +202,29 @@ def connector_state(scheduler: Scheduler, name: str) -> dict[str, Any]:
     }
 
 
-@dataclass
-class Load:
-    """Blocks a load writes into (per group, without the null block), and the
-    token range it loads."""
+class MachineChecks:
+    """The state machine's checks on the scripted connector
+    (`hmastack_testkit.scripted_connector`), mixed into each of its classes.
 
-    block_ids: tuple[list[int], ...]
-    load_async: bool
-    start: int
-    end: int
-    # The connector got the null block for a token of this range.
-    null_in_range: bool = False
+    The script: `offers[req_id]` (the KV of the first tokens of a request,
+    loaded synchronously or asynchronously; an async load may cover the
+    prompt, as P/D's does) and `save_req_ids`. For a request of
+    `save_req_ids`, each step's `build_connector_meta` plans a store of the
+    blocks that become full in that step (`stores`, read until the state
+    machine reports the request in `finished_sending`), and a finished
+    request's blocks are held until then (`saving`).
 
-    def all_block_ids(self) -> set[int]:
-        return {b for group in self.block_ids for b in group}
-
-
-@dataclass
-class ConnectorScript:
-    # req_id -> (tokens the connector holds, loaded asynchronously)
-    external: dict[str, tuple[int, bool]] = field(default_factory=dict)
-    # Requests whose blocks the connector stores (while they run, and all of
-    # them when they finished: a delayed free).
-    save_req_ids: set[str] = field(default_factory=set)
-
-
-class ScriptedConnectorBase(KVConnectorBase_V1):
-    """Scheduler-side connector driven by the state machine.
-
-    It holds the KV of `script.external[req_id][0]` prompt tokens. Every
-    `update_state_after_alloc` with external tokens starts a load into the
-    blocks of the external tokens (null blocks are skipped tokens, never
-    loaded); async loads stay in `pending` until the state machine reports
-    them. For a request of `script.save_req_ids`, each step's
-    `build_connector_meta` plans a store of the blocks that become full in
-    that step (`storing`, read until the state machine reports the request in
-    `finished_sending`), and a finished request's blocks are held until then
-    (`saving`).
+    Checked on every call: `ConnectorTables` (`table_violations`), `NoReload`
+    (`reload_violations`), `FinishedTables` (`finish_violations`).
     """
 
-    def __init__(
-        self,
-        vllm_config: VllmConfig,
-        role: KVConnectorRole,
-        kv_cache_config: KVCacheConfig | None = None,
-    ):
-        super().__init__(vllm_config, role, kv_cache_config)
-        self.script = ConnectorScript()
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self.scheduler: Scheduler | None = None  # set by the harness
-        self.pending: dict[str, Load] = {}  # async loads in flight
-        self.sync_loads: dict[str, Load] = {}  # started in the current step
-        self.saving: dict[str, set[int]] = {}  # delayed frees in flight
-        self.storing: dict[str, set[int]] = {}  # stores of running requests
-        self._num_local: dict[str, int] = {}
         # req_id -> local hit + external tokens of its last async load.
         self.async_load_end: dict[str, int] = {}
         # req_id -> local hit tokens before its last async load.
         self.async_load_start: dict[str, int] = {}
-        # req_id -> the block ids of every update_state_after_alloc call since
-        # its last lookup, appended per group (as LMCacheMPConnector keeps
-        # them), and the calls after which they were not the scheduler's.
-        self.block_tables: dict[str, list[list[int]]] = {}
         self.table_violations: list[str] = []
         # Requests that held a block whose load of theirs failed (NoReload),
         # and the loads started for them afterwards.
@@ -270,30 +234,17 @@ class ScriptedConnectorBase(KVConnectorBase_V1):
         # the blocks holding the request's computed KV.
         self.finish_violations: list[str] = []
 
-    def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int):
         # A new lookup (a new request, or one that starts over): an earlier
-        # load's end no longer bounds what the request resumes with, and its
-        # block tables start over.
+        # load's end no longer bounds what the request resumes with.
         self.async_load_end.pop(request.request_id, None)
         self.async_load_start.pop(request.request_id, None)
-        self.block_tables.pop(request.request_id, None)
-        num_tokens, load_async = self.script.external.get(
-            request.request_id, (0, False)
-        )
-        # A sync load leaves the last token to compute; an async one may
-        # cover the prompt (P/D), the scheduler computes the last one again.
-        limit = request.num_tokens if load_async else request.num_tokens - 1
-        num_external = min(num_tokens, limit) - num_computed_tokens
-        if num_external <= 0:
-            return 0, False
-        self._num_local[request.request_id] = num_computed_tokens
-        return num_external, load_async
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         req_id = request.request_id
-        self._append_block_ids(req_id, blocks.get_block_ids())
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        self._check_tables(req_id)
         if num_external_tokens == 0:
             return
         if req_id in self.load_failed:
@@ -301,37 +252,19 @@ class ScriptedConnectorBase(KVConnectorBase_V1):
                 f"{req_id} loads {num_external_tokens} external tokens again "
                 "after a load of them failed"
             )
-        start = self._num_local.pop(req_id)
-        end = start + num_external_tokens
-        first = start // BLOCK_SIZE
-        last = cdiv(end, BLOCK_SIZE)
-        load = Load(
-            tuple(
-                [b.block_id for b in group[first:last] if not b.is_null]
-                for group in blocks.blocks
-            ),
-            self.script.external[req_id][1],
-            start,
-            end,
-            any(b.is_null for group in blocks.blocks for b in group[first:last]),
-        )
-        if load.load_async:
-            assert req_id not in self.pending
-            self.pending[req_id] = load
-            self.async_load_end[req_id] = end
-            self.async_load_start[req_id] = start
-        else:
-            self.sync_loads[req_id] = load
+        load = self.pending.get(req_id)
+        if load is not None and load.load_async:
+            self.async_load_end[req_id] = load.end
+            self.async_load_start[req_id] = load.start
 
-    def _append_block_ids(self, req_id: str, block_ids: tuple[list[int], ...]):
-        """Append the call's block ids to the request's tables; they must then
-        be the scheduler's tables (where the scheduler has not replaced a
-        block by the null block since): each call got only the blocks
-        appended to the tables (`KVConnectorBase_V1.update_state_after_alloc`)."""
+    def _check_tables(self, req_id: str) -> None:
+        """ConnectorTables: the block ids of the calls since the last lookup,
+        appended, are the scheduler's tables (where the scheduler has not
+        replaced a block by the null block since): each call got only the
+        blocks appended to the tables
+        (`KVConnectorBase_V1.update_state_after_alloc`)."""
         assert self.scheduler is not None
-        kept = self.block_tables.setdefault(req_id, [[] for _ in block_ids])
-        for table, group_block_ids in zip(kept, block_ids, strict=True):
-            table.extend(group_block_ids)
+        kept = self.block_tables[req_id]
         manager = self.scheduler.kv_cache_manager
         null_block_id = manager.block_pool.null_block.block_id
         tables = manager.get_block_ids(req_id)
@@ -348,7 +281,7 @@ class ScriptedConnectorBase(KVConnectorBase_V1):
         assert self.scheduler is not None
         manager = self.scheduler.kv_cache_manager
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
-            if req_id not in self.script.save_req_ids:
+            if req_id not in self.save_req_ids:
                 continue
             request = self.scheduler.requests[req_id]
             # Not advanced yet: the step computes [start, start + n).
@@ -361,16 +294,12 @@ class ScriptedConnectorBase(KVConnectorBase_V1):
                 if not b.is_null
             }
             if blocks:
-                self.storing.setdefault(req_id, set()).update(blocks)
+                self.stores.setdefault(req_id, set()).update(blocks)
                 _note("store planned")
-        return KVConnectorMetadata()
+        return super().build_connector_meta(scheduler_output)
 
-    def update_connector_output(self, connector_output: KVConnectorOutput):
-        for req_id in connector_output.finished_sending or ():
-            self.storing.pop(req_id, None)
-
-    def request_blocks_freed(self, request_id: str, block_ids: list[int]) -> set[int]:
-        held = self.storing.get(request_id, set()) & set(block_ids)
+    def _blocks_freed(self, request_id: str, block_ids: list[int]) -> set[int]:
+        held = super()._blocks_freed(request_id, block_ids)
         if held:
             _note("blocks held for a store")
         return held
@@ -380,16 +309,10 @@ class ScriptedConnectorBase(KVConnectorBase_V1):
         if not any(block_ids):
             # The request holds no block: its KV is in no block, there is
             # nothing to save (`KVConnectorBase_V1.request_finished`).
-            if request.request_id in self.script.save_req_ids:
+            if request.request_id in self.save_req_ids:
                 _note("finished holding no block")
             return False, None
-        if request.request_id not in self.script.save_req_ids:
-            return False, None
-        null_id = 0
-        self.saving[request.request_id] = {
-            b for group in block_ids for b in group if b != null_id
-        }
-        return True, None
+        return super()._finished(request, block_ids)
 
     def _check_finished_tables(
         self, request: Request, block_ids: tuple[list[int], ...]
@@ -428,75 +351,37 @@ class ScriptedConnectorBase(KVConnectorBase_V1):
                 )
                 return
 
-    def start_load_kv(self, forward_context, **kwargs):
-        pass
 
-    def wait_for_layer_load(self, layer_name):
-        pass
-
-    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
-        pass
-
-    def wait_for_save(self):
-        pass
+class MachineConnector(MachineChecks, scripted.HoldingScriptedConnector):
+    """`SupportsHMA`: every KV cache group."""
 
 
-class ScriptedConnector(ScriptedConnectorBase, SupportsHMA):
-    def request_finished(self, request, block_ids):
-        raise AssertionError("a SupportsHMA connector gets all groups")
-
-    def request_finished_all_groups(
-        self, request: Request, block_ids: tuple[list[int], ...]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        return self._finished(request, block_ids)
-
-
-class PlainScriptedConnector(ScriptedConnectorBase):
+class PlainMachineConnector(MachineChecks, scripted.PlainScriptedConnector):
     """The same script, for a connector that does not support HMA."""
 
-    def request_finished(
-        self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        return self._finished(request, (block_ids,))
 
-
-class DecliningScriptedConnector(ScriptedConnectorBase, SupportsHMA):
-    """The same script, for a SupportsHMA connector that declines HMA for its
-    configuration: it must be treated as one without HMA support."""
-
-    @classmethod
-    def supports_hma_with_config(cls, kv_transfer_config) -> bool:
-        return False
-
-    def request_finished(
-        self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        return self._finished(request, (block_ids,))
-
-    def request_finished_all_groups(self, request, block_ids):
-        raise AssertionError(
-            "PlainConnectorBlocks violated: a connector that declined HMA got "
-            "request_finished_all_groups"
-        )
+class DecliningMachineConnector(MachineChecks, scripted.DecliningScriptedConnector):
+    """The same script, for a `SupportsHMA` connector that declines HMA for
+    its configuration: it must be treated as one without HMA support
+    (`PlainConnectorBlocks`)."""
 
 
 CONNECTOR_NAMES = {
-    ScriptedConnector: "HmastackScriptedConnector",
-    PlainScriptedConnector: "HmastackPlainScriptedConnector",
-    DecliningScriptedConnector: "HmastackDecliningScriptedConnector",
+    MachineConnector: "HmastackScriptedConnector",
+    PlainMachineConnector: "HmastackPlainScriptedConnector",
+    DecliningMachineConnector: "HmastackDecliningScriptedConnector",
 }
 
 
 def connector_class(setup: Setup) -> type:
     if setup.layout == "mistral_like_declined":
-        return DecliningScriptedConnector
-    return PlainScriptedConnector if setup.plain else ScriptedConnector
+        return DecliningMachineConnector
+    return PlainMachineConnector if setup.plain else MachineConnector
 
 
 for _cls, _name in CONNECTOR_NAMES.items():
     if _name not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(_name, __name__, _cls.__name__)
-
 
 # -- the scheduler ------------------------------------------------------------
 
@@ -557,15 +442,12 @@ def make_scheduler(setup: Setup) -> Scheduler:
     connector_cls = connector_class(setup)
     vllm_config = make_vllm_config(setup, connector_cls)
     assert vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is (setup.plain)
-    scheduler_cls = AsyncScheduler if setup.async_scheduling else Scheduler
-    scheduler = scheduler_cls(
-        vllm_config=vllm_config,
-        kv_cache_config=KVCacheConfig(
+    scheduler = kvtest.make_scheduler(
+        vllm_config,
+        KVCacheConfig(
             num_blocks=setup.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups
         ),
-        structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=BLOCK_SIZE,
-        log_stats=False,
+        scheduler_cls=AsyncScheduler if setup.async_scheduling else Scheduler,
     )
     assert type(scheduler.connector) is connector_cls
     assert not setup.batch_queue or not (
@@ -624,7 +506,7 @@ class Harness:
             setup.window if kind == "sliding_window" else None for kind in self.kinds
         ]
         self.scheduler = make_scheduler(setup)
-        self.connector: ScriptedConnectorBase = self.scheduler.connector  # type: ignore
+        self.connector: MachineChecks = self.scheduler.connector  # type: ignore
         self.manager = self.scheduler.kv_cache_manager
         self.pool = self.manager.block_pool
         self.next_id = 0
@@ -753,9 +635,11 @@ class Harness:
         ]
         prompt += [3000 + 100 * self.next_id + i for i in range(num_own)]
         if num_external:
-            self.connector.script.external[req_id] = (num_external, load_async)
+            self.connector.offers[req_id] = Offer(
+                num_external, load_async, whole_prompt=True
+            )
         if save:
-            self.connector.script.save_req_ids.add(req_id)
+            self.connector.save_req_ids.add(req_id)
         self.prompts[req_id] = (prompt, max_tokens)
         self.scheduler.add_request(make_request(req_id, prompt, max_tokens))
         return req_id
@@ -767,11 +651,11 @@ class Harness:
         again = f"r{self.next_id}"
         self.next_id += 1
         prompt, max_tokens = self.prompts[req_id]
-        script = self.connector.script
-        if req_id in script.external:
-            script.external[again] = script.external[req_id]
-        if req_id in script.save_req_ids:
-            script.save_req_ids.add(again)
+        connector = self.connector
+        if req_id in connector.offers:
+            connector.offers[again] = connector.offers[req_id]
+        if req_id in connector.save_req_ids:
+            connector.save_req_ids.add(again)
         self.prompts[again] = (prompt, max_tokens)
         self.scheduler.add_request(make_request(again, list(prompt), max_tokens))
         _note("prompt sent again")
@@ -1007,7 +891,7 @@ class Harness:
             else None,
         )
         for req_id in self.finished_recving:
-            connector.pending.pop(req_id)
+            connector.pending.pop(req_id, None)
         for req_id in self.finished_sending:
             connector.saving.pop(req_id, None)
         self.finished_recving.clear()
@@ -1187,7 +1071,7 @@ class Harness:
         return self.running(req_id) and req_id in self.loads_in_flight()
 
     def stores_to_report(self) -> list[str]:
-        stores = set(self.connector.saving) | set(self.connector.storing)
+        stores = set(self.connector.saving) | set(self.connector.stores)
         return sorted(stores - self.finished_sending)
 
     def finish_save(self, pick: int) -> None:
@@ -1337,7 +1221,7 @@ class Harness:
             )
         # Held blocks: the connector still reads them (a store it has not
         # reported), whether the request is live, finished or gone.
-        reading = self.connector.storing
+        reading = self.connector.stores
         for req_id, blocks in self.manager.held_blocks.items():
             assert blocks, f"held_blocks holds an empty entry for {req_id}"
             unread = {b.block_id for b in blocks} - reading.get(req_id, set())
@@ -1379,7 +1263,7 @@ class Harness:
                         return
 
     def check_finished_tables(self) -> None:
-        """FinishedTables (`ScriptedConnectorBase._check_finished_tables`)."""
+        """FinishedTables (`MachineChecks._check_finished_tables`)."""
         assert not self.connector.finish_violations, self.connector.finish_violations[0]
 
     def check_recached(self, output: SchedulerOutput) -> None:
@@ -1406,7 +1290,7 @@ class Harness:
     def check_connector_tables(self) -> None:
         """A connector that appends the block ids of each
         `update_state_after_alloc` call has the request's block tables, no
-        block twice (`ScriptedConnectorBase._append_block_ids`)."""
+        block twice (`MachineChecks._check_tables`)."""
         assert not self.connector.table_violations, self.connector.table_violations[0]
 
     def check_resume_after_load(self) -> None:
@@ -1526,7 +1410,7 @@ class Harness:
         for req_id, groups in tables.items():
             n = self.last_allocated.get(req_id, 0)
             # only a request the connector offers external tokens to
-            kept = eagle if req_id in self.connector.script.external else 0
+            kept = eagle if req_id in self.connector.offers else 0
             for kind, table in zip(self.kinds, groups, strict=True):
                 if kind == "full":
                     continue
@@ -1570,7 +1454,7 @@ class Harness:
     def check_store_hold(self, tables, held, free) -> None:
         """A block that a store still reads is allocated, in the request's
         table or held for it."""
-        for req_id, block_ids in self.connector.storing.items():
+        for req_id, block_ids in self.connector.stores.items():
             own = {b.block_id for g in tables.get(req_id, []) for b in g}
             own |= set(held.get(req_id, ()))
             for block_id in block_ids:
@@ -1636,7 +1520,7 @@ class Harness:
             or scheduler.running
             or self.connector.pending
             or self.finished_recving
-            or self.connector.storing
+            or self.connector.stores
             or self.connector.saving
             or any(s.output.total_num_scheduled_tokens for s in self.in_flight)
         ) and bool(holders)

@@ -82,6 +82,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hmastack_testkit import scripted_connector as scripted
 from hmastack_testkit.kvtest import (
     REPLAY_POLICIES,
     AdmissionSpy,
@@ -90,27 +91,26 @@ from hmastack_testkit.kvtest import (
     compare_pool,
     compare_table,
     make_cpu_vllm_config,
+    make_scheduler,
     model_hit_blocks,
     steer_free_queue,
     steer_hits,
 )
+from hmastack_testkit.scripted_connector import Offer
 from vllm.config import (
     KVTransferConfig,
     VllmConfig,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     SupportsHMA,
 )
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
-from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.request_queue import create_request_queue
-from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -119,7 +119,6 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
-from vllm.v1.structured_output import StructuredOutputManager
 
 init_none_hash(sha256)
 
@@ -162,25 +161,22 @@ def trace_paths() -> list[Path]:
 # The scripted connector (scheduler side).
 
 
-@dataclass
-class Script:
-    """What the connector answers for one request's next lookup."""
+class ReplayConnector(scripted.HoldingScriptedConnector):
+    """The scripted ``SupportsHMA`` connector
+    (``hmastack_testkit.scripted_connector``) as the replay drives it.
 
-    ext: int = 0
-    load_async: bool = False
-
-
-class ReplayConnector(KVConnectorBase_V1, SupportsHMA):
-    """Scheduler-side ``SupportsHMA`` connector scripted by the replay.
-
-    ``script[req_id]`` is the answer of the next ``get_num_new_matched_tokens``
-    (taken once; no script: no external tokens). ``update_state_after_alloc``
-    computes the blocks a load of the external tokens writes into from the
-    block tables it gets (every group, null blocks skipped); an async load
-    stays in ``pending`` until ``finished_recving`` reports it. ``saves``
-    (set by the replay from the model's stores that outlive the step) are the
-    blocks its stores still read: ``request_blocks_freed`` names them, and
+    ``offers[req_id]`` is the model's answer for the request's lookup (its
+    ``extTokens`` past the local hit, ``past_hit``; set before a ``schedule()``
+    and dropped after it); an async load stays in ``pending`` until
+    ``finished_recving`` reports it. ``stores`` (set by the replay from the
+    model's stores that outlive the step) are the blocks its stores still
+    read: ``request_blocks_freed`` names them, and
     ``request_finished_all_groups`` delays the free while there are any.
+
+    What a connector that saves inside the step learns from the scheduler
+    output is followed too: each request's block table (``tables``), and the
+    table slots <<group, slot, block id>> the last step fills
+    (``step_saves``, saved during it).
     """
 
     def __init__(
@@ -190,61 +186,15 @@ class ReplayConnector(KVConnectorBase_V1, SupportsHMA):
         kv_cache_config: KVCacheConfig | None = None,
     ):
         super().__init__(vllm_config, role, kv_cache_config)
-        self.script: dict[str, Script] = {}
-        # req_id -> (local hit tokens, load async) of the last lookup.
-        self.lookup: dict[str, tuple[int, bool]] = {}
-        self.pending: dict[str, tuple[list[int], ...]] = {}
-        self.saves: dict[str, set[int]] = {}
-        self.finished_calls: list[str] = []
-        # What a connector that saves inside the step learns from the scheduler
-        # output: each request's block table, and the table slots
-        # <<group, slot, block id>> the last step fills (saved during it).
         self.tables: dict[str, list[list[int]]] = {}
-        self.saving: dict[str, set[tuple[str, int, int]]] = {}
-
-    def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
-        script = self.script.pop(request.request_id, Script())
-        load_async = script.load_async and script.ext > 0
-        self.lookup[request.request_id] = (num_computed_tokens, load_async)
-        return script.ext, load_async
-
-    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
-        if num_external_tokens == 0:
-            return
-        assert self._kv_cache_config is not None
-        start, load_async = self.lookup[request.request_id]
-        end = start + num_external_tokens
-        sizes = [
-            g.kv_cache_spec.block_size for g in self._kv_cache_config.kv_cache_groups
-        ]
-        load = tuple(
-            [
-                block.block_id
-                for block in group_blocks[start // size : cdiv(end, size)]
-                if not block.is_null
-            ]
-            for size, group_blocks in zip(sizes, blocks.blocks, strict=True)
-        )
-        if load_async:
-            self.pending[request.request_id] = load
-
-    def update_connector_output(self, connector_output: KVConnectorOutput):
-        for req_id in connector_output.finished_recving or ():
-            self.pending.pop(req_id, None)
-        for req_id in connector_output.finished_sending or ():
-            self.saves.pop(req_id, None)
-
-    def request_blocks_freed(self, request_id: str, block_ids: list[int]) -> set[int]:
-        return self.saves.get(request_id, set()) & set(block_ids)
+        self.step_saves: dict[str, set[tuple[str, int, int]]] = {}
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         """Follow the block tables the scheduler hands over and note the slots
         each scheduled step fills (a connector saving inside the step saves
         them while the step runs)."""
         so = scheduler_output
-        self.saving = {}
+        self.step_saves = {}
         for new in so.scheduled_new_reqs:
             self.tables[new.req_id] = [list(ids) for ids in new.block_ids]
             self._note_saves(so, new.req_id, new.num_computed_tokens)
@@ -257,7 +207,7 @@ class ReplayConnector(KVConnectorBase_V1, SupportsHMA):
                 for table, more in zip(self.tables[req_id], ids, strict=True):
                     table.extend(more)
             self._note_saves(so, req_id, cached.num_computed_tokens[i])
-        return KVConnectorMetadata()
+        return super().build_connector_meta(scheduler_output)
 
     def _note_saves(self, so, req_id: str, num_computed: int) -> None:
         assert self._kv_cache_config is not None
@@ -266,33 +216,12 @@ class ReplayConnector(KVConnectorBase_V1, SupportsHMA):
             so.scheduled_spec_decode_tokens.get(req_id, ())
         )
         slots = range(num_computed // size + 1, (num_computed + verified) // size + 1)
-        self.saving[req_id] = {
+        self.step_saves[req_id] = {
             (GROUPS[g], i, table[i - 1])
             for g, table in enumerate(self.tables[req_id])
             for i in slots
             if i <= len(table) and table[i - 1] != 0
         }
-
-    def request_finished(self, request, block_ids):
-        raise AssertionError("an HMA connector gets request_finished_all_groups")
-
-    def request_finished_all_groups(
-        self, request: Request, block_ids: tuple[list[int], ...]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        self.finished_calls.append(request.request_id)
-        return bool(self.saves.get(request.request_id)), None
-
-    def start_load_kv(self, forward_context, **kwargs):
-        pass
-
-    def wait_for_layer_load(self, layer_name):
-        pass
-
-    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
-        pass
-
-    def wait_for_save(self):
-        pass
 
 
 # ---------------------------------------------------------------------------
@@ -347,13 +276,11 @@ class Replay:
             ),
         ]
         config = make_vllm_config(self.B, self.N + 1)
-        self.sched = Scheduler(
-            vllm_config=config,
-            kv_cache_config=KVCacheConfig(
+        self.sched = make_scheduler(
+            config,
+            KVCacheConfig(
                 num_blocks=self.N + 1, kv_cache_tensors=[], kv_cache_groups=groups
             ),
-            structured_output_manager=StructuredOutputManager(config),
-            block_size=self.B,
         )
         conn = self.sched.connector
         assert isinstance(conn, ReplayConnector) and isinstance(conn, SupportsHMA)
@@ -488,7 +415,7 @@ class Replay:
         (through the bijection); saves inside the step hold nothing."""
         if self.c["SaveMode"] != "async":
             return
-        self.conn.saves = {
+        self.conn.stores = {
             r: {self.m2r[m] for _g, _i, m in blocks if m in self.m2r}
             for r, blocks in state["saves"].items()
             if blocks
@@ -546,11 +473,11 @@ class Replay:
                 # connector whose store still lists them does), the scheduler
                 # must take 0.
                 ext = before["len"][r] - 1 - a["hitBlocks"] * self.B
-            self.conn.script[r] = Script(ext, a["async"])
+            self.conn.offers[r] = Offer(ext, a["async"], past_hit=True)
         if a["draftTokens"]:
             request.spec_token_ids = [9000 + i for i in range(a["draftTokens"])]
         self.evicted.clear()
-        self.conn.lookup.pop(r, None)
+        self.conn.lookups.pop(r, None)
         self.skipped_spy.calls.clear()
         self.admission.counts.clear()
         self.expect_skipped_free = None
@@ -575,7 +502,7 @@ class Replay:
                     model_hit_blocks(self.m2r, after["table"][r], a["hitBlocks"]),
                 )
         out = self.schedule([r], max(a["newTokens"] + a["draftTokens"], 1))
-        self.conn.script.pop(r, None)
+        self.conn.offers.pop(r, None)
         return out
 
     def check_allocation(self, before: dict, after: dict, ev: dict, out) -> None:
@@ -583,7 +510,7 @@ class Replay:
         the model's blocks; bind the model's new blocks to vLLM's."""
         r, a = ev["req"], ev["args"]
         if before["status"][r] == "waiting" and before["computed"][r] == 0:
-            local = self.conn.lookup.get(r, (None, None))[0]
+            local = self.conn.lookups.get(r)
             if local != a["hitBlocks"] * self.B:
                 raise Mismatch(
                     f"prefix cache hit: vLLM {local} tokens, model "
@@ -633,10 +560,10 @@ class Replay:
             model_saves = {
                 (g, i, self.m2r.get(m, f"?{m}")) for g, i, m in after["saves"][r]
             }
-            if model_saves != self.conn.saving.get(r, set()):
+            if model_saves != self.conn.step_saves.get(r, set()):
                 raise Mismatch(
                     f"saved slots of {r}: model {sorted(model_saves, key=str)}, "
-                    f"connector {sorted(self.conn.saving.get(r, set()))}"
+                    f"connector {sorted(self.conn.step_saves.get(r, set()))}"
                 )
 
     def refused(self, before: dict, ev: dict) -> None:
@@ -666,12 +593,12 @@ class Replay:
         compared after the step)."""
         h, a = ev["req"], ev["args"]
         if before["status"][h] == "waiting" and before["computed"][h] == 0:
-            self.conn.script[h] = Script(a["extTokens"], a["async"])
-        self.conn.lookup.pop(h, None)
+            self.conn.offers[h] = Offer(a["extTokens"], a["async"], past_hit=True)
+        self.conn.lookups.pop(h, None)
         self.admission.counts.clear()
         freed = sorted(a["freed"])
         out = self.schedule([h, *freed], max(a["newTokens"], 1), first=h)
-        self.conn.script.pop(h, None)
+        self.conn.offers.pop(h, None)
         if out.num_scheduled_tokens or out.preempted_req_ids:
             raise Mismatch(
                 f"schedule() scheduled {out.num_scheduled_tokens}, preempted "
@@ -878,12 +805,11 @@ class Replay:
                     f"status {r}: model {state['status'][r]}, vLLM {status} "
                     f"({self.requests[r].status.name})"
                 )
+            load = self.conn.pending.get(r)
             loading = sorted(
-                (
-                    self.r2m.get(x, f"?{x}")
-                    for blocks in self.conn.pending.get(r, ())
-                    for x in blocks
-                ),
+                (self.r2m.get(x, f"?{x}") for x in load.all_block_ids())
+                if load
+                else (),
                 key=str,
             )
             model_loading = sorted({x[2] for x in state["loads"][r]}, key=str)
@@ -979,7 +905,9 @@ class Replay:
                 b.block_id for b in self.pool.free_block_queue.get_all_free_blocks()
             ],
             "cached": sorted(self.cached_real()),
-            "pending loads": self.conn.pending,
+            "pending loads": {
+                r: list(load.block_ids) for r, load in self.conn.pending.items()
+            },
             "model->vLLM": dict(sorted(self.m2r.items())),
         }
 

@@ -22,8 +22,8 @@ budget is the model's ``Chunk``.
 
 The behaviours of ``fixtures/async-replay-loads/`` (simulated from
 ``fixtures/replay-async-loads.cfg``) add the model's connector side. The
-scheduler gets a ``SupportsHMA`` connector (``AsyncReplayConnector``, the
-scripted connector of scheduler_replay.py) that offers the first
+scheduler gets a ``SupportsHMA`` connector (``HoldingScriptedConnector`` of
+``hmastack_testkit.scripted_connector``) that offers the first
 ``Ext`` prompt tokens past the local hit at every lookup, loaded
 synchronously or asynchronously as the model chooses. A load that fails
 (the model's ``SyncLoadFailedAt(j)`` and ``LoadFailedAt(j)``) is reported
@@ -58,7 +58,7 @@ from hmastack_testkit.kvtest import (
     make_kv_cache_groups,
     make_scheduler,
 )
-from scheduler_replay import ReplayConnector
+from hmastack_testkit.scripted_connector import Offer
 from vllm.config import KVTransferConfig
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
@@ -84,22 +84,6 @@ def trace_files() -> list[Path]:
     return sorted(FIXTURES.glob("trace-*.json")) + sorted(
         LOAD_FIXTURES.glob("trace-*.json")
     )
-
-
-class AsyncReplayConnector(ReplayConnector):
-    """The scripted connector with the model's offer: the first ``ext``
-    prompt tokens past the local hit at every lookup (``ExtOffer``), loaded
-    asynchronously when ``load_async`` (the model's choice, set by the
-    replay before the schedule)."""
-
-    ext = 0
-    load_async = False
-
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
-        ext = max(0, min(self.ext, request.num_tokens - 1) - num_computed_tokens)
-        load_async = self.load_async and ext > 0
-        self.lookup[request.request_id] = (num_computed_tokens, load_async)
-        return ext, load_async
 
 
 def connector_state(sched, req_id: str) -> dict:
@@ -142,8 +126,8 @@ class AsyncReplay:
         if constants["Ext"] > 0:
             assert constants["ConnectorHMA"], "the replay connector uses HMA"
             kv_transfer = KVTransferConfig(
-                kv_connector=AsyncReplayConnector.__name__,
-                kv_connector_module_path=__name__,
+                kv_connector="HoldingScriptedConnector",
+                kv_connector_module_path="hmastack_testkit.scripted_connector",
                 kv_role="kv_both",
             )
         vllm_config = make_cpu_vllm_config(
@@ -176,8 +160,6 @@ class AsyncReplay:
             block_hasher=get_request_block_hasher(b, sha256),
         )
         self.connector = self.sched.connector
-        if self.connector is not None:
-            self.connector.ext = constants["Ext"]
         self.sched.add_request(self.request)
         # The steps in flight, oldest first: (SchedulerOutput, first token,
         # tokens scheduled, the request's block ids when it was scheduled).
@@ -191,7 +173,9 @@ class AsyncReplay:
 
     def schedule(self, load_async: bool = False) -> None:
         if self.connector is not None:
-            self.connector.load_async = load_async
+            # The model's offer (ExtOffer): the first Ext prompt tokens, past
+            # the local hit at every lookup, loaded as the model chooses.
+            self.connector.offer = Offer(self.c["Ext"], load_async)
         out = self.sched.schedule()
         n = out.num_scheduled_tokens.get(REQ, 0)
         if load_async:

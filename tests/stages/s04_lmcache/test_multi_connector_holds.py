@@ -38,6 +38,7 @@ import itertools
 import os
 from dataclasses import dataclass, field
 
+from hmastack_testkit import scripted_connector as scripted
 from hmastack_testkit.kvtest import (
     hypothesis_settings,
     make_cpu_vllm_config,
@@ -51,10 +52,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
     MultiConnector,
@@ -92,11 +91,13 @@ class ChildMeta(KVConnectorMetadata):
     finish_saves: set[str] = field(default_factory=set)
 
 
-class StoringConnector(KVConnectorBase_V1, SupportsHMA):
-    """Scheduler side: `plan[req_id]` starts a store of the request's blocks in
-    the next build_connector_meta; `stores[req_id]` are the blocks its stores
-    read as far as the scheduler side knows (until the request is reported).
-    Worker side: `in_flight` stores until the test completes them."""
+class StoringConnector(scripted.ScriptedConnector):
+    """The scripted connector (``hmastack_testkit.scripted_connector``) with
+    stores that run on its worker side. Scheduler side: `plan[req_id]` starts a
+    store of the request's blocks in the next build_connector_meta; `stores`
+    are the blocks its stores read as far as the scheduler side knows (until
+    the request is reported). Worker side: `in_flight` stores until the test
+    completes them."""
 
     ids = itertools.count()
 
@@ -107,7 +108,6 @@ class StoringConnector(KVConnectorBase_V1, SupportsHMA):
         ]
         self.manager = None  # the scheduler's KVCacheManager (set by the test)
         self.plan: set[str] = set()
-        self.stores: dict[str, set[int]] = {}
         self.meta = ChildMeta()
         # Worker side.
         self.in_flight: dict[int, tuple[str, frozenset[int]]] = {}
@@ -115,12 +115,6 @@ class StoringConnector(KVConnectorBase_V1, SupportsHMA):
         self.finish_saves: set[int] = set()
 
     # Scheduler side.
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        return 0, False
-
-    def update_state_after_alloc(self, request, blocks, num_external_tokens):
-        pass
-
     def _start_store(self, req_id: str, block_ids) -> None:
         block_ids = frozenset(b for b in block_ids if b != 0)
         if block_ids:
@@ -134,10 +128,6 @@ class StoringConnector(KVConnectorBase_V1, SupportsHMA):
         self.plan.clear()
         meta, self.meta = self.meta, ChildMeta()
         return meta
-
-    def update_connector_output(self, connector_output):
-        for req_id in connector_output.finished_sending or ():
-            self.stores.pop(req_id, None)
 
     def request_finished(self, request, block_ids):
         return self.request_finished_all_groups(request, (block_ids,))
@@ -164,24 +154,12 @@ class StoringConnector(KVConnectorBase_V1, SupportsHMA):
         self.must_report -= done
         return done or None, None
 
-    def start_load_kv(self, forward_context, **kwargs):
-        pass
-
-    def wait_for_layer_load(self, layer_name):
-        pass
-
-    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
-        pass
-
-    def wait_for_save(self):
-        pass
-
 
 class HoldingConnector(StoringConnector):
     """Names the blocks its stores read: the scheduler holds them."""
 
     def request_blocks_freed(self, request_id, block_ids):
-        held = self.stores.get(request_id, set()) & set(block_ids)
+        held = self._blocks_freed(request_id, block_ids)
         if held:
             self.meta.held.add(request_id)
         return held
