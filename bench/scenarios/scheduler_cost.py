@@ -20,7 +20,8 @@ A setting is (layout, connector, mode, requests):
 * connector ``none``: no KV connector; ``connector``: the scripted
   ``ScriptedConnector`` (``hmastack_testkit.scripted_connector``), which
   reports the first 3/4 of every prompt (whole blocks) as an external hit
-  loaded synchronously; ``hook``: the same with a ``request_blocks_freed``
+  loaded synchronously and records nothing but its calls (``track_blocks``
+  off); ``hook``: the same with a ``request_blocks_freed``
   hook that holds nothing (``HoldingScriptedConnector``, whose stores read no
   block).
 * mode ``decode``: prompts admitted during the warm-up, then every step decodes
@@ -148,7 +149,12 @@ def make_scheduler(
             kv_connector=connector,
             kv_connector_module_path=CONNECTOR_MODULE,
             kv_role="kv_both",
-            kv_connector_extra_config={"offer_tokens": hit_tokens},
+            # The double records nothing but its calls: the measured calls
+            # are the scheduler's.
+            kv_connector_extra_config={
+                "offer_tokens": hit_tokens,
+                "track_blocks": False,
+            },
         )
     vllm_config = VllmConfig(
         scheduler_config=scheduler_config,

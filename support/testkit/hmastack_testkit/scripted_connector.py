@@ -17,8 +17,8 @@ They differ only where vLLM tells connectors apart by their type:
                                (the scheduler holds the blocks its stores read)
 ``PlainScriptedConnector``     no ``SupportsHMA`` (HMA off), holding
 ``DecliningScriptedConnector`` ``SupportsHMA`` declining HMA for its
-                               configuration (``supports_hma_with_config``),
-                               holding
+                               configuration (``supports_hma_with_config``,
+                               which trees from stage 03 on ask), holding
 =============================  =================================================
 
 The script (attributes a test sets; the engine-wide defaults come from
@@ -36,11 +36,14 @@ The script (attributes a test sets; the engine-wide defaults come from
   ``finished_sending``). A finished request whose stores still read
   blocks has its free delayed as well.
 
-What it records: ``lookups`` (the local hit tokens of each request's last
-lookup), ``block_tables`` (the block ids of every ``update_state_after_alloc``
+What it records (unless extra config ``track_blocks`` is false: then only
+``calls``, so that a benchmark measures the scheduler, not the double):
+``lookups`` (the local hit tokens of each request's last lookup),
+``block_tables`` (the block ids of every ``update_state_after_alloc``
 since a request's last lookup, appended per group), ``pending`` (asynchronous
 loads until ``finished_recving``), ``sync_loads`` (synchronous loads since the
-test last cleared it) and ``calls`` (scheduler-side calls by name).
+test last cleared it) and ``calls`` (calls of the scripted scheduler-side
+methods by name; both finish hooks count as ``request_finished``).
 
 Runs in every tree the benchmarks compare (vLLM 0.13.0, each stage, the
 v0.14.0 peer): only ``KVConnectorBase_V1``, ``SupportsHMA`` and the
@@ -65,7 +68,8 @@ NULL_BLOCK = 0
 
 @dataclass(frozen=True)
 class Offer:
-    """The connector holds the KV of a request's first ``tokens`` tokens."""
+    """The connector holds the KV of a request's first ``tokens`` tokens (or,
+    with ``past_hit``, of ``tokens`` tokens past its local hit)."""
 
     tokens: int = 0
     load_async: bool = False
@@ -124,6 +128,7 @@ class _Scripted(KVConnectorBase_V1):
             bool(extra.get("load_async", False)),
             bool(extra.get("whole_prompt", False)),
         )
+        self.track_blocks = bool(extra.get("track_blocks", True))
         self.offers: dict[str, Offer] = {}
         self.stores: dict[str, set[int]] = {}
         self.save_req_ids: set[str] = set()
@@ -142,16 +147,19 @@ class _Scripted(KVConnectorBase_V1):
     ) -> tuple[int | None, bool]:
         self.calls["get_num_new_matched_tokens"] += 1
         req_id = request.request_id
-        # A new lookup (a new request, or one that starts over): its block
-        # tables start over.
-        self.block_tables.pop(req_id, None)
-        self.lookups[req_id] = num_computed_tokens
+        if self.track_blocks:
+            # A new lookup (a new request, or one that starts over): its block
+            # tables start over.
+            self.block_tables.pop(req_id, None)
+            self.lookups[req_id] = num_computed_tokens
         return self.offers.get(req_id, self.offer).external(
             request, num_computed_tokens
         )
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         self.calls["update_state_after_alloc"] += 1
+        if not self.track_blocks:
+            return
         req_id = request.request_id
         block_ids = blocks.get_block_ids()
         kept = self.block_tables.setdefault(req_id, [[] for _ in block_ids])
@@ -220,7 +228,8 @@ class _Scripted(KVConnectorBase_V1):
 
     def _blocks_freed(self, request_id: str, block_ids: list[int]) -> set[int]:
         self.calls["request_blocks_freed"] += 1
-        return self.stores.get(request_id, set()) & set(block_ids)
+        stores = self.stores.get(request_id)
+        return stores & set(block_ids) if stores else set()
 
     # -- worker side: no data moves -------------------------------------------
 

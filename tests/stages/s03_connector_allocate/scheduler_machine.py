@@ -365,6 +365,12 @@ class DecliningMachineConnector(MachineChecks, scripted.DecliningScriptedConnect
     its configuration: it must be treated as one without HMA support
     (`PlainConnectorBlocks`)."""
 
+    def request_finished_all_groups(self, request, block_ids):
+        raise AssertionError(
+            "PlainConnectorBlocks violated: a connector that declined HMA got "
+            "request_finished_all_groups"
+        )
+
 
 CONNECTOR_NAMES = {
     MachineConnector: "HmastackScriptedConnector",
