@@ -84,11 +84,16 @@ def make_kv_cache_config(
 
 
 def make_request(
-    request_id: str, token_ids: list[int], block_size: int, max_tokens: int = 64
+    request_id: str,
+    token_ids: list[int],
+    block_size: int,
+    max_tokens: int = 64,
+    eos_token_id: int | None = None,
 ):
     """A request whose block hashes are computed per ``block_size`` tokens with
     sha256 (the caller runs vLLM's ``init_none_hash(sha256)`` once per process
-    first: a second call draws another seed without ``PYTHONHASHSEED``)."""
+    first: a second call draws another seed without ``PYTHONHASHSEED``); it
+    stops at ``eos_token_id`` (None: only at ``max_tokens``)."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
@@ -99,7 +104,7 @@ def make_request(
         prompt_token_ids=token_ids,
         sampling_params=SamplingParams(max_tokens=max_tokens),
         pooling_params=None,
-        eos_token_id=None,
+        eos_token_id=eos_token_id,
         block_hasher=get_request_block_hasher(block_size, sha256),
     )
 

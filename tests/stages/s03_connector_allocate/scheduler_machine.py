@@ -138,10 +138,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import sha256
 from vllm.utils.math_utils import cdiv
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -465,14 +462,7 @@ def make_scheduler(setup: Setup) -> Scheduler:
 
 
 def make_request(req_id: str, prompt: list[int], max_tokens: int) -> Request:
-    return Request(
-        request_id=req_id,
-        prompt_token_ids=prompt,
-        sampling_params=SamplingParams(max_tokens=max_tokens),
-        pooling_params=None,
-        eos_token_id=EOS,
-        block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
-    )
+    return kvtest.make_request(req_id, prompt, BLOCK_SIZE, max_tokens, EOS)
 
 
 @dataclass
