@@ -238,7 +238,6 @@ class Workload:
         self.pool = requests(pool_size, prompt, max_tokens)
         self.pool.reverse()
         self.work = {"scheduled_tokens": 0, "finished": 0, "running_sum": 0}
-        self.preempted = 0
 
     def top_up(self) -> None:
         n = self.setting["requests"]
@@ -266,7 +265,6 @@ class Workload:
         self.work["scheduled_tokens"] += out.total_num_scheduled_tokens
         self.work["finished"] += len(out.finished_req_ids)
         self.work["running_sum"] += len(ids)
-        self.preempted += len(getattr(out, "preempted_req_ids", ()) or ())
         self.top_up()
 
     def run(self, meter: _meters.Meter, steps: int, label: str) -> dict:

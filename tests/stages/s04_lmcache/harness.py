@@ -379,15 +379,6 @@ class Engine:
             dtype=torch.float32,
         )
 
-    def layer_slots(self, req_id: str, name: str, start: int, end: int) -> list[int]:
-        """Slots of tokens [start, end) of a layer, null blocks left out."""
-        table = self.tables(req_id)[self.group_of_layer[name]]
-        return [
-            table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
-            for p in range(start, end)
-            if table[p // BLOCK_SIZE] != 0
-        ]
-
     def check_load_slots(self, req_id: str) -> None:
         """The last step's loads wrote exactly the slots of ``req_id``'s
         external tokens (in every layer's buffer: the slots of the groups with
