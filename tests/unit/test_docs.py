@@ -195,8 +195,10 @@ def test_pages_say_not_run_yet_without_reports_or_patches(project):
         "model-results.md",
         "benchmarks.md",
         "end-to-end.md",
+        "vllm-design.md",
     }
     assert "No patches yet" in site.pages["stages/01-first.md"]
+    assert "`hmastack base`" in site.pages["vllm-design.md"]
     assert "Not run yet" in site.pages["end-to-end.md"]
     assert "Not run yet" in site.pages["stages/01-first.md"]
     assert "Not run yet" in site.pages["benchmarks.md"]
@@ -447,6 +449,17 @@ def test_nav_lists_every_page_once_and_nothing_else(project, tmp_path):
     assert sorted(listed) == sorted(written | set(site.pages))
     stage_pages = [p for p in listed if p.startswith("stages/")]
     assert stage_pages == ["stages/01-first.md", "stages/02-second.md"]
+    # the design first, then the evidence for it in one section
+    titles = [next(iter(item)) for item in site.nav]
+    assert titles.index("Stages") < titles.index("Evidence")
+    evidence = dict(next(iter(i.items())) for i in site.nav if "Evidence" in i)
+    assert set(_nav_pages(evidence["Evidence"])) == {
+        "model.md",
+        "model-results.md",
+        "conformance.md",
+        "benchmarks.md",
+        "end-to-end.md",
+    }
     for page in ("model.md", "conformance.md", "glossary.md"):
         (docs_dir / page).unlink()
         assert page not in _nav_pages(docs.generate(project, docs_dir).nav)

@@ -27,6 +27,7 @@ from hmastack.core.progress import console, step
 from hmastack.core.steps import StepResult
 from hmastack.matrix import reports as matrix_reports
 from hmastack.site import bench as site_bench
+from hmastack.site import design_doc
 from hmastack.site import model as site_model
 from hmastack.site import svg as site_svg
 from hmastack.site.overview import (
@@ -76,6 +77,10 @@ def generate(cfg: Config, docs_dir: Path | None = None) -> Site:
     site = Site()
     for s in stages:
         site.pages[s.page] = stage_page(cfg, s, stages, report, commits)
+    vllm_doc = design_doc.design_doc(cfg, stages)
+    site.pages[design_doc.PAGE] = design_doc.page(vllm_doc)
+    if vllm_doc is not None:
+        site.assets.update(design_doc.assets(vllm_doc))
     site.pages["model-results.md"] = model_page(cfg)
     site.pages["benchmarks.md"] = bench_page(cfg, site)
     site.pages[e2e_site.PAGE] = e2e_site.page(cfg.reports / "e2e.json")
@@ -100,22 +105,25 @@ def generate(cfg: Config, docs_dir: Path | None = None) -> Site:
             + ".\n"
         ),
     }
-    model_nav: list = []
-    if (docs_dir / "model.md").is_file():
-        model_nav.append({"The model": "model.md"})
-    model_nav.append({"Properties and results": "model-results.md"})
-    if (docs_dir / "conformance.md").is_file():
-        model_nav.append({"Conformance": "conformance.md"})
+    # The design first (the problem, the token regions, vLLM's design document as
+    # the series changes it, the stages), then the evidence for it.
     nav: list = [{"Overview": "index.md"}]
     for title, page in (("The problem", "problem.md"), ("Token regions", "regions.md")):
         if (docs_dir / page).is_file():
             nav.append({title: page})
-    nav.append({"The model": model_nav})
+    nav.append({"vLLM's design document": design_doc.PAGE})
     nav.append(
         {"Stages": [{f"{s.stage.number:02d} {s.stage.slug}": s.page} for s in stages]}
     )
-    nav.append({"Benchmarks": "benchmarks.md"})
-    nav.append({"End to end": e2e_site.PAGE})
+    evidence: list = []
+    if (docs_dir / "model.md").is_file():
+        evidence.append({"The model": "model.md"})
+    evidence.append({"Properties and results": "model-results.md"})
+    if (docs_dir / "conformance.md").is_file():
+        evidence.append({"Conformance": "conformance.md"})
+    evidence.append({"Benchmarks": "benchmarks.md"})
+    evidence.append({"End to end": e2e_site.PAGE})
+    nav.append({"Evidence": evidence})
     for title, page in (
         ("Apply the stack", "apply.md"),
         ("Reviewer checklist", "checklist.md"),
