@@ -30,7 +30,6 @@ from hmastack.core.steps import StepResult
 from hmastack.stack import base as base_mod
 
 STAGE_DIR = re.compile(r"^(?P<num>\d\d)-(?P<slug>[a-z0-9][a-z0-9-]*)$")
-UPTO_FILE = "hmastack-upto"
 # What the last `apply` (or `export`) left in a workspace: its status ("applying"
 # while git am runs, "failed", "applied"), the stage, and the sha256 of every patch
 # file of the tree it applied or exported, by its path under the project root.
@@ -163,13 +162,10 @@ def _git_dir(repo: Path) -> Path:
 
 def read_state(repo: Path) -> dict | None:
     """What the last ``apply`` or ``export`` recorded in ``repo`` (None if nothing:
-    a workspace made by ``hmastack base`` alone, or by an older ``apply``)."""
+    a workspace made by ``hmastack base`` alone)."""
     path = _git_dir(repo) / STATE_FILE
     if path.exists():
         return json.loads(path.read_text())
-    legacy = _git_dir(repo) / UPTO_FILE
-    if legacy.exists():
-        return {"status": "applied", "upto": int(legacy.read_text())}
     return None
 
 
