@@ -883,3 +883,17 @@ def test_a_report_missing_a_field_names_its_file_and_the_step(
     assert f"{name}.json does not match the report" in exc.value.message
     assert f"Object missing required field {where}" in exc.value.message
     assert "run `hmastack bench` again" in exc.value.hint
+
+
+def test_a_tree_the_bench_leaves_out_is_named_in_the_steps_outcome(
+    project, monkeypatch
+):
+    """`hmastack run`'s summary shows the step's outcome: a peer release the run
+    could not use appears there with why, not only in the console."""
+    why = "vLLM 0.14.0 has no tree: run `hmastack bench` with network once"
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **k: (False, {"peer": why}))
+    result = bench.run_step(project, quick=True)
+    assert result.ok and f"skipped peer: {why}" in result.outcome
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **k: (True, {}))
+    result = bench.run_step(project, quick=True)
+    assert not result.ok and "skipped" not in result.outcome

@@ -273,7 +273,7 @@ def run_step(
     figure, the instruction counts' witness, a cached-token count of the
     throughput runs) is off."""
     chosen = selected_scenarios(only, throughput)
-    failed = run_bench(
+    failed, skipped = run_bench(
         cfg,
         quick,
         stages,
@@ -284,6 +284,9 @@ def run_step(
         commits,
     )
     what = f"{'quick' if quick else 'full'} set: {', '.join(chosen)}"
+    # A tree the run left out (the peer release without what a scenario needs)
+    # is named in the outcome, so the run's summary shows it.
+    what += "".join(f"; skipped {label}: {why}" for label, why in skipped.items())
     if failed:
         return StepResult(
             False, f"{what}: a checked figure is off, see {cfg.reports / 'bench'}"
@@ -360,9 +363,10 @@ def run_bench(
     only: tuple[str, ...] | None = None,
     count_settings: str | None = None,
     commits: bool = True,
-) -> bool:
+) -> tuple[bool, dict[str, str]]:
     """Run the scenarios ``only`` (default: all but the optional ones) on the
-    trees in alternation; True when a check failed. The summary also holds the
+    trees in alternation; returns whether a check failed and the trees left out
+    with why. The summary also holds the
     last reports of the scenarios not run."""
     plan = bench_plan(quick, count_settings, commits)
     only = selected_scenarios(None, False) if only is None else only
@@ -379,7 +383,7 @@ def run_bench(
         [BenchTree("stage 0", stage_tree(cfg, 0))] if selected or not no_peer else []
     )
     trees += [BenchTree(f"stage {k}", stage_tree(cfg, k)) for k in selected]
-    skipped = {}
+    skipped: dict[str, str] = {}
     if not no_peer:
         path, why = peer_tree(cfg)
         if path is not None:
@@ -424,4 +428,4 @@ def run_bench(
     )
     write_report(out / run_file, run)
     console.print(f"bench reports in {out} ({total:.0f}s)")
-    return bool(failures)
+    return bool(failures), skipped
