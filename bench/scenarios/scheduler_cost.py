@@ -101,7 +101,7 @@ def layout_kinds(layout: str) -> list[str]:
     return ["full"] if layout == "full" else c.pattern_groups(layout)
 
 
-def make_scheduler(
+def cost_scheduler(
     layout: str,
     hit_tokens: int | None,
     max_num_seqs: int,
@@ -226,7 +226,7 @@ class Workload:
             pool_size = n + (steps + warmup) * (batched // computed + 1)
             blocks_per_req = prompt // BLOCK + 2
         self.prompt, self.hit, self.warmup = prompt, hit, warmup
-        self.sched = make_scheduler(
+        self.sched = cost_scheduler(
             layout,
             hit,
             max_num_seqs=n,

@@ -415,7 +415,7 @@ class Setup:
         return self.async_scheduling or self.batch_queue
 
 
-def make_vllm_config(setup: Setup, connector_cls: type) -> VllmConfig:
+def machine_vllm_config(setup: Setup, connector_cls: type) -> VllmConfig:
     vllm_config = make_cpu_vllm_config(
         BLOCK_SIZE,
         setup.num_blocks,
@@ -440,10 +440,10 @@ def make_vllm_config(setup: Setup, connector_cls: type) -> VllmConfig:
     return vllm_config
 
 
-def make_scheduler(setup: Setup) -> Scheduler:
+def machine_scheduler(setup: Setup) -> Scheduler:
     groups = make_kv_cache_groups(LAYOUTS[setup.layout], BLOCK_SIZE, setup.window)
     connector_cls = connector_class(setup)
-    vllm_config = make_vllm_config(setup, connector_cls)
+    vllm_config = machine_vllm_config(setup, connector_cls)
     assert vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is (setup.plain)
     scheduler = kvtest.make_scheduler(
         vllm_config,
@@ -501,7 +501,7 @@ class Harness:
         self.windows = [
             setup.window if kind == "sliding_window" else None for kind in self.kinds
         ]
-        self.scheduler = make_scheduler(setup)
+        self.scheduler = machine_scheduler(setup)
         self.connector: MachineChecks = self.scheduler.connector  # type: ignore
         self.manager = self.scheduler.kv_cache_manager
         self.pool = self.manager.block_pool
@@ -1549,7 +1549,7 @@ def check_mamba_rejected(setup: Setup) -> None:
     )
     try:
         KVConnectorFactory.create_connector(
-            make_vllm_config(setup, connector_cls), KVConnectorRole.SCHEDULER, config
+            machine_vllm_config(setup, connector_cls), KVConnectorRole.SCHEDULER, config
         )
     except ValueError as exc:
         assert "Mamba" in str(exc), exc

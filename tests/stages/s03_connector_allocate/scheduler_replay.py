@@ -230,7 +230,7 @@ class ReplayConnector(scripted.HoldingScriptedConnector):
 _CONFIGS: dict[tuple[int, int], VllmConfig] = {}
 
 
-def make_vllm_config(block_size: int, num_blocks: int) -> VllmConfig:
+def replay_vllm_config(block_size: int, num_blocks: int) -> VllmConfig:
     """A CPU VllmConfig with prefix caching and the replay connector (cached:
     building it takes a few tens of ms; the Scheduler is new per trace)."""
     key = (block_size, num_blocks)
@@ -275,7 +275,7 @@ class Replay:
                 SlidingWindowSpec(self.B, 1, 1, torch.float32, sliding_window=c["W"]),
             ),
         ]
-        config = make_vllm_config(self.B, self.N + 1)
+        config = replay_vllm_config(self.B, self.N + 1)
         self.sched = make_scheduler(
             config,
             KVCacheConfig(

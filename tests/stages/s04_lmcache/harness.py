@@ -34,7 +34,7 @@ from s04_lmcache.layouts import (
     BLOCK_SIZE,
     Layout,
     kv_cache_configs,
-    make_vllm_config,
+    layout_vllm_config,
     paged_buffers,
     spec_of_layer,
 )
@@ -125,7 +125,7 @@ class Engine:
     def __init__(self, layout: Layout, hma: bool, kernel):
         self.layout = layout
         self.kernel = kernel
-        self.vllm_config = make_vllm_config(layout, hma)
+        self.vllm_config = layout_vllm_config(layout, hma)
         self.worker_config, self.scheduler_config = kv_cache_configs(
             layout, self.vllm_config
         )

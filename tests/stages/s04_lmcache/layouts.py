@@ -144,7 +144,7 @@ def mamba_hybrid() -> Layout:
     return Layout("mamba-hybrid", GEMMA3, _pattern("MMMF" * 3, None))
 
 
-def make_vllm_config(layout: Layout, hma: bool) -> VllmConfig:
+def layout_vllm_config(layout: Layout, hma: bool) -> VllmConfig:
     """The CPU VllmConfig of a layout, with LMCacheConnectorV1 and prefix
     caching. HMA is set after VllmConfig's own decision (which turns it off on
     CPU, and with connectors on vLLM 0.13.0)."""

@@ -20,7 +20,7 @@ def start(layout, hma: bool, role: KVConnectorRole):
     """What vLLM's engine start-up does for one role: the KV cache configs of
     the layout, then the connector of the worker, or the scheduler (which
     creates its connector)."""
-    vllm_config = layouts.make_vllm_config(layout, hma)
+    vllm_config = layouts.layout_vllm_config(layout, hma)
     worker_config, scheduler_config = layouts.kv_cache_configs(layout, vllm_config)
     if role == KVConnectorRole.WORKER:
         cuda_boundary.build_cpu_engine(vllm_config)
@@ -50,7 +50,7 @@ def test_mamba_hybrid_is_refused_at_start_up(kernel, distributed, role):
 def test_mamba_hybrid_with_hma_off_is_refused_by_vllm():
     """No configuration runs a Mamba hybrid with LMCache: with HMA off vLLM
     cannot put the Mamba and attention layers into one group."""
-    vllm_config = layouts.make_vllm_config(layouts.mamba_hybrid(), hma=False)
+    vllm_config = layouts.layout_vllm_config(layouts.mamba_hybrid(), hma=False)
     with pytest.raises(ValueError, match="failed to convert"):
         layouts.kv_cache_configs(layouts.mamba_hybrid(), vllm_config)
 
