@@ -14,6 +14,8 @@ Modules: :mod:`~hmastack_testkit.window` (pure Python, no vLLM),
 :mod:`~hmastack_testkit.kvtest` (the stage tests' helpers: hashing set-up,
 deterministic Hypothesis settings, the replays' steering and spies),
 :mod:`~hmastack_testkit.lmcache_cpu` (LMCache's pointer set-up on CPU),
+:mod:`~hmastack_testkit.lmcache_cuda_boundary` (the stage-04 tests' fake of
+what LMCache needs CUDA for),
 :mod:`~hmastack_testkit.scripted_connector` (the scripted KV connector of
 the scheduler-level tests and the scheduler-cost benchmark),
 :mod:`~hmastack_testkit.kv_events` and :mod:`~hmastack_testkit.offloading`;

@@ -1,7 +1,7 @@
 """LMCache on CPU: the one piece the stage-04 tests
-(``tests/stages/s04_lmcache/cuda_boundary.py``) and the engine side of
+(:mod:`hmastack_testkit.lmcache_cuda_boundary`) and the engine side of
 ``hmastack e2e`` (:mod:`hmastack_testkit.e2e.lmcache_cpu`) replace in the
-same way; the docstring of ``cuda_boundary.py`` lists the five points of
+same way; the docstring of ``lmcache_cuda_boundary`` lists the five points of
 LMCache that need CUDA.
 
 The copy kernels stay apart: the stage tests view vLLM's paged KV cache as the

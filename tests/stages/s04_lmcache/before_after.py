@@ -20,7 +20,8 @@ import pytest
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 
-from s04_lmcache import conftest, cuda_boundary, layouts  # noqa: E402
+from hmastack_testkit import lmcache_cuda_boundary as cuda_boundary  # noqa: E402
+from s04_lmcache import conftest, layouts  # noqa: E402
 from s04_lmcache.harness import Engine  # noqa: E402
 from s04_lmcache.layouts import BLOCK_SIZE  # noqa: E402
 

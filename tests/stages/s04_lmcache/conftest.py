@@ -49,7 +49,7 @@ def distributed():
 
 @pytest.fixture
 def kernel(monkeypatch):
-    from s04_lmcache import cuda_boundary
+    from hmastack_testkit import lmcache_cuda_boundary as cuda_boundary
 
     return cuda_boundary.install(monkeypatch)
 

@@ -15,7 +15,7 @@
   it (:func:`kv_value`), as a real model's would. Before each step,
   :meth:`Engine.check_reads` checks that every token the step's attention
   reads (by the layer's attention type) holds that value, in a real block;
-- only the CUDA boundary is faked (``cuda_boundary.py``).
+- only the CUDA boundary is faked (``hmastack_testkit.lmcache_cuda_boundary``).
 
 Each :meth:`Engine.step` runs what vLLM's engine core and model runner run:
 ``schedule()``, the worker's ``start_load_kv``, the forward pass,
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from hmastack_testkit import lmcache_cuda_boundary as cuda_boundary
 from hmastack_testkit.kvtest import make_request, make_scheduler
-from s04_lmcache import cuda_boundary
 from s04_lmcache.layouts import (
     BLOCK_SIZE,
     Layout,

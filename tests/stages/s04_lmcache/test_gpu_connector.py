@@ -3,7 +3,7 @@
 ``VLLMPagedMemGPUConnectorV2.set_kv_cache_group_ids`` gives each layer its KV
 cache group; each copy then uses the group's row of the slot mapping and
 skips its -1 slots. Real connector, copy kernel done with torch
-(``cuda_boundary``).
+(``hmastack_testkit.lmcache_cuda_boundary``).
 """
 
 from __future__ import annotations

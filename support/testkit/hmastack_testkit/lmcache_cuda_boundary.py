@@ -27,6 +27,7 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
+
 from hmastack_testkit.lmcache_cpu import initialize_pointers_without_device_check
 
 
