@@ -897,3 +897,13 @@ def test_a_tree_the_bench_leaves_out_is_named_in_the_steps_outcome(
     monkeypatch.setattr(bench, "run_bench", lambda *a, **k: (True, {}))
     result = bench.run_step(project, quick=True)
     assert not result.ok and "skipped" not in result.outcome
+
+
+def test_a_report_no_scenario_writes_is_an_error_not_a_guessed_table(project):
+    """The site reads each report with its scenario's schema; a JSON file in
+    the bench folder that no scenario writes is refused with its path."""
+    out = project.reports / "bench"
+    out.mkdir(parents=True)
+    (out / "renamed_scenario.json").write_text('{"rows": [{"a": 1}]}')
+    with pytest.raises(HmastackError, match=r"renamed_scenario\.json: no scenario"):
+        docs.generate(project)

@@ -37,13 +37,6 @@ class ScenarioReport(msgspec.Struct, kw_only=True):
 R = TypeVar("R", bound=ScenarioReport)
 
 
-class OtherReport(ScenarioReport, kw_only=True):
-    """A report no scenario of ``hmastack bench`` writes: its rows are shown
-    as they are."""
-
-    rows: list[dict[str, Any]]
-
-
 class BenchRun(msgspec.Struct):
     """``run.json`` (``run-optional.json``: a run of the optional scenarios)."""
 

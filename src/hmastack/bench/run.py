@@ -80,7 +80,6 @@ from hmastack.bench.plots import (
 from hmastack.bench.report import (
     RUN_REPORTS,
     BenchRun,
-    OtherReport,
     ScenarioReport,
     read_scenario,
 )
@@ -210,17 +209,24 @@ SCENARIOS: list[Scenario] = [
 OPTIONAL = ("throughput", "throughput_nixl")
 
 
-def schema_of(name: str) -> type[ScenarioReport]:
-    """The schema of ``<name>.json``: its scenario's, or :class:`OtherReport`
-    for a report no scenario of :data:`SCENARIOS` writes."""
-    return next((s.schema for s in SCENARIOS if s.name == name), OtherReport)
+def schema_of(name: str, folder: Path) -> type[ScenarioReport]:
+    """The schema of ``<name>.json``: its scenario's; a report no scenario of
+    :data:`SCENARIOS` writes is an error."""
+    for s in SCENARIOS:
+        if s.name == name:
+            return s.schema
+    raise HmastackError(
+        f"{folder / (name + '.json')}: no scenario of hmastack bench writes {name!r} "
+        f"(they are {', '.join(s.name for s in SCENARIOS)})",
+        "remove the file; `hmastack bench` writes the reports of its scenarios",
+    )
 
 
 def read_report(folder: Path, name: str) -> ScenarioReport | None:
     """``<name>.json`` of ``folder`` as its scenario's schema (None: not
     there); a report that misses a field is an error naming the file and the
     command that writes it anew."""
-    return read_scenario(folder / f"{name}.json", schema_of(name))
+    return read_scenario(folder / f"{name}.json", schema_of(name, folder))
 
 
 def encode(scenario: Scenario, report: dict) -> ScenarioReport:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
-
 from hmastack.bench.cost import CostReport, Profile
 from hmastack.bench.counts import CountReport
 from hmastack.bench.figures import AdmissionReport, PeakReport
@@ -381,21 +379,6 @@ def page(cfg: Config, site: Any) -> str:
         out.append(summary.read_text())
     out.append("## Method\n")
     out.append(method_text)
-    others = [
-        b
-        for b in benches
-        if b.name not in KNOWN and b.name not in ("run", "run-optional", "eagle_hits")
-    ]
-    if others:
-        out.append("## Other reports\n")
-    for b in others:
-        out.append(f"### {b.title}\n")
-        rows = msgspec.to_builtins(b.report.rows)
-        if rows:
-            cols = list(dict.fromkeys(k for r in rows for k in r))[:12]
-            out.append(
-                md_table(cols, [[str(r.get(c, "")) for c in cols] for r in rows])
-            )
     return "\n".join(out)
 
 
