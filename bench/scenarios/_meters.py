@@ -106,6 +106,8 @@ class Instructions(Meter):
         spin until vgdb ends, or ``communicate`` with a timeout) would leave the
         memory allocator in a varying state, and that shows in the counts of
         the measured calls that follow."""
+        # subprocess directly: build/env has no hmastack (whose core.process
+        # runs every command of the tool itself)
         with tempfile.TemporaryFile() as out:
             proc = subprocess.Popen(
                 [self.vgdb, f"--pid={os.getpid()}", *command],

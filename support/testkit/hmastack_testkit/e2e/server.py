@@ -76,6 +76,8 @@ def run(plan, prompt: list[int], log: Path) -> list[dict]:
         "kv_connector_extra_config": {"store_dir": str(plan.store_dir)},
     }
     cmd = _serve_cmd(plan, port, config, prefix_caching=False)
+    # subprocess directly: the engine environment has no hmastack (whose
+    # core.process runs every command of the tool itself)
     with log.open("w") as out:
         server = subprocess.Popen(
             cmd,
