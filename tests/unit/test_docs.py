@@ -120,6 +120,18 @@ def test_parse_patch_reads_headers_message_diffstat_and_tests(series):
     assert second.diff.startswith("diff --git a/tests/test_core.py")
 
 
+def test_patch_ids_follow_the_glossary():
+    """``S.N`` in the first tree (vLLM), ``<tree> S.N`` in another; N is the
+    file's number, not its place in the stage."""
+    cfg = config_mod.load(Path(__file__).resolve().parents[2])
+    assert list(cfg.trees)[:2] == ["vllm", "lmcache"]
+    n = pages.file_number(Path("0014-KVConnector-Hold-blocks.patch"))
+    assert pages.patch_id(cfg, 3, "vllm", n) == "3.14"
+    assert pages.patch_id(cfg, 4, "lmcache", 1) == "lmcache 4.1"
+    with pytest.raises(HmastackError, match="patch number"):
+        pages.file_number(Path("Hold-blocks.patch"))
+
+
 def test_parse_patch_rejects_a_non_patch(tmp_path):
     bad = tmp_path / "0001-x.patch"
     bad.write_text("just text\n")
@@ -140,7 +152,9 @@ def test_stage_page_is_generated_from_readme_commits_and_diff(series):
     page = docs.generate(series).pages["stages/01-first.md"]
     assert page.startswith("# [Core][Demo series 1/2] Return bigger numbers\n")
     assert "## Purpose\n\nBigger." in page
-    assert "### demo 1/2: [Core][Demo series 1/2] Make f3 return 33" in page
+    # Each patch's heading is its id (docs/glossary.md): stage 1, file 0001.
+    assert "### 1.1: [Core][Demo series 1/2] Make f3 return 33" in page
+    assert "### 1.2: " in page and "demo 1/2:" not in page
     assert "f3 must return 33 because the brief says so." in page
     assert "| `demo/core.py` | +1 | −1 |" in page
     assert "`tests/test_core.py` (added)" in page

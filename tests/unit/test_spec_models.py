@@ -172,10 +172,10 @@ def test_passing_series_models_check_every_safety_property_they_claim():
 def test_each_fix_of_stage_03_bites():
     """A model of stage 03's allocation alone (SeriesAllocOnly) fails where the
     commits of stage 03 (SeriesAsCoded) pass with the same constants: the save
-    race (patch 14), the stale read after an abort (patch 5), the stall as a
-    deadlock and as a liveness failure (patch 7), a connector whose loads all
-    fail (patch 9: without it the request loads again for ever). Patch 8 is
-    witnessed by its mutation (mutations/range-by-cached)."""
+    race (patch 3.14), the stale read after an abort (patch 3.5), the stall as
+    a deadlock and as a liveness failure (patch 3.7), a connector whose loads
+    all fail (patch 3.9: without it the request loads again for ever). Patch
+    3.8 is witnessed by its mutation (mutations/range-by-cached)."""
     MAIN, CODED = '"SeriesAllocOnly"', '"SeriesAsCoded"'
     pairs = [
         ("series-save-race", "series-saves", MAIN, CODED),

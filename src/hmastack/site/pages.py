@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hmastack.core.config import Config
+from hmastack.core.errors import HmastackError
 from hmastack.core.markdown import code, fence, indent, md_table
 from hmastack.matrix.reports import HEADERS, CommitReport, StageReport
 from hmastack.site import reports as site_reports
@@ -72,6 +73,21 @@ class StageInfo:
 
 def tree_title(name: str) -> str:
     return TREE_TITLES.get(name, name)
+
+
+def file_number(path: Path) -> int:
+    """N of a ``git format-patch`` file ``000N-subject.patch``."""
+    head = path.name.split("-", 1)[0]
+    if not head.isdigit():
+        raise HmastackError(f"{path.name} does not start with a patch number")
+    return int(head)
+
+
+def patch_id(cfg: Config, stage: int, tree: str, n: int) -> str:
+    """The id of patch file ``n`` of ``stage`` in ``tree`` (docs/glossary.md):
+    ``S.N`` in the series' first tree (vLLM), ``<tree> S.N`` in another."""
+    number = f"{stage}.{n}"
+    return number if tree == next(iter(cfg.trees)) else f"{tree} {number}"
 
 
 def load_stages(cfg: Config) -> list[StageInfo]:
@@ -383,8 +399,9 @@ def stage_page(
             out.append(diffstat_table(combined_files(patches), tree))
         out.append("## Patches\n")
         for tree, patches in trees.items():
-            for i, p in enumerate(patches, 1):
-                out.append(f"### {tree_title(tree)} {i}/{len(patches)}: {p.subject}\n")
+            for p in patches:
+                label = patch_id(cfg, s.number, tree, file_number(p.path))
+                out.append(f"### {label}: {p.subject}\n")
                 out.append(
                     f"`{p.path.name}` · {html.escape(p.author)} · {p.date} · "
                     f"{len(p.files)} files, +{p.added} −{p.removed}\n"

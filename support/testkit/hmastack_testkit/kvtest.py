@@ -24,7 +24,7 @@ from hmastack_testkit.kv_layouts import (  # noqa: F401 - the stage tests' names
 )
 
 # The model policies (spec/HybridKVAlloc.tla) that describe this tree's stage
-# 03: "SeriesAllocOnly" (stage 03's allocation alone, patches 12-13 of the series) and
+# 03: "SeriesAllocOnly" (stage 03's allocation alone, patches 3.12-3.13) and
 # "SeriesAsCoded" (stage 03's commits). A replay fixture names the one it was
 # generated for (fixtures/replay-small.cfg).
 REPLAY_POLICIES = ("SeriesAllocOnly", "SeriesAsCoded")

@@ -468,7 +468,7 @@ class Replay:
         if fresh:
             ext = a["extTokens"]
             if r in before["noLoad"] and ext == 0:
-                # Patch 9: a request whose load left it no valid token takes
+                # Patch 3.9: a request whose load left it no valid token takes
                 # no external tokens; the connector offers some anyway (as a
                 # connector whose store still lists them does), the scheduler
                 # must take 0.
@@ -584,7 +584,7 @@ class Replay:
             )
 
     def free_waiting(self, before: dict, after: dict, ev: dict) -> None:
-        """The stall fix (patch 7): ``schedule()`` with the model's head ``h``
+        """The stall fix (patch 3.7): ``schedule()`` with the model's head ``h``
         first in the waiting queue, the requests the model frees behind it and
         nothing running. The connector answers for ``h`` as in the model's
         refusal; ``allocate_slots`` must refuse ``h`` with the model's

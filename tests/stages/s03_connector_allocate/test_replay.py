@@ -318,7 +318,7 @@ class Replay:
             and a["computedTokens"] != before["computed"][r]
         ):
             self.check_recompute(r, a["atSlot"], a["computedTokens"])
-        # Patch 5: the blocks from each affected request's first invalid
+        # Patch 3.5: the blocks from each affected request's first invalid
         # block on leave the prefix cache (evict_blocks), whether it resumes
         # in place or starts over.
         unhashed = {
@@ -334,7 +334,7 @@ class Replay:
         for q in a["affected"]:
             self.requests[q].num_computed_tokens = after["computed"][q]
             if q not in a["restart"]:
-                # Patch 5: the blocks it computes again are cached again.
+                # Patch 3.5: the blocks it computes again are cached again.
                 self.manager.uncache_blocks(q, after["computed"][q])
 
     def free_and_restart(self, before: dict, after: dict, ev: dict) -> None:
