@@ -111,8 +111,9 @@ ASSUME /\ N \in Nat \ {0} /\ B \in Nat \ {0} /\ W \in Nat \ {0, 1}
 (* flight together (spec/AsyncSched.tla); patch 3.6 (a failure reported    *)
 (* after the next step preempts) is LateReport; patches 3.1-3.3 are the     *)
 (* async-load paths below (FinishLoad, Abort while loading, resume       *)
-(* point); patches 3.10-3.11 (configuration) and 3.15 (documentation)   *)
-(* have no state. A proposal the code lacks gets a policy of its own.     *)
+(* point); patch 3.11's HMA decision is the constant ConnectorHMA;     *)
+(* patches 3.10 (configuration) and 3.15 (documentation) have no state.  *)
+(* A proposal the code lacks gets a policy of its own.                    *)
 (***************************************************************************)
 IsSeries == Policy \in {"SeriesAllocOnly", "SeriesAsCoded"}
 Fixed == Policy = "SeriesAsCoded"
