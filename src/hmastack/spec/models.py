@@ -43,7 +43,7 @@ from hmastack.core.config import Config
 from hmastack.core.errors import HmastackError
 from hmastack.core.steps import StepResult
 from hmastack.spec import tlc
-from hmastack.spec.cfg import section_of
+from hmastack.spec.cfg import drop_sections
 from hmastack.spec.install import fetch, find_java, resolve_jar
 from hmastack.spec.manifest import (
     Model,
@@ -63,16 +63,8 @@ from hmastack.spec.manifest import (
 def cfg_with_properties(text: str, properties: list[str]) -> str:
     """A TLC config with its INVARIANT(S) and PROPERTY/PROPERTIES sections
     replaced by ``PROPERTY`` ``properties`` (comments kept)."""
-    out, dropping = [], False
-    for line in text.splitlines():
-        code = line.split("\\*", 1)[0].strip()
-        if section := section_of(code):
-            dropping = section in ("INVARIANT", "PROPERTY")
-        if not dropping or not code:
-            out.append(line)
-    out.append("PROPERTY")
-    out += [f"    {p}" for p in properties]
-    return "\n".join(out) + "\n"
+    kept = drop_sections(text, {"INVARIANT", "PROPERTY"})
+    return kept + "PROPERTY\n" + "".join(f"    {p}\n" for p in properties)
 
 
 def cfg_text(model: Model) -> str:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from hmastack.core.errors import HmastackError
 from hmastack.spec import tlc
-from hmastack.spec.cfg import parse_cfg
+from hmastack.spec.cfg import drop_sections, parse_cfg
 
 if TYPE_CHECKING:
     from hmastack.spec.manifest import Settings
@@ -101,6 +101,12 @@ def _resolve_cfg(
     return name, models[name].path, models[name].module
 
 
+def simulation_cfg(text: str) -> str:
+    """The cfg ``text`` TLC simulates: without its SYMMETRY section (symmetry
+    sets do not apply to simulation)."""
+    return drop_sections(text, {"SYMMETRY"})
+
+
 def generate(
     cfg: Path,
     name: str,
@@ -138,10 +144,7 @@ def generate(
     (work / "sim").mkdir(parents=True)
     spec.copy_modules(settings, work)
     cfg_text = cfg.read_text()
-    # Symmetry sets do not apply to simulation.
-    (work / "model.cfg").write_text(
-        "\n".join(ln for ln in cfg_text.splitlines() if "SYMMETRY" not in ln) + "\n"
-    )
+    (work / "model.cfg").write_text(simulation_cfg(cfg_text))
     # One worker: the behaviours depend on the seed only.
     cmd = [
         *spec.tlc_base_command(java, jar, settings, 1, seed, work),
