@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hmastack.spec.manifest import Model
+    from hmastack.spec.models import ModelReport
 
 from hmastack.core.markdown import fence, md_table
 from hmastack.spec.cfg import read_cfg
@@ -301,11 +302,12 @@ COUNTEREXAMPLES = [
 
 
 def _witness_rows(
-    models: dict[str, Model], reports: dict[str, dict | None]
+    models: dict[str, Model], reports: dict[str, ModelReport | None]
 ) -> list[list[str]]:
     rows = []
     for m in models.values():
-        got = ((reports.get(m.name) or {}).get("witnesses")) or {}
+        report = reports.get(m.name)
+        got = report.witnesses if report is not None else {}
         for w, want in m.witnesses.items():
             r = got.get(w)
             rows.append(
@@ -316,11 +318,11 @@ def _witness_rows(
                     "not run yet"
                     if r is None
                     else (
-                        f"{r['result']}, {r['trace_length']} states"
-                        if r["trace_length"]
-                        else r["result"]
+                        f"{r.result}, {r.trace_length} states"
+                        if r.trace_length
+                        else r.result
                     ),
-                    "" if r is None else ("yes" if r["ok"] else "**no**"),
+                    "" if r is None else ("yes" if r.ok else "**no**"),
                 ]
             )
     return rows
@@ -416,21 +418,21 @@ def model_page(root: Path, reports_dir: Path) -> str:
         if r is None:
             got, size, verdict = "not run yet", "", ""
         else:
-            got = r["result"] + (f" ({r['violated']})" if r.get("violated") else "")
-            if r["result"] == "success" and r.get("distinct_states") is not None:
-                size = (f"{r['distinct_states']:,} / {r['generated_states']:,}, "
-                        f"depth {r['depth']}")  # fmt: skip
-            elif r.get("trace_length"):
-                size = f"trace of {r['trace_length']} states"
+            got = r.result + (f" ({r.violated})" if r.violated else "")
+            if r.result == "success" and r.distinct_states is not None:
+                size = (f"{r.distinct_states:,} / {r.generated_states or 0:,}, "
+                        f"depth {r.depth}")  # fmt: skip
+            elif r.trace_length:
+                size = f"trace of {r.trace_length} states"
             else:
-                size = f"{r.get('generated_states') or 0:,} states generated"
-            verdict = "yes" if r.get("ok") else "**no**"
+                size = f"{r.generated_states or 0:,} states generated"
+            verdict = "yes" if r.ok else "**no**"
         rows.append([
             f"`{name}`", (mc.policy if mc else ""), (mc.mutation if mc else ""),
             (mc.constants.get("SaveMode", "").strip('"') if mc else ""),
             m.mode + (" (nightly)" if m.size == "nightly" else ""),
             "on" if m.deadlock else "off", want, got, size,
-            "" if r is None else f"{r['seconds']:.0f}", verdict,
+            "" if r is None else f"{r.seconds:.0f}", verdict,
         ])  # fmt: skip
     out += [
         "## Model results\n",
@@ -470,10 +472,10 @@ def model_page(root: Path, reports_dir: Path) -> str:
         r = reports.get(name)
         out.append(f"### {title} (`{name}`) {{#{name}}}\n")
         out.append(meaning + "\n")
-        if not r or not r.get("trace"):
+        if r is None or not r.trace:
             out.append("\nNot run yet.\n")
             continue
-        out.append(trace_table(r["trace"], r.get("violated")))
+        out.append(trace_table(r.trace, r.violated))
     return "\n".join(out)
 
 

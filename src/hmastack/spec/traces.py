@@ -221,20 +221,20 @@ def counterexample(name: str, out: Path, *, root: Path | None = None) -> dict[st
     jar = spec_install.resolve_jar(root, settings)
     with tempfile.TemporaryDirectory(prefix="hmastack-cex-") as tmp:
         report = spec.run_model(java, jar, settings, model, Path(tmp))
-    if not report["ok"]:
+    if not report.ok:
         raise HmastackError(
-            f"TLC on {name} misses the manifest: {'; '.join(report['problems'])}",
+            f"TLC on {name} misses the manifest: {'; '.join(report.problems)}",
             f"hmastack spec check {name}",
         )
     states = [
         {k: v for k, v in s.items() if not k.startswith("_")}
-        for s in report["trace"]
+        for s in report.trace
         if s.get("_step") is not None
     ]
     doc = {
         "model": name,
         "cfg": str(model.path.relative_to(root)),
-        "violated": report["violated"],
+        "violated": report.violated,
         "constants": parse_cfg_constants(model.path.read_text()),
         "states": states,
     }
