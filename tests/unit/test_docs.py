@@ -350,6 +350,24 @@ def test_a_spec_report_of_another_schema_fails_the_site(project):
     assert "hmastack spec check legacy-race" in exc.value.hint
 
 
+@pytest.mark.parametrize(
+    ("name", "old", "new"),
+    [
+        ("manifest.toml", 'property = "NoTransferRace"', "property = 3"),
+        ("tlc.toml", "workers = 1", 'workers = "one"'),
+    ],
+)
+def test_a_spec_file_that_does_not_match_its_schema_fails_the_site(
+    project, name, old, new
+):
+    _copy_spec(project)
+    path = project.root / "spec" / name
+    path.write_text(path.read_text().replace(old, new, 1))
+    with pytest.raises(HmastackError) as exc:
+        docs.generate(project)
+    assert str(path) in exc.value.message
+
+
 @pytest.mark.tlc
 @pytest.mark.skipif(shutil.which("java") is None, reason="TLC needs Java")
 def test_model_page_shows_the_checks_own_verdict_and_counterexamples(project):

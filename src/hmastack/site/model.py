@@ -353,11 +353,12 @@ def model_page(root: Path, reports_dir: Path) -> str:
     specs = [p for p in specs if "_TTrace_" not in p.name]
     # The spec TLC checks by default first (spec/tlc.toml names its
     # model-checking wrapper); others (EagleHits) are models of their own,
-    # listed with the manifest's models.
-    try:
-        checked = spec_manifest.load_settings(root).spec.module
-    except Exception:  # noqa: BLE001 - no settings: the first module
-        checked = None
+    # listed with the manifest's models. No spec/tlc.toml: the first module.
+    checked = (
+        spec_manifest.load_settings(root).spec.module
+        if (spec_dir / "tlc.toml").is_file()
+        else None
+    )
     main = extended_spec(spec_dir, checked) if checked else None
     specs.sort(key=lambda p: p.stem != main)
     if not specs:
@@ -404,11 +405,9 @@ def model_page(root: Path, reports_dir: Path) -> str:
             ["property", "checked as", "under", "states that"],
             [[f"`{n}`", "`" + kinds[k].format(n) + "`", f"`{a}`" if a else "always", c]
              for n, k, c, a in info.properties])]  # fmt: skip
-    try:
-        models = spec_manifest.load_manifest(spec_manifest.load_settings(root))
-    except Exception as exc:  # noqa: BLE001 - the page says why instead
-        out.append(f'\n!!! warning "Manifest unreadable"\n    {exc}\n')
-        return "\n".join(out)
+    # A spec/manifest.toml or spec/tlc.toml that is missing or does not match
+    # its schema is an error naming the file (the site step fails).
+    models = spec_manifest.load_manifest(spec_manifest.load_settings(root))
     reports = {n: spec_mod.read_report(reports_dir, n) for n in models}
     rows = []
     for name, m in models.items():
@@ -484,10 +483,10 @@ def manifest_table(root: Path) -> str:
     recorded it), for docs/model.md."""
     from hmastack.spec import manifest as spec_manifest
 
-    try:
-        models = spec_manifest.load_manifest(spec_manifest.load_settings(root))
-    except Exception as exc:  # noqa: BLE001 - the page says why instead
-        return f"Manifest unreadable: {exc}\n"
+    if not (root / "spec" / "manifest.toml").is_file():
+        return "No model yet: there is no `spec/manifest.toml`.\n"
+    # One that does not match its schema is an error naming the file.
+    models = spec_manifest.load_manifest(spec_manifest.load_settings(root))
     rows = []
     for name, m in models.items():
         mc = read_cfg(m.path) if m.path.is_file() else None
