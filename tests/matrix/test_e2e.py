@@ -9,7 +9,6 @@ the check each names, and the outputs were compared (not an empty run).
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 
 from hmastack.core import config
 from hmastack.e2e import catalogue as cat
+from hmastack.e2e.runner import read_report
 
 ROOT = Path(__file__).resolve().parents[2]
 # (stage, --only): the quick set at 0 and 3, its OffloadingConnector scenarios
@@ -46,40 +46,43 @@ def test_e2e_ci_set(capfd):
                 cwd=ROOT,
                 env={**os.environ, "HMASTACK_ROOT": str(ROOT)},
             )
-        report = json.loads(report_path.read_text())
-        assert report["quick"] and report["stages"] == [stage]
-        verdicts += report["verdicts"]
+        report = read_report(report_path)
+        assert report is not None, f"stage {stage}: hmastack e2e wrote no report"
+        assert report.quick and report.stages == [stage]
+        verdicts += report.verdicts
         failed = [
-            (v["scenario"], v["outcome"], v["detail"][:300])
-            for v in report["verdicts"]
-            if not v["passed"]
+            (v.scenario, v.outcome, v.detail[:300])
+            for v in report.verdicts
+            if not v.passed
         ]
         assert not failed, f"stage {stage}: {failed}"
         assert proc.returncode == 0
-    compared = [v for v in verdicts if v["outcome"] == "equal"]
+    compared = [v for v in verdicts if v.outcome == "equal"]
     assert len(compared) >= 10, "too few scenarios compared their outputs"
-    controls = {
-        (v["stage"], v["scenario"]): v for v in verdicts if v["expect"] == "caught"
-    }
+    controls = {(v.stage, v.scenario): v for v in verdicts if v.expect == "caught"}
     for stage in STAGES:
-        assert controls[(stage, "control-skip-group")]["caught_by"].startswith(
+        assert (controls[(stage, "control-skip-group")].caught_by or "").startswith(
             "outputs"
         )
-        assert "cached tokens" in controls[(stage, "pd-load/hashseed-1")]["caught_by"]
+        assert "cached tokens" in (
+            controls[(stage, "pd-load/hashseed-1")].caught_by or ""
+        )
     # P/D with NixlConnector: the consumer's output equals a single engine's
     # with the prompt read over NIXL, and reading the blocks in the wrong order
     # is caught.
-    nixl = {(v["stage"], v["scenario"]): v for v in verdicts}
+    nixl = {(v.stage, v.scenario): v for v in verdicts}
     for stage in STAGES:
-        assert nixl[(stage, "nixl-consume")]["checks"]["outputs"]
-    assert nixl[(0, "control-nixl-rotated-blocks")]["caught_by"].startswith("outputs")
+        assert nixl[(stage, "nixl-consume")].checks["outputs"]
+    assert (nixl[(0, "control-nixl-rotated-blocks")].caught_by or "").startswith(
+        "outputs"
+    )
     # OffloadingConnector: a prompt served again from the second tier, at the
     # base and with HMA; a store that reads blocks the hold did not keep is
     # found.
-    offload = {(v["stage"], v["scenario"]): v for v in verdicts}
+    offload = {(v.stage, v.scenario): v for v in verdicts}
     for stage in (0, cat.OFFLOAD_STAGE):
-        assert offload[(stage, "offload-reload")]["checks"]["cached tokens"]
+        assert offload[(stage, "offload-reload")].checks["cached tokens"]
     # A scenario on another engine than the model's default is named
     # "scenario/engine" in the report.
     control = offload[(cat.OFFLOAD_STAGE, "control-offload-no-hold/offload-race")]
-    assert "connector findings" in control["caught_by"]
+    assert "connector findings" in (control.caught_by or "")

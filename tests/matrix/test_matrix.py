@@ -8,13 +8,13 @@ report it wrote. ``hmastack run`` runs the full matrix and every commit.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 from hmastack.core import config
+from hmastack.matrix.reports import read_stage_report
 from hmastack.matrix.stages import full_stages
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,13 +28,14 @@ def test_every_stage_is_green(capfd):
             cwd=ROOT,
             env={**os.environ, "HMASTACK_ROOT": str(ROOT)},
         )
-    report = json.loads((cfg.reports / "stages.json").read_text())
-    stages = {s["stage"]: s for s in report["stages"]}
+    report = read_stage_report(cfg)
+    assert report is not None, "hmastack test wrote no stages.json"
+    stages = {s.stage: s for s in report.stages}
     assert sorted(stages) == list(range(cfg.num_stages + 1))
-    red = {k: s["name"] for k, s in stages.items() if not s["ok"]}
+    red = {k: s.name for k, s in stages.items() if not s.ok}
     assert proc.returncode == 0 and not red, f"red stages: {red}"
     full = full_stages(cfg)
-    assert {k for k, s in stages.items() if s["scope"] == "full"} == full
+    assert {k for k, s in stages.items() if s.scope == "full"} == full
     stage_test_dirs = {
         int(path.name[1:3])
         for path in (ROOT / "tests" / "stages").glob("s[0-9][0-9]_*")
@@ -42,24 +43,23 @@ def test_every_stage_is_green(capfd):
     for k, stage in stages.items():
         if k in full or k in stage_test_dirs:
             # Our stage tests ran: every one up to k, or the stage's own.
-            ours = stage["ours"]
-            assert ours is not None and ours["counts"]["passed"] > 0, k
+            ours = stage.ours
+            assert ours is not None and ours.counts["passed"] > 0, k
         else:
             # A stage whose checks are vLLM's tests and end to end (stage 6)
             # has no tests/stages/sNN_* of its own to run at its stage.
-            assert stage["ours"] is None, (k, stage["ours"])
+            assert stage.ours is None, (k, stage.ours)
         if k in full:
-            vllm = stage["vllm"]["counts"]
+            assert stage.vllm is not None, (k, "vLLM's suite did not run")
+            vllm = stage.vllm.counts
             # The whole selected suite ran (not an empty or aborted collection).
             assert vllm["passed"] > 250, (k, vllm)
         else:
             # A stage with vLLM commits brings their tests, and they ran.
-            own = stage["patches"].get("vllm", 0) - stages[k - 1]["patches"].get(
-                "vllm", 0
-            )
+            own = stage.patches.get("vllm", 0) - stages[k - 1].patches.get("vllm", 0)
             if own:
-                assert stage["vllm"] is not None, (k, "no vLLM test file changed")
-                assert stage["vllm"]["counts"]["passed"] > 0, (k, stage["vllm"])
-        if stage["vllm"] is not None:
-            counts = stage["vllm"]["counts"]
+                assert stage.vllm is not None, (k, "no vLLM test file changed")
+                assert stage.vllm.counts["passed"] > 0, (k, stage.vllm)
+        if stage.vllm is not None:
+            counts = stage.vllm.counts
             assert counts["failed"] == 0 and counts["errors"] == 0, (k, counts)

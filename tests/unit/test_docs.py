@@ -9,6 +9,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from hmastack.core import config as config_mod
@@ -324,6 +325,63 @@ def test_model_page_lists_every_manifest_model_before_any_run(project):
         assert f"| `{name}` |" in page, name
     assert "| `mutations/skip-ceil` | SeriesAsCoded | SkipCeil |" in page
     assert "Not run yet: `hmastack spec check`" in page
+
+
+def _legacy_race_report(project) -> spec.ModelReport:
+    """The report `spec check legacy-race` writes when TLC finds what the
+    manifest records (no trace: the page's table of it is not under test)."""
+    model = spec_manifest.load_manifest(spec_manifest.load_settings(project.root))[
+        "legacy-race"
+    ]
+    return spec.ModelReport(
+        model=model.name, cfg="spec/models/legacy-race.cfg", mode=model.mode,
+        deadlock_checked=False, result="safety failure", violated="NoTransferRace",
+        distinct_states=None, generated_states=None, depth=None, trace_length=4,
+        seconds=9.2, workers=1, exit_code=12, command=[], errors=[], trace=[],
+        expected=spec.expectation(model), ok=True,
+    )  # fmt: skip
+
+
+def test_model_page_reads_each_report_through_its_schema(project):
+    _copy_spec(project)
+    spec.write_report(_legacy_race_report(project), project.reports)
+    page = docs.generate(project).pages["model-results.md"]
+    row = next(ln for ln in page.splitlines() if ln.startswith("| `legacy-race` |"))
+    assert "safety failure (NoTransferRace)" in row
+    assert "| trace of 4 states | 9 | yes |" in row
+
+
+def test_a_spec_report_of_another_schema_fails_the_site(project):
+    """A corrupt report is no model that has not run: the site stops, naming
+    the file and the command that writes it anew."""
+    _copy_spec(project)
+    report = msgspec.to_builtins(_legacy_race_report(project))
+    report["trace_length"] = "four"
+    path = spec.report_path(project.reports, "legacy-race")
+    path.parent.mkdir(parents=True)
+    path.write_bytes(msgspec.json.encode(report))
+    with pytest.raises(HmastackError) as exc:
+        docs.generate(project)
+    assert str(path) in exc.value.message and "`$.trace_length`" in exc.value.message
+    assert "hmastack spec check legacy-race" in exc.value.hint
+
+
+@pytest.mark.parametrize(
+    ("name", "old", "new"),
+    [
+        ("manifest.toml", 'property = "NoTransferRace"', "property = 3"),
+        ("tlc.toml", "workers = 1", 'workers = "one"'),
+    ],
+)
+def test_a_spec_file_that_does_not_match_its_schema_fails_the_site(
+    project, name, old, new
+):
+    _copy_spec(project)
+    path = project.root / "spec" / name
+    path.write_text(path.read_text().replace(old, new, 1))
+    with pytest.raises(HmastackError) as exc:
+        docs.generate(project)
+    assert str(path) in exc.value.message
 
 
 @pytest.mark.tlc

@@ -32,8 +32,8 @@ def test_fixture_is_the_legacy_race_counterexample():
         cfg.root, cfg.build, cfg.reports, settings, models, ["legacy-race"]
     )
     assert failed == []
-    report = json.loads((cfg.reports / "spec" / "legacy-race.json").read_text())
-    assert report["violated"] == "NoTransferRace"
-    events = [s["event"] for s in report["trace"][1:]]
+    report = spec.read_report(cfg.reports, "legacy-race")
+    assert report is not None and report.violated == "NoTransferRace"
+    events = [s["event"] for s in report.trace[1:]]
     got = [[e["act"], e["req"], e["blocks"]] for e in events]
     assert got == json.loads(FIXTURE.read_text())

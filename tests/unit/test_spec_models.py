@@ -273,45 +273,93 @@ def test_malformed_manifest_names_the_model(tmp_path):
         spec_manifest.load_manifest(settings)
 
 
+def _report(model: spec_manifest.Model, **fields) -> spec.ModelReport:
+    """A report of ``model`` as TLC found it expected, with ``fields`` replaced."""
+    found = {
+        "model": model.name, "cfg": str(model.path), "mode": model.mode,
+        "deadlock_checked": model.deadlock, "result": model.result,
+        "violated": model.prop, "distinct_states": model.distinct_states,
+        "generated_states": model.generated_states, "depth": model.depth,
+        "trace_length": model.trace_length, "seconds": 1.0, "workers": 1,
+        "exit_code": 0, "command": [], "errors": [], "trace": [],
+        "expected": spec.expectation(model),
+    }  # fmt: skip
+    return spec.ModelReport(**(found | fields))
+
+
 def test_compare_reports_drift_wrong_property_and_wrong_result():
     model = spec_manifest.Model(
         name="m", path=Path("m.cfg"), mode="exhaustive", result="success",
         distinct_states=10, generated_states=20, depth=3,
     )  # fmt: skip
-    ok = {
-        "result": "success", "violated": None, "distinct_states": 10,
-        "generated_states": 20, "depth": 3, "trace_length": None, "errors": [],
-    }  # fmt: skip
+    ok = _report(model)
     assert spec.compare(model, ok) == []
     assert (
         "distinct_states drifted"
-        in spec.compare(model, dict(ok, distinct_states=11))[0]
+        in spec.compare(model, _report(model, distinct_states=11))[0]
     )
-    assert "depth drifted" in spec.compare(model, dict(ok, depth=4))[0]
+    assert "depth drifted" in spec.compare(model, _report(model, depth=4))[0]
     bad = spec_manifest.Model(
         name="l", path=Path("l.cfg"), mode="exhaustive", result="safety failure",
         prop="WindowBound", trace_length=2,
     )  # fmt: skip
-    other = dict(ok, result="safety failure", violated="NoTransferRace", trace_length=2)
+    other = _report(bad, violated="NoTransferRace")
     assert "NoTransferRace" in spec.compare(bad, other)[0]
-    assert spec.compare(bad, dict(other, violated="WindowBound")) == []
-    assert (
-        "trace_length drifted"
-        in spec.compare(bad, dict(other, violated="WindowBound", trace_length=3))[0]
-    )
+    assert spec.compare(bad, _report(bad)) == []
+    assert "trace_length drifted" in spec.compare(bad, _report(bad, trace_length=3))[0]
     assert "expected safety failure (WindowBound)" in spec.compare(bad, ok)[0]
     stall = spec_manifest.Model(
         name="s", path=Path("s.cfg"), mode="exhaustive", result="deadlock failure",
         prop="Deadlock", deadlock=True,
     )  # fmt: skip
-    assert (
-        spec.compare(stall, dict(ok, result="deadlock failure", violated="Deadlock"))
-        == []
-    )
+    assert spec.compare(stall, _report(stall)) == []
     assert "TLC reports success" in spec.compare(stall, ok)[0]
     assert (
-        "TLC failed" in spec.compare(model, dict(ok, result="error", errors=["x"]))[0]
+        "TLC failed"
+        in spec.compare(model, _report(model, result="error", errors=["x"]))[0]
     )
+
+
+def test_a_report_is_written_and_read_through_its_schema(tmp_path):
+    model = MODELS["legacy"]
+    report = _report(model, trace=[{"event": {"act": "Init"}, "_step": 1}])
+    report.witnesses = {
+        "Hold": spec.WitnessVerdict(
+            ok=True, result="safety failure", trace_length=3, problems=[]
+        )
+    }
+    path = spec.write_report(report, tmp_path)
+    assert path == tmp_path / "spec" / "legacy.json"
+    assert spec.read_report(tmp_path, "legacy") == report
+    assert spec.read_report(tmp_path, "series-wide") is None  # not run
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"model": "legacy", "ok": true}',  # keys missing
+        '{"model": "legacy", "ok": true',  # not JSON
+    ],
+)
+def test_a_report_of_another_schema_names_the_file_and_the_command(tmp_path, text):
+    """A corrupt report is an error, not a model that has not run."""
+    path = spec.report_path(tmp_path, "legacy")
+    path.parent.mkdir(parents=True)
+    path.write_text(text)
+    with pytest.raises(HmastackError) as err:
+        spec.read_report(tmp_path, "legacy")
+    assert str(path) in err.value.message
+    assert "hmastack spec check legacy" in err.value.hint
+
+
+def test_a_wrong_typed_report_field_names_the_field(tmp_path):
+    report = msgspec.to_builtins(_report(MODELS["legacy"]))
+    report["generated_states"] = "many"
+    path = spec.report_path(tmp_path, "legacy")
+    path.parent.mkdir(parents=True)
+    path.write_bytes(msgspec.json.encode(report))
+    with pytest.raises(HmastackError, match=r"Expected `int \| null`, got `str`"):
+        spec.read_report(tmp_path, "legacy")
 
 
 def test_deadlock_flag_follows_the_manifest(tmp_path):
@@ -449,9 +497,9 @@ def tlc_runs(request, tlc_env, build):
 def test_model_matches_manifest(run, tlc_runs, build):
     report = tlc_runs[run.name].result()
     path = spec.write_report(report, build / "reports")
-    assert report["problems"] == [], f"{run.name}: see {path}"
+    assert report.problems == [], f"{run.name}: see {path}"
     if run.result == "safety failure" and not run.is_witness:
-        trace = report["trace"]
+        trace = report.trace
         if spec_manifest.module_of(run, SETTINGS) == SETTINGS.spec.module:
             assert trace, "a violation keeps its trace"
             assert trace[0]["event"]["act"] == "Init"
@@ -459,7 +507,7 @@ def test_model_matches_manifest(run, tlc_runs, build):
         # without a numbered trace (the report keeps none).
     if run.name == "legacy":
         # 0.13.0: every external token gets a sliding-window block.
-        alloc = report["trace"][-1]["event"]
+        alloc = report.trace[-1]["event"]
         assert alloc["act"] == "AllocateSlots"
         assert len(alloc["blocks"]["swa"]) > 2
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from hmastack.spec.tlc import (
@@ -132,3 +133,12 @@ def test_parse_state_rejects_stray_lines():
 def test_to_jsonable_converts_sets_and_tuple_keys():
     value = parse_value('(<<r1, "client">> :> {1, 2} @@ r2 :> <<>>)')
     assert to_jsonable(value) == {"<<r1, client>>": [1, 2], "r2": []}
+
+
+def test_to_jsonable_gives_json_types_msgspec_encodes():
+    """A report's trace holds model values; msgspec refuses a str subclass."""
+    value = parse_value("[req |-> r1, reqs |-> {r1, r2}, by |-> (r1 :> r2)]")
+    plain = to_jsonable(value)
+    assert {type(v) for v in [plain["req"], *plain["reqs"], *plain["by"]]} == {str}
+    assert type(plain["by"]["r1"]) is str
+    assert msgspec.json.decode(msgspec.json.encode(plain)) == plain

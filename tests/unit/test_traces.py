@@ -63,6 +63,16 @@ def test_parse_cfg_constants():
     assert "TypeOK" not in constants
 
 
+def test_simulation_cfg_drops_the_symmetry_section_and_its_values():
+    text = (
+        "CONSTANTS\n    N = 2\nSYMMETRY\n    Symmetry\n\\* kept\n"
+        "INVARIANT TypeOK\nSYMMETRY Perms \\* one line\nVIEW View\n"
+    )
+    assert traces.simulation_cfg(text) == (
+        "CONSTANTS\n    N = 2\n\\* kept\nINVARIANT TypeOK\nVIEW View\n"
+    )
+
+
 @pytest.mark.tlc
 @pytest.mark.skipif(shutil.which("java") is None, reason="needs Java (TLC)")
 def test_generate_small_model(tmp_path):

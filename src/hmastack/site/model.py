@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hmastack.spec.manifest import Model
+    from hmastack.spec.models import ModelReport
 
 from hmastack.core.markdown import fence, md_table
 from hmastack.spec.cfg import read_cfg
@@ -301,11 +302,12 @@ COUNTEREXAMPLES = [
 
 
 def _witness_rows(
-    models: dict[str, Model], reports: dict[str, dict | None]
+    models: dict[str, Model], reports: dict[str, ModelReport | None]
 ) -> list[list[str]]:
     rows = []
     for m in models.values():
-        got = ((reports.get(m.name) or {}).get("witnesses")) or {}
+        report = reports.get(m.name)
+        got = report.witnesses if report is not None else {}
         for w, want in m.witnesses.items():
             r = got.get(w)
             rows.append(
@@ -316,11 +318,11 @@ def _witness_rows(
                     "not run yet"
                     if r is None
                     else (
-                        f"{r['result']}, {r['trace_length']} states"
-                        if r["trace_length"]
-                        else r["result"]
+                        f"{r.result}, {r.trace_length} states"
+                        if r.trace_length
+                        else r.result
                     ),
-                    "" if r is None else ("yes" if r["ok"] else "**no**"),
+                    "" if r is None else ("yes" if r.ok else "**no**"),
                 ]
             )
     return rows
@@ -351,11 +353,12 @@ def model_page(root: Path, reports_dir: Path) -> str:
     specs = [p for p in specs if "_TTrace_" not in p.name]
     # The spec TLC checks by default first (spec/tlc.toml names its
     # model-checking wrapper); others (EagleHits) are models of their own,
-    # listed with the manifest's models.
-    try:
-        checked = spec_manifest.load_settings(root).spec.module
-    except Exception:  # noqa: BLE001 - no settings: the first module
-        checked = None
+    # listed with the manifest's models. No spec/tlc.toml: the first module.
+    checked = (
+        spec_manifest.load_settings(root).spec.module
+        if (spec_dir / "tlc.toml").is_file()
+        else None
+    )
     main = extended_spec(spec_dir, checked) if checked else None
     specs.sort(key=lambda p: p.stem != main)
     if not specs:
@@ -402,11 +405,9 @@ def model_page(root: Path, reports_dir: Path) -> str:
             ["property", "checked as", "under", "states that"],
             [[f"`{n}`", "`" + kinds[k].format(n) + "`", f"`{a}`" if a else "always", c]
              for n, k, c, a in info.properties])]  # fmt: skip
-    try:
-        models = spec_manifest.load_manifest(spec_manifest.load_settings(root))
-    except Exception as exc:  # noqa: BLE001 - the page says why instead
-        out.append(f'\n!!! warning "Manifest unreadable"\n    {exc}\n')
-        return "\n".join(out)
+    # A spec/manifest.toml or spec/tlc.toml that is missing or does not match
+    # its schema is an error naming the file (the site step fails).
+    models = spec_manifest.load_manifest(spec_manifest.load_settings(root))
     reports = {n: spec_mod.read_report(reports_dir, n) for n in models}
     rows = []
     for name, m in models.items():
@@ -416,21 +417,21 @@ def model_page(root: Path, reports_dir: Path) -> str:
         if r is None:
             got, size, verdict = "not run yet", "", ""
         else:
-            got = r["result"] + (f" ({r['violated']})" if r.get("violated") else "")
-            if r["result"] == "success" and r.get("distinct_states") is not None:
-                size = (f"{r['distinct_states']:,} / {r['generated_states']:,}, "
-                        f"depth {r['depth']}")  # fmt: skip
-            elif r.get("trace_length"):
-                size = f"trace of {r['trace_length']} states"
+            got = r.result + (f" ({r.violated})" if r.violated else "")
+            if r.result == "success" and r.distinct_states is not None:
+                size = (f"{r.distinct_states:,} / {r.generated_states or 0:,}, "
+                        f"depth {r.depth}")  # fmt: skip
+            elif r.trace_length:
+                size = f"trace of {r.trace_length} states"
             else:
-                size = f"{r.get('generated_states') or 0:,} states generated"
-            verdict = "yes" if r.get("ok") else "**no**"
+                size = f"{r.generated_states or 0:,} states generated"
+            verdict = "yes" if r.ok else "**no**"
         rows.append([
             f"`{name}`", (mc.policy if mc else ""), (mc.mutation if mc else ""),
             (mc.constants.get("SaveMode", "").strip('"') if mc else ""),
             m.mode + (" (nightly)" if m.size == "nightly" else ""),
             "on" if m.deadlock else "off", want, got, size,
-            "" if r is None else f"{r['seconds']:.0f}", verdict,
+            "" if r is None else f"{r.seconds:.0f}", verdict,
         ])  # fmt: skip
     out += [
         "## Model results\n",
@@ -470,10 +471,10 @@ def model_page(root: Path, reports_dir: Path) -> str:
         r = reports.get(name)
         out.append(f"### {title} (`{name}`) {{#{name}}}\n")
         out.append(meaning + "\n")
-        if not r or not r.get("trace"):
+        if r is None or not r.trace:
             out.append("\nNot run yet.\n")
             continue
-        out.append(trace_table(r["trace"], r.get("violated")))
+        out.append(trace_table(r.trace, r.violated))
     return "\n".join(out)
 
 
@@ -482,10 +483,10 @@ def manifest_table(root: Path) -> str:
     recorded it), for docs/model.md."""
     from hmastack.spec import manifest as spec_manifest
 
-    try:
-        models = spec_manifest.load_manifest(spec_manifest.load_settings(root))
-    except Exception as exc:  # noqa: BLE001 - the page says why instead
-        return f"Manifest unreadable: {exc}\n"
+    if not (root / "spec" / "manifest.toml").is_file():
+        return "No model yet: there is no `spec/manifest.toml`.\n"
+    # One that does not match its schema is an error naming the file.
+    models = spec_manifest.load_manifest(spec_manifest.load_settings(root))
     rows = []
     for name, m in models.items():
         mc = read_cfg(m.path) if m.path.is_file() else None

@@ -33,6 +33,20 @@ def section_of(code: str) -> str | None:
     return SECTIONS.get(words[0]) if words else None
 
 
+def drop_sections(text: str, sections: set[str]) -> str:
+    """A cfg's ``text`` without the ``sections`` (singular names, see
+    :data:`SECTIONS`): each from its keyword up to the next section, its
+    values on following lines included; blank and comment lines are kept."""
+    out, dropping = [], False
+    for line in text.splitlines():
+        code = line.split("\\*", 1)[0].strip()
+        if section := section_of(code):
+            dropping = section in sections
+        if not dropping or not code:
+            out.append(line)
+    return "".join(f"{line}\n" for line in out)
+
+
 @dataclass
 class ModelConfig:
     name: str

@@ -3,7 +3,8 @@
 Data flow: ``spec/tlc.toml`` (pinned TLC, workers, seed) and
 ``spec/manifest.toml`` (per model: its cfg, mode, expected result with exact
 state counts, deadlock checking, witnesses) -> TLC runs ->
-``build/reports/spec/<model>.json`` -> a comparison with the manifest.
+``build/reports/spec/<model>.json`` (a :class:`ModelReport`, read by
+:func:`read_report`) -> a comparison with the manifest.
 
 The manifest follows tlaplus/Examples: each model has a ``mode``
 (``exhaustive`` or ``simulate``) and an expected ``result``:
@@ -32,21 +33,25 @@ at another jar instead (state counts may differ).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import msgspec
+
+from hmastack.core import reports as core_reports
 from hmastack.core.config import Config
 from hmastack.core.errors import HmastackError
 from hmastack.core.steps import StepResult
 from hmastack.spec import tlc
-from hmastack.spec.cfg import section_of
+from hmastack.spec.cfg import drop_sections
 from hmastack.spec.install import fetch, find_java, resolve_jar
 from hmastack.spec.manifest import (
+    Mode,
     Model,
+    Result,
     Settings,
     load_manifest,
     load_settings,
@@ -63,16 +68,8 @@ from hmastack.spec.manifest import (
 def cfg_with_properties(text: str, properties: list[str]) -> str:
     """A TLC config with its INVARIANT(S) and PROPERTY/PROPERTIES sections
     replaced by ``PROPERTY`` ``properties`` (comments kept)."""
-    out, dropping = [], False
-    for line in text.splitlines():
-        code = line.split("\\*", 1)[0].strip()
-        if section := section_of(code):
-            dropping = section in ("INVARIANT", "PROPERTY")
-        if not dropping or not code:
-            out.append(line)
-    out.append("PROPERTY")
-    out += [f"    {p}" for p in properties]
-    return "\n".join(out) + "\n"
+    kept = drop_sections(text, {"INVARIANT", "PROPERTY"})
+    return kept + "PROPERTY\n" + "".join(f"    {p}\n" for p in properties)
 
 
 def cfg_text(model: Model) -> str:
@@ -163,9 +160,63 @@ def trace_length(trace: list[dict[str, Any]]) -> int:
     return sum(1 for s in trace if s.get("num") is not None)
 
 
+# --------------------------------------------------------------------------
+# The report of a run
+
+
+class Expected(msgspec.Struct):
+    """The manifest entry a run was compared with (a report's ``expected``)."""
+
+    mode: Mode
+    result: Result
+    prop: str | None = msgspec.field(name="property")
+    deadlock: bool
+    distinct_states: int | None
+    generated_states: int | None
+    depth: int | None
+    trace_length: int | None
+
+
+class WitnessVerdict(msgspec.Struct):
+    """A witness run's verdict, kept in its model's report (``witnesses``)."""
+
+    ok: bool
+    result: str
+    trace_length: int | None
+    problems: list[str]
+
+
+class ModelReport(msgspec.Struct, kw_only=True):
+    """build/reports/spec/<model>.json, written by :func:`check_models`, read
+    by :func:`read_report` (the site's model page)."""
+
+    model: str  # the manifest name (``model@Witness`` for a witness run)
+    cfg: str
+    mode: Mode
+    deadlock_checked: bool
+    result: Result | Literal["error"]  # "error": TLC failed
+    violated: str | None
+    distinct_states: int | None
+    generated_states: int | None
+    depth: int | None
+    trace_length: int | None
+    seconds: float
+    workers: int
+    exit_code: int
+    command: list[str]
+    errors: list[str]
+    # One entry per state: its variables (``event`` among them, naming the
+    # step that led there) plus TLC's step number and action label.
+    trace: list[dict[str, Any]]
+    expected: Expected
+    problems: list[str] = []  # where the run departs from ``expected``
+    ok: bool = False  # no problems
+    witnesses: dict[str, WitnessVerdict] = {}  # by witness name
+
+
 def run_model(
     java: str, jar: Path, settings: Settings, model: Model, build: Path
-) -> dict[str, Any]:
+) -> ModelReport:
     """Run TLC on one model (or witness run); return its report."""
     # A witness run works beside its model's directory, not in it: the two
     # may run at the same time and each starts from an empty directory.
@@ -197,70 +248,70 @@ def run_model(
     if run.kind == "liveness" and model.result == "liveness failure":
         # TLC 2.15 does not name the temporal property it found violated.
         violated = model.prop
-    report = {
-        "model": model.name,
-        "cfg": str(model.path.relative_to(settings.spec_dir.parent)),
-        "mode": model.mode,
-        "deadlock_checked": model.deadlock,
-        "result": outcome(run),
-        "violated": violated,
-        "distinct_states": run.distinct_states,
-        "generated_states": run.states_generated,
-        "depth": run.depth,
-        "trace_length": trace_length(run.trace) if run.trace else None,
-        "seconds": seconds,
-        "workers": model.workers or settings.run.workers,
-        "exit_code": exit_code,
-        "command": cmd,
-        "errors": run.errors,
-        # One entry per state: its variables (``event`` among them, naming the
-        # step that led there) plus TLC's step number and action label.
-        "trace": [
+    report = ModelReport(
+        model=model.name,
+        cfg=str(model.path.relative_to(settings.spec_dir.parent)),
+        mode=model.mode,
+        deadlock_checked=model.deadlock,
+        result=outcome(run),
+        violated=violated,
+        distinct_states=run.distinct_states,
+        generated_states=run.states_generated,
+        depth=run.depth,
+        trace_length=trace_length(run.trace) if run.trace else None,
+        seconds=seconds,
+        workers=model.workers or settings.run.workers,
+        exit_code=exit_code,
+        command=cmd,
+        errors=run.errors,
+        trace=[
             {**tlc.to_jsonable(s["vars"]), "_step": s["num"], "_action": s["action"]}
             for s in run.trace
         ],
-    }
-    report["expected"] = expectation(model)
-    report["problems"] = compare(model, report)
-    report["ok"] = not report["problems"]
+        expected=expectation(model),
+    )
+    report.problems = compare(model, report)
+    report.ok = not report.problems
     return report
 
 
-def outcome(run: tlc.TlcRun) -> str:
+def outcome(run: tlc.TlcRun) -> Result | Literal["error"]:
     """TLC's result in the manifest's words ("error" when TLC failed)."""
     if run.result == "pass":
         return "success"
-    if run.result == "violation":
-        return f"{run.kind or 'safety'} failure"
-    return "error"
+    if run.result != "violation":
+        return "error"
+    if run.kind == "liveness":
+        return "liveness failure"
+    return "deadlock failure" if run.kind == "deadlock" else "safety failure"
 
 
-def expectation(model: Model) -> dict[str, Any]:
-    return {
-        "mode": model.mode,
-        "result": model.result,
-        "property": model.prop,
-        "deadlock": model.deadlock,
-        "distinct_states": model.distinct_states,
-        "generated_states": model.generated_states,
-        "depth": model.depth,
-        "trace_length": model.trace_length,
-    }
+def expectation(model: Model) -> Expected:
+    return Expected(
+        mode=model.mode,
+        result=model.result,
+        prop=model.prop,
+        deadlock=model.deadlock,
+        distinct_states=model.distinct_states,
+        generated_states=model.generated_states,
+        depth=model.depth,
+        trace_length=model.trace_length,
+    )
 
 
-def compare(model: Model, report: dict[str, Any]) -> list[str]:
+def compare(model: Model, report: ModelReport) -> list[str]:
     """Where a report departs from its manifest entry (empty: as expected)."""
-    result = report["result"]
+    result = report.result
     if result == "error":
-        return [f"TLC failed: {'; '.join(report['errors'])[:500]}"]
+        return [f"TLC failed: {'; '.join(report.errors)[:500]}"]
     if result != model.result:
-        got = result + (f" ({report['violated']})" if report.get("violated") else "")
+        got = result + (f" ({report.violated})" if report.violated else "")
         want = model.result + (f" ({model.prop})" if model.prop else "")
         return [f"expected {want}, TLC reports {got}"]
     problems: list[str] = []
-    if model.result != "success" and report["violated"] != model.prop:
+    if model.result != "success" and report.violated != model.prop:
         problems.append(
-            f"expected {model.prop} violated, TLC reports {report['violated']}"
+            f"expected {model.prop} violated, TLC reports {report.violated}"
         )
     recorded = (
         [("trace_length", model.trace_length)]
@@ -274,9 +325,10 @@ def compare(model: Model, report: dict[str, Any]) -> list[str]:
         else []
     )
     for key, pinned in recorded:
-        if pinned is not None and report.get(key) != pinned:
+        got = getattr(report, key)
+        if pinned is not None and got != pinned:
             problems.append(
-                f"{key} drifted: manifest {pinned}, TLC {report.get(key)} (update "
+                f"{key} drifted: manifest {pinned}, TLC {got} (update "
                 "spec/manifest.toml deliberately if the spec change is intended)"
             )
     return problems
@@ -287,21 +339,18 @@ def report_path(reports: Path, name: str) -> Path:
     return reports / "spec" / f"{name.replace('@', '/@')}.json"
 
 
-def write_report(report: dict[str, Any], reports: Path) -> Path:
-    path = report_path(reports, report["model"])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1, sort_keys=False) + "\n")
+def write_report(report: ModelReport, reports: Path) -> Path:
+    path = report_path(reports, report.model)
+    core_reports.write(path, report)
     return path
 
 
-def read_report(reports: Path, name: str) -> dict[str, Any] | None:
-    """The last report of model ``name``, or None (not run, or unreadable)."""
-    path = report_path(reports, name)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+def read_report(reports: Path, name: str) -> ModelReport | None:
+    """The last report of model ``name``; None when it has not run. A report
+    that does not match :class:`ModelReport` is an error naming the file."""
+    return core_reports.read(
+        report_path(reports, name), ModelReport, f"hmastack spec check {name}"
+    )
 
 
 # --------------------------------------------------------------------------
@@ -361,16 +410,16 @@ def run_step(
     return StepResult(not failed, outcome)
 
 
-def _summary(report: dict[str, Any]) -> str:
-    what = report["result"] + (f" ({report['violated']})" if report["violated"] else "")
-    if report["result"] == "success" and report["distinct_states"] is not None:
+def _summary(report: ModelReport) -> str:
+    what = report.result + (f" ({report.violated})" if report.violated else "")
+    if report.result == "success" and report.distinct_states is not None:
         what += (
-            f", {report['distinct_states']:,} distinct / "
-            f"{report['generated_states']:,} generated states, depth {report['depth']}"
+            f", {report.distinct_states:,} distinct / "
+            f"{report.generated_states or 0:,} generated states, depth {report.depth}"
         )
-    elif report["trace_length"]:
-        what += f", trace of {report['trace_length']} states"
-    return f"{what}, {report['seconds']} s"
+    elif report.trace_length:
+        what += f", trace of {report.trace_length} states"
+    return f"{what}, {report.seconds} s"
 
 
 def check_models(
@@ -394,16 +443,16 @@ def check_models(
                                                else [models[name]])]  # fmt: skip
     heavy = [r for r in runs if (r.workers or settings.run.workers) > 1]
     light = [r for r in runs if (r.workers or settings.run.workers) <= 1]
-    results: dict[str, dict[str, Any]] = {}
+    results: dict[str, ModelReport] = {}
 
     def one(run: Model) -> None:
         with step(f"TLC {run.name}", live=False):
             report = run_model(java, jar, settings, run, build)
         write_report(report, reports)
         results[run.name] = report
-        mark = "[green]ok[/green]" if report["ok"] else "[red]MISMATCH[/red]"
+        mark = "[green]ok[/green]" if report.ok else "[red]MISMATCH[/red]"
         console.print(f"  {mark} {run.name}: {_summary(report)}")
-        for problem in report["problems"]:
+        for problem in report.problems:
             console.print(f"    [red]{problem}[/red]")
 
     for run in heavy:
@@ -419,16 +468,16 @@ def check_models(
         if witness_reports:
             # The model's report carries its witnesses' verdicts (the site
             # reads one report per model).
-            report["witnesses"] = {
-                r["model"].split("@", 1)[1]: {
-                    "ok": r["ok"],
-                    "result": r["result"],
-                    "trace_length": r["trace_length"],
-                    "problems": r["problems"],
-                }
+            report.witnesses = {
+                r.model.split("@", 1)[1]: WitnessVerdict(
+                    ok=r.ok,
+                    result=r.result,
+                    trace_length=r.trace_length,
+                    problems=r.problems,
+                )
                 for r in witness_reports
             }
             write_report(report, reports)
-        if not all(results[n]["ok"] for n in names):
+        if not all(results[n].ok for n in names):
             failed.append(name)
     return failed

@@ -328,14 +328,14 @@ def parse_tool_output(text: str) -> TlcRun:
 
 
 def to_jsonable(value: Any) -> Any:
-    """Convert parsed TLC values into JSON-serialisable ones."""
+    """Convert parsed TLC values into JSON's own types (a model value into a
+    plain ``str``: msgspec encodes no subclass of it)."""
     if isinstance(value, dict):
-        return {
-            (k if isinstance(k, str) else _key_text(k)): to_jsonable(v)
-            for k, v in value.items()
-        }
+        return {_key_text(k): to_jsonable(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [to_jsonable(v) for v in value]
+    if isinstance(value, str):
+        return str(value)
     return value
 
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from hmastack.core.errors import HmastackError
 from hmastack.spec import tlc
-from hmastack.spec.cfg import parse_cfg
+from hmastack.spec.cfg import drop_sections, parse_cfg
 
 if TYPE_CHECKING:
     from hmastack.spec.manifest import Settings
@@ -101,6 +101,12 @@ def _resolve_cfg(
     return name, models[name].path, models[name].module
 
 
+def simulation_cfg(text: str) -> str:
+    """The cfg ``text`` TLC simulates: without its SYMMETRY section (symmetry
+    sets do not apply to simulation)."""
+    return drop_sections(text, {"SYMMETRY"})
+
+
 def generate(
     cfg: Path,
     name: str,
@@ -138,10 +144,7 @@ def generate(
     (work / "sim").mkdir(parents=True)
     spec.copy_modules(settings, work)
     cfg_text = cfg.read_text()
-    # Symmetry sets do not apply to simulation.
-    (work / "model.cfg").write_text(
-        "\n".join(ln for ln in cfg_text.splitlines() if "SYMMETRY" not in ln) + "\n"
-    )
+    (work / "model.cfg").write_text(simulation_cfg(cfg_text))
     # One worker: the behaviours depend on the seed only.
     cmd = [
         *spec.tlc_base_command(java, jar, settings, 1, seed, work),
@@ -218,20 +221,20 @@ def counterexample(name: str, out: Path, *, root: Path | None = None) -> dict[st
     jar = spec_install.resolve_jar(root, settings)
     with tempfile.TemporaryDirectory(prefix="hmastack-cex-") as tmp:
         report = spec.run_model(java, jar, settings, model, Path(tmp))
-    if not report["ok"]:
+    if not report.ok:
         raise HmastackError(
-            f"TLC on {name} misses the manifest: {'; '.join(report['problems'])}",
+            f"TLC on {name} misses the manifest: {'; '.join(report.problems)}",
             f"hmastack spec check {name}",
         )
     states = [
         {k: v for k, v in s.items() if not k.startswith("_")}
-        for s in report["trace"]
+        for s in report.trace
         if s.get("_step") is not None
     ]
     doc = {
         "model": name,
         "cfg": str(model.path.relative_to(root)),
-        "violated": report["violated"],
+        "violated": report.violated,
         "constants": parse_cfg_constants(model.path.read_text()),
         "states": states,
     }
