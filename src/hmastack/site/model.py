@@ -502,10 +502,9 @@ def manifest_table(root: Path) -> str:
             (mc.constants.get("SaveMode", "").strip('"') if mc else ""),
             m.mode + (" (nightly)" if m.size == "nightly" else ""),
             "on" if m.deadlock else "off", want, size,
-            "" if m.seconds is None else f"{m.seconds:g}",
             ", ".join(f"{w} ({n})" for w, n in m.witnesses.items()),
             m.comment or (mc.comment if mc else ""),
         ])  # fmt: skip
     return md_table(
         ["model", "policy", "saves", "mode", "deadlock", "expected", "states",
-         "seconds", "witnesses (states)", "what it is"], rows)  # fmt: skip
+         "witnesses (states)", "what it is"], rows)  # fmt: skip

@@ -86,7 +86,7 @@ class Model(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     generated_states: int | None = None
     depth: int | None = None  # exhaustive: depth of the state graph search
     trace_length: int | None = None  # failures: states in the counterexample
-    seconds: float | None = None  # measured, informative only
+    seconds: float | None = None  # of the recording run: orders the suite's runs
     workers: int | None = None
     num: int = 0  # simulate: number of behaviours
     sim_depth: int = 0  # simulate: behaviour length bound
