@@ -4,6 +4,7 @@ hunks of it, its images as the site's assets."""
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,9 @@ BASE = (
     "# Hybrid KV Cache Manager\n\nIntro.\n\n"
     "![Overview](../assets/design/hybrid_kv_cache_manager/overview.png)\n\n"
     "See [Prefix Caching](prefix_caching.md#idea) and [above](#intro).\n"
+    "Our [KVCacheManager][vllm.v1.core.kv_cache_manager.KVCacheManager] and\n"
+    "[`vllm.v1.core`][] allocate.\n\n"
+    "```\n[not a link](nowhere.md) [x][vllm.nowhere]\n```\n"
 )
 PNG = b"\x89PNG\r\n\x1a\n not really an image"
 IDENT = "Demo Series <demo@example.com>"
@@ -28,6 +32,7 @@ IDENT = "Demo Series <demo@example.com>"
 @dataclasses.dataclass
 class _Tree:
     tag: str
+    version: str = "0.13.0"
 
 
 @dataclasses.dataclass
@@ -59,6 +64,11 @@ def _workspace(tmp_path: Path) -> tuple[_Cfg, list[StageInfo]]:
     (repo / DOC).write_text(BASE)
     (repo / design_doc.IMAGES / "overview.png").write_bytes(PNG)
     (repo / "code.py").write_text("x = 1\n")
+    (repo / "vllm/v1/core").mkdir(parents=True)
+    (repo / "vllm/v1/core/__init__.py").write_text("")
+    (repo / "vllm/v1/core/kv_cache_manager.py").write_text(
+        "class KVCacheManager: ...\n"
+    )
     _commit(repo, "base")
     git(repo, "tag", "v0.13.0")
     (repo / "code.py").write_text("x = 2\n")
@@ -90,6 +100,26 @@ def test_the_page_is_the_base_document_with_the_series_hunks(tmp_path):
     url = "https://github.com/vllm-project/vllm/blob/v0.13.0/docs/design"
     assert f"[Prefix Caching]({url}/prefix_caching.md#idea)" in page
     assert "[above](#intro)" in page
+    # code cross-references (vLLM's site resolves them) point to the source file
+    src = "https://github.com/vllm-project/vllm/blob/v0.13.0/vllm/v1/core"
+    assert f"[KVCacheManager]({src}/kv_cache_manager.py)" in page
+    assert f"[`vllm.v1.core`]({src}/__init__.py)" in page
+    # nothing inside a fenced code block is rewritten
+    assert "```\n[not a link](nowhere.md) [x][vllm.nowhere]\n```" in page
+
+
+def test_the_hunks_apply_with_the_temporary_folder_inside_a_repository(
+    tmp_path, monkeypatch
+):
+    """git apply in a subfolder of another repository applies nothing and exits
+    0; the page's folder is a repository of its own, so the hunks apply."""
+    cfg, stages = _workspace(tmp_path)
+    inside = tmp_path / "checkout" / "tmp"
+    inside.mkdir(parents=True)
+    git(tmp_path / "checkout", "init", "-q")
+    monkeypatch.setattr(tempfile, "tempdir", str(inside))
+    doc = design_doc.design_doc(cfg, stages)
+    assert doc is not None and "## KV connectors" in doc.markdown
 
 
 def test_no_page_without_a_base_commit_or_a_vllm_tree(tmp_path):
@@ -111,9 +141,18 @@ def test_a_hunk_that_does_not_apply_names_the_patches(tmp_path):
         design_doc.design_doc(cfg, stages)
 
 
-def test_an_image_the_base_does_not_have_is_an_error(tmp_path):
+def test_links_the_base_cannot_serve_are_errors():
+    base = design_doc._Base("v0.13.0", {"vllm/__init__.py"}, {})
     with pytest.raises(HmastackError, match="missing.png"):
-        design_doc._rewrite_links("![x](../assets/missing.png)", {}, "v0.13.0")
+        design_doc._rewrite_links("![x](../assets/missing.png)\n", base)
+    with pytest.raises(HmastackError, match="leaves the repository"):
+        design_doc._rewrite_links("[x](../../../../up.md)\n", base)
+    with pytest.raises(HmastackError, match=r"names no module"):
+        design_doc._rewrite_links("[x][torch.nn.Module]\n", base)
+    rooted = design_doc._rewrite_links("[x](/docs/a.md)\n", base)
+    assert (
+        rooted == "[x](https://github.com/vllm-project/vllm/blob/v0.13.0/docs/a.md)\n"
+    )
 
 
 def test_without_a_base_commit_the_page_says_how_to_write_it():

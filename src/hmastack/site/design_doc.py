@@ -6,7 +6,9 @@ adds the KV connector sections; later patches of stage 03 amend them).
 The base file and its images come from the base commit of the vLLM workspace
 (``hmastack base``); without that commit (or without a vLLM tree) the page says
 how to make it. The images are the site's own assets (the site renders offline);
-links to other pages of vLLM's documentation point to the base release on GitHub.
+links to vLLM's other pages, and its cross-references to code
+(``[KVCacheManager][vllm.v1.core.kv_cache_manager.KVCacheManager]``, which vLLM's
+own site resolves), point to the base release on GitHub.
 """
 
 from __future__ import annotations
@@ -21,90 +23,151 @@ from hmastack.core.config import Config
 from hmastack.core.errors import HmastackError
 from hmastack.core.gitutil import git, git_proc, is_repo
 from hmastack.core.process import CommandError, run
-from hmastack.site.pages import StageInfo
+from hmastack.site.pages import StageInfo, file_number, patch_id
 
 DOC = "docs/design/hybrid_kv_cache_manager.md"
-PAGE = "vllm-design.md"
 IMAGES = "docs/assets/design/hybrid_kv_cache_manager"
+PAGE = "vllm-design.md"
 ASSETS = "assets/vllm-design"
+REPO_URL = "https://github.com/vllm-project/vllm/blob"
 LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)\s]+)\)")
+# mkdocs-autorefs: [label][dotted.name], or [dotted.name][] with the label as name
+CROSS_REF = re.compile(r"\[([^\]]+)\]\[([\w.]*)\]")
+FENCE = re.compile(r"^\s*(```|~~~)")
 
 
 @dataclass
 class DesignDoc:
     markdown: str
     patch_ids: list[str]
+    version: str
     images: dict[str, bytes] = field(default_factory=dict)
 
 
-def doc_patches(stages: list[StageInfo]) -> list[tuple[str, Path]]:
+@dataclass
+class _Base:
+    """What the page reads of the base release."""
+
+    tag: str
+    python_files: set[str]
+    images: dict[str, bytes]
+
+
+def doc_patches(cfg: Config, stages: list[StageInfo]) -> list[tuple[str, Path]]:
     """``(S.N, patch file)`` of every vLLM patch that changes the document."""
-    out = []
-    for s in stages:
-        for i, p in enumerate(s.trees().get("vllm", []), start=1):
-            if any(f.path == DOC for f in p.files):
-                out.append((f"{s.stage.number}.{i}", p.path))
-    return out
+    return [
+        (patch_id(cfg, s.stage.number, "vllm", file_number(p.path)), p.path)
+        for s in stages
+        for p in s.trees().get("vllm", [])
+        if any(f.path == DOC for f in p.files)
+    ]
 
 
-def _base_files(cfg: Config, into: Path) -> bool:
-    """The document and its images at the base commit, extracted under ``into``;
-    False when the workspace has no base commit."""
+def _base_files(cfg: Config, into: Path) -> _Base | None:
+    """The document and its images at the base commit, extracted under ``into``,
+    and the release's Python files; None when the workspace has no base commit."""
     repo = cfg.workspace("vllm")
     tag = cfg.tree("vllm").tag
     if not is_repo(repo):
-        return False
+        return None
     if git_proc(repo, "rev-parse", "-q", "--verify", tag).returncode:
-        return False
+        return None
     archive = into / "base.tar"
     git(repo, "archive", "-o", archive, tag, DOC, IMAGES)
     with tarfile.open(archive) as tar:
         tar.extractall(into, filter="data")
-    return True
+    archive.unlink()
+    listed = git(repo, "ls-tree", "-r", "--name-only", tag, "--", "vllm")
+    images = {
+        p.relative_to(into).as_posix(): p.read_bytes()
+        for p in (into / IMAGES).rglob("*")
+        if p.is_file()
+    }
+    return _Base(tag, set(listed.splitlines()), images)
 
 
-def _rewrite_links(text: str, images: dict[str, bytes], tag: str) -> str:
+def _normalise(path: PurePosixPath, target: str) -> PurePosixPath:
+    parts: list[str] = []
+    for part in path.parts:
+        if part == "..":
+            if not parts:
+                raise HmastackError(f"{DOC}: the link {target} leaves the repository")
+            parts.pop()
+        elif part not in (".", "/"):
+            parts.append(part)
+    return PurePosixPath(*parts)
+
+
+def _source_of(name: str, python_files: set[str]) -> str | None:
+    """The file of the release that defines the dotted ``name``: its longest
+    prefix that is a module or a package."""
+    parts = name.split(".")
+    for k in range(len(parts), 0, -1):
+        stem = "/".join(parts[:k])
+        for path in (f"{stem}.py", f"{stem}/__init__.py"):
+            if path in python_files:
+                return path
+    return None
+
+
+def _rewrite_line(line: str, base: _Base) -> str:
     here = PurePosixPath(DOC).parent
 
-    def repl(m: re.Match) -> str:
+    def link(m: re.Match) -> str:
         bang, label, target = m.groups()
         if re.match(r"^(https?:|mailto:|#)", target):
             return m.group(0)
         path, _, anchor = target.partition("#")
-        resolved = PurePosixPath(*_normalise(here / path))
+        start = PurePosixPath(path.lstrip("/")) if path.startswith("/") else here / path
+        resolved = _normalise(start, target).as_posix()
         if bang:
-            if resolved.as_posix() not in images:
+            if resolved not in base.images:
                 raise HmastackError(
                     f"{DOC} shows {target}, which the base release does not have"
                 )
-            return f"![{label}]({ASSETS}/{resolved.name})"
-        url = f"https://github.com/vllm-project/vllm/blob/{tag}/{resolved.as_posix()}"
+            return f"![{label}]({ASSETS}/{PurePosixPath(resolved).name})"
+        url = f"{REPO_URL}/{base.tag}/{resolved}"
         return f"[{label}]({url}{'#' + anchor if anchor else ''})"
 
-    return LINK.sub(repl, text)
+    def cross_ref(m: re.Match) -> str:
+        label, name = m.groups()
+        name = name or label.strip("`")
+        source = _source_of(name, base.python_files)
+        if source is None:
+            raise HmastackError(
+                f"{DOC}: the cross-reference [{label}][{name}] names no module of "
+                f"vLLM {base.tag}"
+            )
+        return f"[{label}]({REPO_URL}/{base.tag}/{source})"
+
+    return CROSS_REF.sub(cross_ref, LINK.sub(link, line))
 
 
-def _normalise(path: PurePosixPath) -> list[str]:
-    parts: list[str] = []
-    for part in path.parts:
-        if part == "..":
-            parts.pop()
-        elif part != ".":
-            parts.append(part)
-    return parts
+def _rewrite_links(text: str, base: _Base) -> str:
+    """Every link and cross-reference outside fenced code blocks."""
+    out, fenced = [], False
+    for line in text.splitlines(keepends=True):
+        if FENCE.match(line):
+            fenced = not fenced
+        out.append(line if fenced or FENCE.match(line) else _rewrite_line(line, base))
+    return "".join(out)
 
 
 def design_doc(cfg: Config, stages: list[StageInfo]) -> DesignDoc | None:
     """The document as the series leaves it, or None without a base commit."""
     if "vllm" not in cfg.trees:
         return None
-    patches = doc_patches(stages)
-    tag = cfg.tree("vllm").tag
+    patches = doc_patches(cfg, stages)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        if not _base_files(cfg, work):
+        base = _base_files(cfg, work)
+        if base is None:
             return None
+        original = (work / DOC).read_text()
         if patches:
+            # A repository of its own: git apply inside another repository's
+            # subfolder applies nothing and exits 0.
+            git(work, "init", "-q")
             try:
                 run(
                     ["git", "apply", f"--include={DOC}", *(p for _, p in patches)],
@@ -112,16 +175,21 @@ def design_doc(cfg: Config, stages: list[StageInfo]) -> DesignDoc | None:
                 )
             except CommandError as exc:
                 raise HmastackError(
-                    f"the patches {', '.join(i for i, _ in patches)} do not apply to "
-                    f"{DOC} of {tag}: {exc.output.strip()}",
+                    f"the patches {', '.join(i for i, _ in patches)} do not apply "
+                    f"to {DOC} of {base.tag}: {exc.output.strip()}",
                     "run `hmastack apply`, which names the patch and hunk",
                 ) from None
-        images = {
-            p.relative_to(work).as_posix(): p.read_bytes()
-            for p in (work / "docs/assets").rglob("*.png")
-        }
         text = (work / DOC).read_text()
-    return DesignDoc(_rewrite_links(text, images, tag), [i for i, _ in patches], images)
+        if patches and text == original:
+            raise HmastackError(
+                f"git apply of {', '.join(i for i, _ in patches)} left {DOC} as it is"
+            )
+    return DesignDoc(
+        _rewrite_links(text, base),
+        [i for i, _ in patches],
+        cfg.tree("vllm").version,
+        base.images,
+    )
 
 
 def page(doc: DesignDoc | None) -> str:
@@ -130,15 +198,15 @@ def page(doc: DesignDoc | None) -> str:
     if doc is None:
         return (
             "# vLLM's design document\n\n"
-            f"`{DOC}` of vLLM 0.13.0 as the series changes it appears here once the "
-            "vLLM workspace has its base commit: `hmastack base`, then "
+            f"`{DOC}` as the series changes it appears here once the vLLM "
+            "workspace has its base commit: `hmastack base`, then "
             "`hmastack docs build`.\n"
         )
     changed = ", ".join(doc.patch_ids) or "no patch"
     title, _, rest = doc.markdown.partition("\n")
     note = (
         '!!! note "vLLM\'s design document, as the series changes it"\n'
-        f"    `{DOC}` of vLLM 0.13.0 with the changes of {changed} applied; "
+        f"    `{DOC}` of vLLM {doc.version} with the changes of {changed} applied; "
         "its section *KV connectors* (with *Token regions*) is the series' own.\n\n"
     )
     return f"{title}\n\n{note}{rest.lstrip()}"
