@@ -4,9 +4,10 @@ Real: vLLM's Scheduler and KV cache manager (stages 01-03), its grouping of
 model-like layouts into KV cache groups, ``LMCacheConnectorV1`` in both roles,
 LMCache's adapter, ``LMCacheEngine`` with the local CPU backend, its lookup
 client and server, and ``VLLMPagedMemGPUConnectorV2``. Faked, because it needs
-CUDA, and nothing else: ``cuda_boundary.py``. The model itself is not run: the
-harness writes, for each computed token, a K and V that depend on the layer and
-the token's prefix only, and checks what each step's attention reads.
+CUDA, and nothing else: ``hmastack_testkit.lmcache_cuda_boundary``. The model
+itself is not run: the harness writes, for each computed token, a K and V that
+depend on the layer and the token's prefix only, and checks what each step's
+attention reads.
 """
 
 from __future__ import annotations
