@@ -12,7 +12,7 @@ import msgspec
 
 from hmastack.core import reports
 
-RUN_REPORTS = ("run.json", "run-optional.json")  # the rest: one per scenario
+RUN_REPORT = "run.json"  # the rest: one per scenario
 
 
 def column(name: str) -> Any:
@@ -38,7 +38,7 @@ R = TypeVar("R", bound=ScenarioReport)
 
 
 class BenchRun(msgspec.Struct):
-    """``run.json`` (``run-optional.json``: a run of the optional scenarios)."""
+    """``run.json``: the last run of the full or quick set."""
 
     quick: bool
     seconds: float
@@ -56,4 +56,4 @@ def read_scenario(path: Path, schema: type[R]) -> R | None:
 
 
 def read_run(folder: Path) -> BenchRun | None:
-    return reports.read(folder / RUN_REPORTS[0], BenchRun, "hmastack bench")
+    return reports.read(folder / RUN_REPORT, BenchRun, "hmastack bench")

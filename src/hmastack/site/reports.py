@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from hmastack.bench.report import RUN_REPORTS, ScenarioReport
+from hmastack.bench.report import RUN_REPORT, ScenarioReport
 from hmastack.bench.run import read_report
 from hmastack.core.config import Config
 from hmastack.matrix.reports import StageResult, stage_table_rows
@@ -50,7 +50,7 @@ def load_benchmarks(cfg: Config) -> tuple[list[Bench], list[Path]]:
     used: set[Path] = set()
     benches = []
     for path in sorted(folder.glob("*.json")):
-        if path.name in RUN_REPORTS:
+        if path.name == RUN_REPORT:
             continue
         report = read_report(folder, path.stem)
         assert report is not None  # globbed
