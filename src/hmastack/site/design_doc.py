@@ -13,6 +13,7 @@ own site resolves), point to the base release on GitHub.
 
 from __future__ import annotations
 
+import posixpath
 import re
 import tarfile
 import tempfile
@@ -86,16 +87,11 @@ def _base_files(cfg: Config, into: Path) -> _Base | None:
     return _Base(tag, set(listed.splitlines()), images)
 
 
-def _normalise(path: PurePosixPath, target: str) -> PurePosixPath:
-    parts: list[str] = []
-    for part in path.parts:
-        if part == "..":
-            if not parts:
-                raise HmastackError(f"{DOC}: the link {target} leaves the repository")
-            parts.pop()
-        elif part not in (".", "/"):
-            parts.append(part)
-    return PurePosixPath(*parts)
+def _normalise(path: PurePosixPath, target: str) -> str:
+    resolved = posixpath.normpath(path.as_posix())
+    if resolved == ".." or resolved.startswith("../"):
+        raise HmastackError(f"{DOC}: the link {target} leaves the repository")
+    return resolved
 
 
 def _source_of(name: str, python_files: set[str]) -> str | None:
@@ -119,7 +115,7 @@ def _rewrite_line(line: str, base: _Base) -> str:
             return m.group(0)
         path, _, anchor = target.partition("#")
         start = PurePosixPath(path.lstrip("/")) if path.startswith("/") else here / path
-        resolved = _normalise(start, target).as_posix()
+        resolved = _normalise(start, target)
         if bang:
             if resolved not in base.images:
                 raise HmastackError(

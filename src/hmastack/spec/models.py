@@ -287,16 +287,10 @@ def outcome(run: tlc.TlcRun) -> Result | Literal["error"]:
 
 
 def expectation(model: Model) -> Expected:
-    return Expected(
-        mode=model.mode,
-        result=model.result,
-        prop=model.prop,
-        deadlock=model.deadlock,
-        distinct_states=model.distinct_states,
-        generated_states=model.generated_states,
-        depth=model.depth,
-        trace_length=model.trace_length,
-    )
+    """The fields of ``model`` a report keeps (each field of Expected is one of
+    the manifest entry's, by name)."""
+    fields = msgspec.structs.fields(Expected)
+    return Expected(**{f.name: getattr(model, f.name) for f in fields})
 
 
 def compare(model: Model, report: ModelReport) -> list[str]:
