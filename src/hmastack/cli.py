@@ -61,7 +61,9 @@ def apply_command(args: argparse.Namespace) -> StepResult:
 
 
 def export_command(args: argparse.Namespace) -> int:
-    return workspace.cmd_export(check=args.check)
+    return workspace.cmd_export(
+        config.load(), check=args.check, empty_stages=args.empty_stage or ()
+    )
 
 
 def test_command(args: argparse.Namespace) -> StepResult:
@@ -180,10 +182,15 @@ def add_workspace_parsers(subparsers: Subparsers) -> None:
             "1..K with `git am --keep-non-patch --committer-date-is-author-date` "
             "(keeps the [Core][...] title tags; commit ids are the same on every "
             "machine). Every tree is checked before any is reset: uncommitted "
-            "changes, or commits that patches/ does not hold, are refused unless "
-            "--force (a patch file edited since the last apply is simply applied). "
-            "A patch that does not apply resets every tree to its base; `export` "
-            "then refuses until an apply succeeds. Seconds."
+            "changes, commits that patches/ does not hold, a git operation in "
+            "progress (rebase, git am, merge, cherry-pick, revert, bisect) and a "
+            "detached HEAD are refused unless --force (a patch file edited since "
+            "the last apply is simply applied); a lock another git process holds, "
+            "a stage with no patch and a patch file with CRLF line endings or cut "
+            "short are refused, nothing changed. One transaction: a patch that does "
+            "not apply, a lock taken meanwhile, or Ctrl-C (SIGINT, SIGTERM, SIGHUP) "
+            "puts every tree back at its base, and the next `apply` needs no flag; "
+            "`export` refuses until an apply succeeds. Seconds."
         ),
     )
     parser.add_argument(
@@ -192,8 +199,9 @@ def add_workspace_parsers(subparsers: Subparsers) -> None:
     parser.add_argument(
         "--force",
         action="store_true",
-        help="discard the workspaces' uncommitted changes and the commits "
-        "patches/ does not hold (git reflog still finds the commits)",
+        help="reset even a workspace that holds work patches/ does not: its "
+        "commits, uncommitted edits and a git operation's files are kept as a "
+        "branch hmastack-kept-N, and apply prints it and how to get them back",
     )
     parser.set_defaults(func=apply_command)
 
@@ -203,21 +211,34 @@ def add_workspace_parsers(subparsers: Subparsers) -> None:
         description=(
             "Write the commits of build/<tree> above its base tag into "
             "patches/NN-*/<tree>/ with git format-patch (zero commit ids, full "
-            "index, no signature: byte-for-byte stable). A commit's stage comes "
-            "from its subject. Only stages up to the one `apply` brought the "
-            "workspace to (or later ones whose commits were `git am`ed on top) "
-            "are written or compared. Export and --check refuse, writing nothing: "
-            "a workspace that no apply completed (a failed or interrupted apply, "
-            "or only `hmastack base`), uncommitted changes in a workspace, and a "
-            "commit whose author is not its Signed-off-by (vLLM's DCO check); "
-            "export also refuses to overwrite a file of patches/ edited since the "
-            "last apply or export. Seconds."
+            "index, no signature: byte-for-byte stable) and list each file added, "
+            "updated or deleted. A commit's stage comes from its subject. Only "
+            "stages up to the one `apply` brought the workspace to (or later ones "
+            "whose commits were `git am`ed on top) are written or compared. Export "
+            "and --check refuse, writing nothing: a workspace where a rebase, `git "
+            "am`, merge, cherry-pick, revert or bisect is in progress, or whose "
+            "HEAD is not the branch `apply` brought to the series (detached, or "
+            "another branch); a workspace that no apply completed (a failed or "
+            "interrupted apply, or only `hmastack base`); uncommitted changes in a "
+            "workspace; a fixup!/squash!/amend! commit; a subject with no stage "
+            "tag or a malformed one; and a commit whose author is not its "
+            "Signed-off-by (vLLM's DCO check). Export also refuses to overwrite a "
+            "file of patches/ edited since the last apply or export, and to delete "
+            "every patch of a stage unless --empty-stage names it. Seconds."
         ),
     )
     parser.add_argument(
         "--check",
         action="store_true",
         help="write nothing; exit 1 listing the files that differ",
+    )
+    parser.add_argument(
+        "--empty-stage",
+        type=int,
+        action="append",
+        metavar="K",
+        help="let export delete every patch of stage K of a tree (its commits "
+        "are gone from the workspace on purpose); repeatable",
     )
     parser.set_defaults(func=export_command)
 
@@ -577,7 +598,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         console.print(f"[red]error:[/red] {escape(exc.message)}")
         if exc.hint:
             console.print(f"[yellow]hint:[/yellow] {escape(exc.hint)}")
-        return 2
+        return exc.exit_status
     except KeyboardInterrupt:
         console.print("interrupted")
         return 130
