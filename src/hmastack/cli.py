@@ -32,7 +32,7 @@ from hmastack.matrix import stages as matrix
 from hmastack.site import docs
 from hmastack.spec import models as spec
 from hmastack.spec import traces
-from hmastack.stack import base, env, workspace
+from hmastack.stack import base, clean, env, workspace
 
 Subparsers = argparse._SubParsersAction
 
@@ -64,6 +64,10 @@ def export_command(args: argparse.Namespace) -> int:
     return workspace.cmd_export(
         config.load(), check=args.check, empty_stages=args.empty_stage or ()
     )
+
+
+def clean_command(args: argparse.Namespace) -> int:
+    return clean.cmd_clean(config.load())
 
 
 def test_command(args: argparse.Namespace) -> StepResult:
@@ -241,6 +245,21 @@ def add_workspace_parsers(subparsers: Subparsers) -> None:
         "are gone from the workspace on purpose); repeatable",
     )
     parser.set_defaults(func=export_command)
+
+    parser = subparsers.add_parser(
+        "clean",
+        help="delete the build folder unless a workspace holds unexported work",
+        description=(
+            "Delete the build folder (build/, or HMASTACK_BUILD): the workspaces, "
+            "the environments, the reports (`make clean` runs it). Refused, "
+            "deleting nothing, while a workspace holds work that patches/ does "
+            "not: commits HEAD or another branch, tag or stash has, uncommitted "
+            "changes, a git operation in progress or a lock; the message names "
+            "each one and the hint how to export, save or drop it. The downloads "
+            "stay in the per-user cache."
+        ),
+    )
+    parser.set_defaults(func=clean_command)
 
 
 def add_test_parser(subparsers: Subparsers) -> None:

@@ -488,6 +488,87 @@ def test_apply_force_in_the_middle_of_a_rebase(project):
     assert cli("export", "--check").returncode == 0
 
 
+# --- make clean -----------------------------------------------------------------------
+
+
+def make_clean(env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`make clean` of this repository's Makefile on the scratch project (``-o``:
+    the tool's venv is taken as it is)."""
+    return subprocess.run(
+        ["make", "-s", "-C", str(ROOT), "-o", ".venv/bin/hmastack", "clean"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+
+
+@pytest.mark.parametrize(
+    ("work", "named"),
+    [
+        ("commit", "commits patches/ does not hold"),
+        ("edit", "uncommitted changes: README"),
+        ("branch", "heads/keep"),
+        ("stash", "1 stash entries"),
+    ],
+)
+def test_make_clean_refuses_while_a_workspace_holds_unexported_work(
+    project, work, named
+):
+    """Before: `rm -rf build`, reflog and all."""
+    exported_series(project)
+    repo = project.workspace("demo")
+    if work == "commit":
+        commit_change(project, 2, "demo/core.py", "return 9", "return 99", "F9")
+    elif work == "edit":
+        (repo / "README").write_text("edited\n")
+    elif work == "branch":
+        sh(repo, "checkout", "-q", "-b", "keep")
+        commit_change(project, 2, "demo/core.py", "return 9", "return 99", "F9")
+        sh(repo, "checkout", "-q", "main")
+    else:
+        (repo / "README").write_text("edited\n")
+        sh(repo, "stash", "-q")
+    proc = cli("clean")
+    assert proc.returncode == 2
+    assert "holds work that patches/ does not" in proc.stderr
+    assert named in proc.stderr and "Nothing was deleted" in proc.stderr
+    assert repo.is_dir() and (repo / ".git").is_dir()
+    # once the work is exported or dropped, clean deletes build/
+    if work == "commit":
+        assert cli("export").returncode == 0
+    elif work == "edit":
+        sh(repo, "checkout", "--", ".")
+    elif work == "branch":
+        sh(repo, "branch", "-q", "-D", "keep")
+    else:
+        sh(repo, "stash", "drop", "-q")
+    proc = cli("clean")
+    assert proc.returncode == 0, proc.stderr
+    assert f"removed {project.build}" in proc.stderr
+    assert not project.build.exists()
+
+
+def test_make_clean_honours_hmastack_build(project, tmp_path, monkeypatch):
+    elsewhere = tmp_path / "elsewhere"
+    monkeypatch.setenv("HMASTACK_BUILD", str(elsewhere))
+    cfg = config.load(project.root)
+    exported_series(cfg)
+    assert cfg.workspace("demo") == elsewhere / "demo"
+    (project.root / "build").mkdir()
+    (project.root / "build" / "other-work").write_text("not ours to delete\n")
+    commit_change(cfg, 2, "demo/core.py", "return 9", "return 99", "F9")
+    assert make_clean().returncode != 0
+    assert elsewhere.is_dir()
+    assert cli("export").returncode == 0
+    assert make_clean().returncode == 0
+    assert not elsewhere.exists()
+    assert (project.root / "build" / "other-work").exists()
+    # a build folder that holds the project is not deleted
+    proc = make_clean({"HMASTACK_BUILD": str(project.root)})
+    assert proc.returncode != 0 and "holds the project" in proc.stderr
+    assert (project.root / "hmastack.toml").exists()
+
+
 # --- apply is one transaction ---------------------------------------------------------
 
 
