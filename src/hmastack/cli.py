@@ -17,6 +17,7 @@ import re
 import sys
 import textwrap
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from types import ModuleType
 
 from rich.markup import escape
@@ -38,6 +39,17 @@ Subparsers = argparse._SubParsersAction
 
 # A Sphinx cross-reference in a docstring (":data:`SCENARIOS`", ":func:`~a.b`").
 _ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
+
+
+def count(text: str) -> int:
+    """An argument that counts something: 1 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is too small: 1 or more")
+    return value
 
 
 def doc(module: ModuleType) -> str:
@@ -117,6 +129,12 @@ def conform_command(args: argparse.Namespace) -> StepResult:
 
 
 def docs_build_command(args: argparse.Namespace) -> StepResult:
+    if args.site_dir:
+        config.writable_dir(
+            Path(args.site_dir),
+            f"--site-dir {args.site_dir}",
+            "name a folder you can write (it is made when missing)",
+        )
     return docs.run_step(config.load(), args.site_dir)
 
 
@@ -259,7 +277,7 @@ def add_workspace_parsers(subparsers: Subparsers) -> None:
             "stay in the per-user cache."
         ),
     )
-    parser.set_defaults(func=clean_command)
+    parser.set_defaults(func=clean_command, needs_build=False)
 
 
 def add_test_parser(subparsers: Subparsers) -> None:
@@ -279,7 +297,7 @@ def add_test_parser(subparsers: Subparsers) -> None:
     )
     parser.add_argument(
         "--jobs",
-        type=int,
+        type=count,
         default=matrix.DEFAULT_JOBS,
         help=f"stages tested at once (default {matrix.DEFAULT_JOBS})",
     )
@@ -317,7 +335,7 @@ def add_spec_parser(subparsers: Subparsers) -> None:
             "Seconds; `spec check` fetches TLC itself when needed."
         ),
     )
-    fetch_p.set_defaults(func=spec_fetch_command)
+    fetch_p.set_defaults(func=spec_fetch_command, needs_build=False)
     check_p = sub.add_parser(
         "check",
         help="run TLC on models and compare with spec/manifest.toml",
@@ -433,7 +451,7 @@ def add_conform_parser(subparsers: Subparsers) -> None:
     )
     parser.add_argument(
         "--jobs",
-        type=int,
+        type=count,
         default=matrix.DEFAULT_JOBS,
         help=f"broken trees tested at once (default {matrix.DEFAULT_JOBS})",
     )
@@ -537,7 +555,7 @@ def add_e2e_parser(subparsers: Subparsers) -> None:
     )
     parser.add_argument(
         "--jobs",
-        type=int,
+        type=count,
         default=e2e.DEFAULT_JOBS,
         help=f"engine processes at once (default {e2e.DEFAULT_JOBS})",
     )
@@ -562,7 +580,7 @@ def add_run_parser(subparsers: Subparsers) -> None:
     )
     parser.add_argument(
         "--jobs",
-        type=int,
+        type=count,
         default=matrix.DEFAULT_JOBS,
         help=f"stages tested at once (default {matrix.DEFAULT_JOBS})",
     )
@@ -611,6 +629,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], StepResult | int] = args.func
     try:
+        if getattr(args, "needs_build", True):
+            config.ensure_build(config.load())
         result = func(args)
         return result.exit_status if isinstance(result, StepResult) else result
     except HmastackError as exc:
@@ -618,6 +638,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if exc.hint:
             console.print(f"[yellow]hint:[/yellow] {escape(exc.hint)}")
         return exc.exit_status
+    except OSError as exc:
+        # a file or folder the step reads or writes (a path that is not what
+        # it should be, no space, no permission): the message, not a traceback
+        console.print(f"[red]error:[/red] {escape(str(exc))}")
+        console.print(
+            "[yellow]hint:[/yellow] check that path (a file where a folder is "
+            "expected, permissions, free space); HMASTACK_BUILD and HMASTACK_CACHE "
+            "choose where the build and the downloads go"
+        )
+        return 2
     except KeyboardInterrupt:
         console.print("interrupted")
         return 130

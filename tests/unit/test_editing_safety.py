@@ -725,3 +725,96 @@ def test_a_patch_that_does_not_apply_leaves_every_tree_at_its_base(project):
     )
     for tree in cfg.trees:
         assert_at_base_and_clean(cfg, tree)
+
+
+# --- bad input: a message and a hint, never a traceback -------------------------------
+
+
+def _unwritable(tmp: Path) -> str:
+    """A build folder that cannot be made: a read-only folder (root writes
+    anyway, so for root a path under /sys, where nothing can be made)."""
+    if os.geteuid() == 0:
+        return "/sys/hmastack-build"
+    ro = tmp / "read-only"
+    ro.mkdir()
+    ro.chmod(0o555)
+    return str(ro / "build")
+
+
+def _bad(project: config.Config, tmp: Path, case: str) -> tuple[list[str], dict]:
+    """Set up bad input ``case``; the command line and environment to run."""
+    root = project.root
+    if case == "HMASTACK_BUILD is a file":
+        (tmp / "a-file").write_text("")
+        return ["apply"], {"HMASTACK_BUILD": str(tmp / "a-file")}
+    if case == "HMASTACK_BUILD cannot be written":
+        return ["apply"], {"HMASTACK_BUILD": _unwritable(tmp)}
+    if case == "a manifest model without its cfg file":
+        (root / "spec").mkdir()
+        for path in [ROOT / "spec" / "tlc.toml", *(ROOT / "spec").glob("*.tla")]:
+            (root / "spec" / path.name).write_text(path.read_text())
+        (root / "spec" / "manifest.toml").write_text(
+            '[models.ghost]\nresult = "success"\n'
+        )
+        return ["spec", "check", "ghost"], {}
+    if case == "HMASTACK_ROOT without hmastack.toml":
+        return ["apply"], {"HMASTACK_ROOT": str(tmp)}
+    if case == "a malformed hmastack.toml":
+        toml = root / "hmastack.toml"
+        toml.write_text(toml.read_text().replace("stages = 2", "stagess = 2"))
+        return ["apply"], {}
+    if case == "an unknown stage":
+        return ["apply", "--upto", "9"], {}
+    if case == "export --empty-stage of an unknown stage":
+        exported_series(project)
+        return ["export", "--empty-stage", "9"], {}
+    if case == "--jobs 0":
+        return ["test", "--jobs", "0"], {}
+    if case == "a stage without README.md":
+        (root / "patches" / "02-second" / "README.md").unlink()
+        return ["apply"], {}
+    if case == "patches/ missing":
+        (root / "patches" / "01-first" / "README.md").unlink()
+        (root / "patches" / "02-second" / "README.md").unlink()
+        (root / "patches" / "01-first").rmdir()
+        (root / "patches" / "02-second").rmdir()
+        (root / "patches").rmdir()
+        return ["apply"], {}
+    if case == "export before any workspace":
+        return ["export"], {}
+    if case == "a workspace folder that is not a repository":
+        (root / "build" / "demo").mkdir(parents=True)
+        return ["apply"], {}
+    if case == "clean of a build folder that is the project":
+        return ["clean"], {"HMASTACK_BUILD": str(root)}
+    if case == "a site folder that cannot be written":
+        return ["docs", "build", "--site-dir", _unwritable(tmp)], {}
+    raise AssertionError(case)
+
+
+BAD = {
+    "HMASTACK_BUILD is a file": "is not a directory",
+    "HMASTACK_BUILD cannot be written": "cannot be written",
+    "a manifest model without its cfg file": "model ghost: its cfg file",
+    "HMASTACK_ROOT without hmastack.toml": "hmastack.toml is missing",
+    "a malformed hmastack.toml": "unknown field `stagess`",
+    "an unknown stage": "unknown stage 9",
+    "export --empty-stage of an unknown stage": "unknown stage 9",
+    "--jobs 0": "argument --jobs: 0 is too small: 1 or more",
+    "a stage without README.md": "stage 02-second has no README.md",
+    "patches/ missing": "patches does not exist",
+    "export before any workspace": "no workspace at",
+    "a workspace folder that is not a repository": "is not a git repository",
+    "clean of a build folder that is the project": "holds the project",
+    "a site folder that cannot be written": "cannot be written",
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_is_a_message_with_a_hint(project, tmp_path, case):
+    args, env = _bad(project, tmp_path, case)
+    proc = cli(*args, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert BAD[case] in proc.stderr
+    assert "hint:" in proc.stderr or "usage:" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
