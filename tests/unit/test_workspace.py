@@ -288,7 +288,8 @@ def test_export_after_a_failed_apply_refuses_and_deletes_nothing(project):
     assert snapshot(project) == before
     assert "`hmastack apply --upto 1` brings every tree" in proc.stderr
     assert "every tree was reset to its base" in err.value.hint
-    assert "hmastack apply --upto 1" in err.value.hint
+    # not a patch at all: nothing to rebase, the file is to be restored
+    assert "git checkout -- " in err.value.hint and "rebase" not in err.value.hint
 
 
 def test_export_of_an_interrupted_or_never_applied_workspace_refuses(
@@ -298,7 +299,7 @@ def test_export_of_an_interrupted_or_never_applied_workspace_refuses(
     before = snapshot(project)
     repo = project.workspace("demo")
 
-    def interrupted(repo, tree, patches):
+    def interrupted(repo, tree, patches, between=None):
         workspace.reset_to_base(repo, tree)
         raise KeyboardInterrupt
 
@@ -350,7 +351,7 @@ def test_hint_after_a_hand_edit_says_what_each_way_loses_and_export_keeps_it(
         workspace.apply(project, 2)
     hint = err.value.hint
     assert "to keep them" not in hint
-    assert "apply --force" in hint and "loses the workspace's commits" in hint
+    assert "apply --force" in hint and "keeps the workspace's commits" in hint
     assert "loses the hand edit" in hint and patch.name in hint
     # export would overwrite the hand edit: it refuses and writes nothing.
     with pytest.raises(HmastackError, match="export would overwrite it"):
@@ -363,11 +364,12 @@ def test_hint_after_a_hand_edit_says_what_each_way_loses_and_export_keeps_it(
     with pytest.raises(HmastackError, match="does not hold") as err:
         workspace.apply(project, 2)
     assert "loses a hand edit" in err.value.hint
-    assert "loses the workspace's commits" in err.value.hint
+    assert "keeps the workspace's commits as a branch" in err.value.hint
 
 
 def two_trees(project):
-    """The project with a second tree, ``other``, patched by stage 1."""
+    """The project with a second tree, ``other``, patched by stage 1 (``demo`` by
+    stages 1 and 2)."""
     sha = make_sdist(project.cache / "sdist" / "other-2.0.tar.gz")
     toml = project.root / "hmastack.toml"
     toml.write_text(
@@ -382,6 +384,7 @@ def two_trees(project):
         base.materialize(cfg, tree)
     workspace.apply(cfg, 2)
     commit_change(cfg, 1, "demo/core.py", "return 3", "return 33", "Change f3")
+    commit_change(cfg, 2, "demo/core.py", "return 7", "return 77", "Change f7")
     repo = cfg.workspace("other")
     (repo / "README").write_text("other, stage 1\n")
     git(repo, "commit", "-sqam", "[Core][Demo series 1/2] Change other")
@@ -393,8 +396,10 @@ def two_trees(project):
 @pytest.mark.parametrize("failing", ["demo", "other"])
 def test_a_failed_apply_leaves_every_tree_at_its_base(project, failing):
     cfg = two_trees(project)
-    for name in cfg.trees:
-        assert git(cfg.workspace(name), "rev-list", "--count", "HEAD") == "2"
+    counts = {
+        n: git(cfg.workspace(n), "rev-list", "--count", "HEAD") for n in cfg.trees
+    }
+    assert counts == {"demo": "3", "other": "2"}
     break_stage_2(cfg, failing)
     with pytest.raises(workspace.ApplyError) as err:
         workspace.apply(cfg, 2)

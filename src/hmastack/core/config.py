@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import msgspec
@@ -180,6 +181,35 @@ class Config(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=Tr
     def workspace(self, name: str) -> Path:
         """The git repository of tree ``name`` where patches are edited."""
         return self.build / name
+
+
+def ensure_build(cfg: Config) -> Path:
+    """The build folder; :class:`HmastackError` when it is not a directory or
+    cannot be written (``HMASTACK_BUILD`` named when set)."""
+    build = cfg.build
+    return writable_dir(
+        build,
+        f"HMASTACK_BUILD={build}" if os.environ.get("HMASTACK_BUILD") else str(build),
+        "point HMASTACK_BUILD at a folder you can write (it is made when missing), "
+        "or unset it to build in build/ of the project",
+    )
+
+
+def writable_dir(path: Path, name: str, hint: str) -> Path:
+    """``path``; :class:`HmastackError` naming it ``name`` when it is not a
+    directory or cannot be written (when missing: when its nearest existing
+    parent is not a directory it can be made in). Nothing is made."""
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise HmastackError(f"{name} is not a directory", hint)
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        raise HmastackError(
+            f"{name} cannot be written: {exc.strerror or exc}", hint
+        ) from None
+    return path
 
 
 def cache_dir() -> Path:

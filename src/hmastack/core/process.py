@@ -49,11 +49,14 @@ def run(
     log: Path | None = None,
     check: bool = True,
     hint: str | None = None,
+    session: bool = False,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``cmd`` with stdout and stderr captured together.
 
     The output is also written to ``log`` when given. Raises
     :class:`CommandError` when ``check`` and the command exits non-zero.
+    ``session``: in a session of its own, where a Ctrl-C sent to the caller's
+    process group does not reach it (it ends its work; the caller decides).
     """
     proc = subprocess.run(
         [str(c) for c in cmd],
@@ -63,6 +66,7 @@ def run(
         stderr=subprocess.STDOUT,
         text=True,
         stdin=subprocess.DEVNULL,
+        start_new_session=session,
     )
     if log is not None:
         log.parent.mkdir(parents=True, exist_ok=True)

@@ -26,9 +26,10 @@ later stage mends) is the per-commit run's to find, in ``hmastack run --full``.
 runs, at every commit, the selected vLLM suite (for commits of the vLLM tree)
 and ruff with the tree's own configuration on the files touched so far:
 ``build/reports/commits.json`` and a table. Our stage tests are not run there:
-they test whole stages (the stage matrix runs them). Each vLLM commit takes
-minutes (its seconds are in ``commits.json``), two at a time with ``--jobs
-2``, so ``hmastack run --full`` runs it and ``make test`` does not.
+they test whole stages (the stage matrix runs them). Each vLLM commit runs the
+whole selected suite (``commits.json`` gives each commit's seconds), two at a
+time with ``--jobs 2``, so ``hmastack run --full`` runs it and ``make test``
+does not.
 """
 
 from __future__ import annotations

@@ -173,6 +173,13 @@ def load_manifest(settings: Settings) -> dict[str, Model]:
                 f"{path}: model {name}: {exc}",
                 "see the schema at the top of the manifest",
             ) from None
+        if not models[name].path.is_file():
+            raise HmastackError(
+                f"{path}: model {name}: its cfg file {models[name].path} does not "
+                "exist",
+                "restore the file from git, or name the model's file with `cfg = "
+                '"models/<file>.cfg"` (relative to spec/)',
+            )
     return models
 
 
