@@ -5,12 +5,13 @@ each fixed by a patch of stage 03; their counterexamples violate
 ``NoStaleRead`` (no request reads KV that a failed load left invalid, unless
 another holder recomputes it first):
 
-* ``series-stale-read-abort`` (``Policy = "SeriesAllocOnly"``; patch 3.5): a
-  synchronous load fails at block 0; the request will recompute the block in
-  place (policy "recompute"), so ``_handle_invalid_blocks`` left the published
-  invalid block in the prefix cache; the request is aborted first and the next
-  request hits the block.
-* ``mutations/range-by-cached`` (``SeriesAsCoded`` with patch 3.8 switched off):
+* ``series-stale-read-abort`` (``Policy = "SeriesAllocOnly"``; patch
+  [03.5 All sharers of a failed KV block]): a synchronous load fails at block
+  0; the request will recompute the block in place (policy "recompute"), so
+  ``_handle_invalid_blocks`` left the published invalid block in the prefix
+  cache; the request is aborted first and the next request hits the block.
+* ``mutations/range-by-cached`` (``SeriesAsCoded`` with patch
+  [03.8 Handle a failed sync KV load] switched off):
   ``Request.num_cached_tokens`` is set the first time a request is scheduled
   and never reset. A request first scheduled with a 2-token hit is preempted,
   comes back with an external token loaded synchronously, and that load fails:
@@ -24,8 +25,9 @@ run). Each test replays the counterexample through the ``Scheduler`` with the
 scheduler replay's harness up to the failing step (every state compared: up
 to there the code and the model agree), lets the step return with the failed
 load's blocks reported invalid, and asserts the property on vLLM's own state.
-They fail on a tree without the fix (vLLM's own unit tests in patches 3.5 and
-3.8 are the witnesses) and pass on stage 03.
+They fail on a tree without the fix (vLLM's own unit tests in patches
+[03.5 All sharers of a failed KV block] and [03.8 Handle a failed sync KV load]
+are the witnesses) and pass on stage 03.
 """
 
 from __future__ import annotations
@@ -124,7 +126,8 @@ def test_sync_load_failure_after_preemption_is_handled():
     fail = failing_step(doc)
     assert fail == len(states) - 1
     ev, before = states[fail]["event"], states[fail - 1]
-    # Without patch 3.8 the model ignores the failure (nobody is affected).
+    # Without patch [03.8 Handle a failed sync KV load] the model ignores the
+    # failure (nobody is affected).
     assert ev["args"]["affected"] == []
     # Up to the failure the mutation changes nothing: the replay follows the
     # code's model.

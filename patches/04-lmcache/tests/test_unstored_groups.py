@@ -9,10 +9,10 @@ with an error that names the group or layers and says what to do.
 
 from __future__ import annotations
 
+import layouts
 import pytest
 from hmastack_testkit import lmcache_cuda_boundary as cuda_boundary
 from hmastack_testkit.kvtest import make_scheduler
-from s04_lmcache import layouts
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 

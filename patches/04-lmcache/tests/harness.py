@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from hmastack_testkit import lmcache_cuda_boundary as cuda_boundary
 from hmastack_testkit.kvtest import make_request, make_scheduler
-from s04_lmcache.layouts import (
+from layouts import (
     BLOCK_SIZE,
     Layout,
     kv_cache_configs,

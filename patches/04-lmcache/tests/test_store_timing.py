@@ -16,9 +16,9 @@ outlives its step (the GPU connector's copies deferred past
 
 from __future__ import annotations
 
+import layouts
 import pytest
-from s04_lmcache import layouts
-from s04_lmcache.harness import Engine
+from harness import Engine
 
 PROMPT = list(range(1000, 2100))  # 1100 tokens; LMCache stores [0, 1024)
 

@@ -11,12 +11,11 @@ must agree with vLLM's block tables at every alignment of the window start.
 
 from __future__ import annotations
 
+import layouts
 import pytest
+from harness import Engine
 from hmastack_testkit.window import window_min_blocks
-from s04_lmcache import layouts
-from s04_lmcache.conftest import CHUNK
-from s04_lmcache.harness import Engine
-from s04_lmcache.layouts import BLOCK_SIZE
+from layouts import BLOCK_SIZE, CHUNK
 
 
 def cdiv(a: int, b: int) -> int:

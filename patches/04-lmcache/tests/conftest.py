@@ -15,15 +15,14 @@ from __future__ import annotations
 import os
 
 import pytest
+from layouts import CHUNK
 
 # LMCache reads its configuration from the environment once per process.
-os.environ.setdefault("LMCACHE_CHUNK_SIZE", "256")
+os.environ.setdefault("LMCACHE_CHUNK_SIZE", str(CHUNK))
 os.environ.setdefault("LMCACHE_LOCAL_CPU", "True")
 os.environ.setdefault("LMCACHE_MAX_LOCAL_CPU_SIZE", "0.5")
 os.environ.setdefault("LMCACHE_SAVE_DECODE_CACHE", "True")
 os.environ.setdefault("LMCACHE_SAVE_UNFULL_CHUNK", "False")
-
-CHUNK = 256
 
 
 @pytest.fixture(scope="session")
@@ -57,9 +56,9 @@ def kernel(monkeypatch):
 
 @pytest.fixture
 def make_engine(kernel, distributed):
-    """``make_engine(layout, hma)``: an :class:`~s04_lmcache.harness.Engine`,
+    """``make_engine(layout, hma)``: an :class:`~harness.Engine`,
     shut down after the test."""
-    from s04_lmcache.harness import Engine
+    from harness import Engine
 
     engines = []
 

@@ -17,12 +17,11 @@ completed is not stored (``test_chunk_contents.py``).
 
 from __future__ import annotations
 
+import layouts
 import pytest
 import torch
-from s04_lmcache import layouts
-from s04_lmcache.conftest import CHUNK
-from s04_lmcache.harness import NULL_BLOCK_SENTINEL, Engine
-from s04_lmcache.layouts import BLOCK_SIZE
+from harness import NULL_BLOCK_SENTINEL, Engine
+from layouts import BLOCK_SIZE, CHUNK
 
 
 @pytest.mark.parametrize(

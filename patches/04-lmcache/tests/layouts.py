@@ -30,6 +30,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 BLOCK_SIZE = 16
+CHUNK = 256  # LMCache's chunk size (LMCACHE_CHUNK_SIZE, set by conftest.py)
 NUM_BLOCKS = 768
 MAX_MODEL_LEN = 2048
 DTYPE = torch.float32

@@ -4,10 +4,11 @@
                                      # the only way it runs)
     python before_after.py hma-on    # LMCache tree with stage 04
 
-(``PYTHONPATH=<vllm tree>:<lmcache tree>:tests/stages:support/testkit``, in
-the CPU environment.) Same harness and CUDA boundary as the tests: request A (1100
-tokens) is computed and stored, vLLM's prefix cache is reset, request B shares
-A's first 1024 tokens and loads them from LMCache. Prints, for each layer, its
+(``PYTHONPATH=<vllm tree>:<lmcache tree>:support/testkit``, in the CPU
+environment; python puts this directory first on ``sys.path``.) Same harness
+and CUDA boundary as the tests: request A (1100 tokens) is computed and
+stored, vLLM's prefix cache is reset, request B shares A's first 1024 tokens
+and loads them from LMCache. Prints, for each layer, its
 KV cache group's type, how many slots the load wrote for it and which tokens.
 """
 
@@ -16,14 +17,12 @@ from __future__ import annotations
 import os
 import sys
 
+import conftest
+import layouts
 import pytest
-
-sys.path.insert(0, __file__.rsplit("/", 2)[0])
-
-from hmastack_testkit import lmcache_cuda_boundary as cuda_boundary  # noqa: E402
-from s04_lmcache import conftest, layouts  # noqa: E402
-from s04_lmcache.harness import Engine  # noqa: E402
-from s04_lmcache.layouts import BLOCK_SIZE  # noqa: E402
+from harness import Engine
+from hmastack_testkit import lmcache_cuda_boundary as cuda_boundary
+from layouts import BLOCK_SIZE
 
 
 def main(mode: str) -> None:

@@ -9,9 +9,9 @@ LMCache 0.3.11 stores it).
 
 from __future__ import annotations
 
+import layouts
 import pytest
-from s04_lmcache import layouts
-from s04_lmcache.conftest import CHUNK
+from layouts import CHUNK
 
 PROMPT = list(range(1000, 2100))  # 1100 tokens; LMCache stores [0, 1024)
 

@@ -17,10 +17,10 @@ the test checks that the load wrote exactly the external tokens' blocks.
 
 from __future__ import annotations
 
+import layouts
 import pytest
-from s04_lmcache import layouts
-from s04_lmcache.harness import Engine
-from s04_lmcache.layouts import BLOCK_SIZE
+from harness import Engine
+from layouts import BLOCK_SIZE
 
 PREFIX = list(range(1000, 2024))  # 1024 tokens: four LMCache chunks
 

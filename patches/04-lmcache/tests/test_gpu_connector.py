@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from s04_lmcache.layouts import BLOCK_SIZE
+from layouts import BLOCK_SIZE
 
 
 def test_gpu_connector_copies_each_layer_with_its_group_row(kernel):

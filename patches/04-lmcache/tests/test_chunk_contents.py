@@ -13,10 +13,10 @@ layer, i.e. as a reader with HMA off reads them.
 
 from __future__ import annotations
 
+import layouts
 import pytest
-from s04_lmcache import layouts
-from s04_lmcache.conftest import CHUNK
-from s04_lmcache.harness import Engine
+from harness import Engine
+from layouts import CHUNK
 
 PROMPT = list(range(1000, 2100))  # 1100 tokens
 

@@ -468,10 +468,10 @@ class Replay:
         if fresh:
             ext = a["extTokens"]
             if r in before["noLoad"] and ext == 0:
-                # Patch 3.9: a request whose load left it no valid token takes
-                # no external tokens; the connector offers some anyway (as a
-                # connector whose store still lists them does), the scheduler
-                # must take 0.
+                # Patch [03.9 No new KV load]: a request whose load left it no
+                # valid token takes no external tokens; the connector offers
+                # some anyway (as a connector whose store still lists them
+                # does), the scheduler must take 0.
                 ext = before["len"][r] - 1 - a["hitBlocks"] * self.B
             self.conn.offers[r] = Offer(ext, a["async"], past_hit=True)
         if a["draftTokens"]:
@@ -584,8 +584,9 @@ class Replay:
             )
 
     def free_waiting(self, before: dict, after: dict, ev: dict) -> None:
-        """The stall fix (patch 3.7): ``schedule()`` with the model's head ``h``
-        first in the waiting queue, the requests the model frees behind it and
+        """The stall fix (patch [03.7 Fix a stall]): ``schedule()`` with the
+        model's head ``h`` first in the waiting queue, the requests the model
+        frees behind it and
         nothing running. The connector answers for ``h`` as in the model's
         refusal; ``allocate_slots`` must refuse ``h`` with the model's
         admission count, and ``_free_blocks_of_waiting_requests`` must free

@@ -2,8 +2,9 @@
 
 ``spec/AsyncSched.tla`` models one request under asynchronous scheduling:
 steps in flight in a batch queue, their outputs processed later, and the
-in-flight fence of ``remove_skipped_blocks`` (patch 3.4: the blocks of the
-sliding window group that leave the window are those skipped by
+in-flight fence of ``remove_skipped_blocks`` (patch
+[03.4 Don't free skipped blocks]: the blocks of the sliding window group that
+leave the window are those skipped by
 ``num_computed_tokens - num_in_flight_tokens``, not by
 ``num_computed_tokens``, so no step in flight reads a freed slot). This file
 follows its behaviours (``fixtures/async-replay/trace-*.json``, simulated from

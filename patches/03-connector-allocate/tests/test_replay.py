@@ -318,9 +318,9 @@ class Replay:
             and a["computedTokens"] != before["computed"][r]
         ):
             self.check_recompute(r, a["atSlot"], a["computedTokens"])
-        # Patch 3.5: the blocks from each affected request's first invalid
-        # block on leave the prefix cache (evict_blocks), whether it resumes
-        # in place or starts over.
+        # Patch [03.5 All sharers of a failed KV block]: the blocks from each
+        # affected request's first invalid block on leave the prefix cache
+        # (evict_blocks), whether it resumes in place or starts over.
         unhashed = {
             self.m2r[m]
             for m in range(1, self.N + 1)
@@ -334,7 +334,8 @@ class Replay:
         for q in a["affected"]:
             self.requests[q].num_computed_tokens = after["computed"][q]
             if q not in a["restart"]:
-                # Patch 3.5: the blocks it computes again are cached again.
+                # Patch [03.5 All sharers of a failed KV block]: the blocks
+                # it computes again are cached again.
                 self.manager.uncache_blocks(q, after["computed"][q])
 
     def free_and_restart(self, before: dict, after: dict, ev: dict) -> None:
