@@ -1,15 +1,10 @@
-"""The patch stack: stages on disk, ``apply`` into a tree, ``export`` back.
+"""The patch stack: ``apply`` into a tree, ``export`` back.
 
-Layout of ``patches/``::
-
-    patches/NN-slug/README.md            the stage's PR description (required)
-    patches/NN-slug/<tree>/NNNN-*.patch  git format-patch files for tree <tree>
-
-The subdirectory names the tree a patch targets (``vllm`` or ``lmcache``). Stages
-apply in number order, files in name order. Editing a patch means: ``apply``,
-change and commit in ``build/<tree>``, ``export``. A commit's stage is read from
-its subject: ``[<title_tag> K/N]`` for the N stages of the series, ``[<title_tag>
-follow-up J]`` for a follow-up stage beyond them (stage N + J).
+The stages on disk are :mod:`hmastack.stack.series`'s: ``patches/KEY-slug/``
+with its README.md, stage.toml and ``<tree>/NNNN-*.patch`` files; stages apply
+in directory order, files in name order. Editing a patch means: ``apply``,
+change and commit in ``build/<tree>``, ``export``. A commit's stage is read
+from its subject: the stage whose tag it carries (:func:`series.subject_stage`).
 """
 
 from __future__ import annotations
@@ -18,7 +13,7 @@ import hashlib
 import json
 import re
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from hmastack.core import config as config_mod
@@ -28,8 +23,9 @@ from hmastack.core.gitutil import am_in_progress, git, git_proc, is_repo, set_id
 from hmastack.core.progress import console
 from hmastack.core.steps import StepResult
 from hmastack.stack import base as base_mod
+from hmastack.stack import series
+from hmastack.stack.series import Stage, discover
 
-STAGE_DIR = re.compile(r"^(?P<num>\d\d)-(?P<slug>[a-z0-9][a-z0-9-]*)$")
 # What the last `apply` (or `export`) left in a workspace: its status ("applying"
 # while git am runs, "failed", "applied"), the stage, and the sha256 of every patch
 # file of the tree it applied or exported, by its path under the project root.
@@ -40,21 +36,6 @@ STATE_FILE = "hmastack-state.json"
 PATCH_FILENAME_MAX_LENGTH = 200
 
 
-@dataclass(frozen=True)
-class Stage:
-    number: int
-    slug: str
-    path: Path
-    patches: dict[str, list[Path]] = field(default_factory=dict)
-
-    @property
-    def name(self) -> str:
-        return f"{self.number:02d}-{self.slug}"
-
-    def patches_for(self, tree: str) -> list[Path]:
-        return self.patches.get(tree, [])
-
-
 class ApplyError(HmastackError):
     """A patch did not apply; the tree was reset to its base. ``stage``: the
     number of the stage whose patch failed."""
@@ -62,58 +43,11 @@ class ApplyError(HmastackError):
     stage: int = 0
 
 
-def discover(cfg: Config) -> list[Stage]:
-    """The stages under ``patches/``, validated and in order.
-
-    Raises :class:`HmastackError` for a stage without README.md, a patch that
-    does not sit in a tree subdirectory, an unknown tree, or a gap in numbering.
-    """
-    if not cfg.patches.is_dir():
-        raise HmastackError(f"{cfg.patches} does not exist")
-    stages = []
-    for path in sorted(p for p in cfg.patches.iterdir() if p.is_dir()):
-        match = STAGE_DIR.match(path.name)
-        if not match:
-            raise HmastackError(
-                f"{path} is not a stage directory",
-                "stage directories are named NN-slug, e.g. 01-skipped-tokens",
-            )
-        if not (path / "README.md").is_file():
-            raise HmastackError(
-                f"stage {path.name} has no README.md",
-                "every stage carries its PR description in README.md",
-            )
-        stray = sorted(path.glob("*.patch"))
-        if stray:
-            raise HmastackError(
-                f"{stray[0]} does not say which tree it targets",
-                f"move it into a tree subdirectory: {', '.join(sorted(cfg.trees))}",
-            )
-        patches = {}
-        for sub in sorted(p for p in path.iterdir() if p.is_dir()):
-            if sub.name not in cfg.trees:
-                raise HmastackError(
-                    f"{sub} names no known tree",
-                    f"tree subdirectories are: {', '.join(sorted(cfg.trees))}",
-                )
-            patches[sub.name] = sorted(sub.glob("*.patch"))
-        stages.append(Stage(int(match["num"]), match["slug"], path, patches))
-    numbers = [s.number for s in stages]
-    if numbers != list(range(1, cfg.num_stages + 1)):
-        raise HmastackError(
-            f"stages under {cfg.patches} are numbered {numbers}, expected "
-            f"1..{cfg.num_stages}",
-        )
-    return stages
-
-
-def check_stage_number(cfg: Config, number: int) -> int:
-    if not 0 <= number <= cfg.num_stages:
-        raise HmastackError(
-            f"unknown stage {number}",
-            f"stages are 0 (the untouched base) to {cfg.num_stages}",
-        )
-    return number
+def upto_text(stages: list[Stage], upto: int) -> str:
+    """``stages 01..03`` (``the base`` when ``upto`` is 0)."""
+    if upto == 0:
+        return "the base"
+    return f"stages {stages[0].key}..{stages[upto - 1].key}"
 
 
 # --- apply -----------------------------------------------------------------------
@@ -186,11 +120,12 @@ def patch_key(stage: Stage, tree_name: str, name: str) -> str:
 def applied_upto(repo: Path, cfg: Config) -> int:
     """The stage ``apply`` last brought ``repo`` to (all stages if never recorded)."""
     state = read_state(repo)
-    return cfg.num_stages if state is None else int(state["upto"])
+    return len(discover(cfg)) if state is None else int(state["upto"])
 
 
 def apply_to(repo: Path, tree: Tree, stages: list[Stage], upto: int) -> int:
-    """Reset ``repo`` to its base and ``git am`` the patches of stages 1..upto.
+    """Reset ``repo`` to its base and ``git am`` the patches of the first
+    ``upto`` stages.
 
     Returns the number of patches applied. On failure runs ``git am --abort``,
     resets to the base and raises :class:`ApplyError` naming stage, patch file and
@@ -241,7 +176,8 @@ def apply_patches(repo: Path, tree: Tree, patches: list[tuple[Stage, Path]]) -> 
                 f"stage {stage.name}: {patch.name} does not apply to {tree.name}: "
                 f"{where}",
                 f"{repo} was reset to {tree.tag}; to rebase the patch, run "
-                f"`hmastack apply --upto {stage.number - 1}`, then `git -C {repo} am "
+                f"`hmastack apply --upto {stage.previous}`, then "
+                f"`git -C {repo} am "
                 "-3 --keep-non-patch` this patch and the ones after it, resolve, "
                 "`git am --continue`, and `hmastack export`",
             )
@@ -319,8 +255,9 @@ def apply(cfg: Config, upto: int, force: bool = False) -> dict[str, int]:
     every tree is reset to its base (none is left at another stage) and the
     :class:`ApplyError` says so.
     """
-    check_stage_number(cfg, upto)
     stages = discover(cfg)
+    if not 0 <= upto <= len(stages):
+        raise HmastackError(f"no stage number {upto}", f"the series has {len(stages)}")
     trees = list(cfg.trees.values())
     for tree in trees:
         base_mod.materialize(cfg, tree)
@@ -354,49 +291,32 @@ def apply(cfg: Config, upto: int, force: bool = False) -> dict[str, int]:
 # --- export ----------------------------------------------------------------------
 
 
-def subject_stage(cfg: Config, subject: str) -> int | None:
-    """The stage a commit subject names (see :meth:`Config.stage_tag`), or None.
-
-    ``"[Core][T 3/4] ..."`` is stage 3 and ``"[Core][T follow-up 1] ..."`` stage 5
-    of a series of 4 with title tag T. A ``K/N`` tag whose N is not the series'
-    number of stages, or whose K exceeds it, names no stage.
-    """
-    tag = re.escape(cfg.series.title_tag)
-    if m := re.search(rf"\[{tag} (\d+)/(\d+)\]", subject):
-        k, n = int(m[1]), int(m[2])
-        return k if n == cfg.series.stages and 1 <= k <= n else None
-    if m := re.search(rf"\[{tag} follow-up (\d+)\]", subject):
-        return cfg.series.stages + int(m[1])
-    return None
-
-
-def commits_by_stage(cfg: Config, tree: Tree, repo: Path) -> dict[int, list[str]]:
-    """The workspace's commits above the base, grouped by the stage in their subject."""
+def commits_by_stage(
+    stages: list[Stage], tree: Tree, repo: Path
+) -> dict[int, list[str]]:
+    """The workspace's commits above the base, grouped by the number of the
+    stage whose tag their subject carries."""
     revs = git(repo, "rev-list", "--reverse", f"refs/tags/{tree.tag}..HEAD").split()
     grouped: dict[int, list[str]] = {}
     last = 0
     for commit in revs:
         subject = git(repo, "log", "-1", "--format=%s", commit)
-        stage = subject_stage(cfg, subject)
-        if stage is None or not 1 <= stage <= cfg.num_stages:
-            forms = f"'{cfg.stage_tag(1)}' .. '{cfg.stage_tag(cfg.series.stages)}'"
-            if cfg.series.followups:
-                forms += f" or '{cfg.stage_tag(cfg.series.stages + 1)}'"
-                if cfg.series.followups > 1:
-                    forms += f" .. '{cfg.stage_tag(cfg.num_stages)}'"
+        stage = series.subject_stage(stages, subject)
+        if stage is None:
+            forms = ", ".join(f"'[{s.tag}]' ({s.key})" for s in stages)
             raise HmastackError(
                 f"commit {commit[:12]} in {repo} names no stage: {subject!r}",
-                f"subjects carry {forms}; squash fixup! commits first "
+                f"subjects carry one of {forms}; squash fixup! commits first "
                 "(git rebase -i --autosquash)",
             )
-        if stage < last:
+        if stage.number < last:
             raise HmastackError(
-                f"commit {commit[:12]} ({subject!r}) of stage {stage} comes after "
-                f"a commit of stage {last}",
+                f"commit {commit[:12]} ({subject!r}) of stage {stage.key} comes after "
+                f"a commit of stage {stages[last - 1].key}",
                 "reorder the commits so stages stay in order",
             )
-        last = stage
-        grouped.setdefault(stage, []).append(commit)
+        last = stage.number
+        grouped.setdefault(stage.number, []).append(commit)
     return grouped
 
 
@@ -562,12 +482,13 @@ def _refuse_unless_applied(
                 "and exporting it would delete every patch of the tree",
                 how,
             )
-        return {"status": "applied", "upto": cfg.num_stages}
+        return {"status": "applied", "upto": len(stages)}
     if state["status"] == "failed":
         if state.get("stage"):
             how = (
                 "nothing in patches/ was changed; `hmastack apply --upto "
-                f"{state['stage'] - 1}` brings every tree to the last stage that "
+                f"{series.key_of(stages, state['stage'] - 1)}` brings every tree to "
+                "the last stage that "
                 "applies (then rebase the patch as apply's hint says), or fix "
                 "patches/ and `hmastack apply`"
             )
@@ -579,7 +500,7 @@ def _refuse_unless_applied(
     if state["status"] != "applied":
         raise HmastackError(
             f"{repo} is not an applied series: the last `hmastack apply` did not "
-            f"finish (stopped while applying stages 1..{state['upto']})",
+            f"finish (stopped while applying {upto_text(stages, state['upto'])})",
             how,
         )
     return state
@@ -610,9 +531,9 @@ def export_tree(
                 f"{repo} has uncommitted changes, which export does not see:\n" + dirty,
                 f"commit them in {repo} (then `hmastack export`), or stash them",
             )
-    upto = cfg.num_stages if state is None else int(state["upto"])
+    upto = len(stages) if state is None else int(state["upto"])
     recorded = None if state is None else state.get("patches")
-    grouped = commits_by_stage(cfg, tree, repo)
+    grouped = commits_by_stage(stages, tree, repo)
     if not for_apply:
         check_sign_off(repo, tree.tag, [c for cs in grouped.values() for c in cs])
     beyond = sorted(s for s in grouped if s > upto)
@@ -625,12 +546,14 @@ def export_tree(
     ]
     if gap:
         raise HmastackError(
-            f"{repo} holds commits of stage {beyond[-1]}, but none of stage "
-            f"{gap[0]} (applied up to stage {upto}); export would delete stage "
-            f"{gap[0]}'s patches",
+            f"{repo} holds commits of stage {series.key_of(stages, beyond[-1])}, "
+            f"but none of stage {series.key_of(stages, gap[0])} (applied up to "
+            f"{series.key_of(stages, upto)}); export would delete stage "
+            f"{series.key_of(stages, gap[0])}'s patches",
             f"save the commits (`git -C {repo} format-patch -o ~/saved-patches "
             f"refs/tags/{tree.tag}..HEAD`), then `hmastack apply --upto "
-            f"{beyond[-1]} --force` and `git am --keep-non-patch` them on top",
+            f"{series.key_of(stages, beyond[-1])} --force` and `git am "
+            "--keep-non-patch` them on top",
         )
     if beyond:
         upto = beyond[-1]
@@ -701,12 +624,15 @@ def export(cfg: Config, check: bool) -> list[Drift]:
 
 
 def run_step(cfg: Config, upto: int | None = None, force: bool = False) -> StepResult:
-    """``hmastack apply``: stages 1..``upto`` (default: all)."""
-    upto = cfg.num_stages if upto is None else upto
+    """``hmastack apply``: the stages up to number ``upto`` (default: all)."""
+    stages = discover(cfg)
+    upto = len(stages) if upto is None else upto
     applied = apply(cfg, upto, force=force)
     for name, count in applied.items():
         head = git(cfg.workspace(name), "rev-parse", "HEAD")
-        console.print(f"{name}: {count} patches applied (stages 1..{upto}), {head}")
+        console.print(
+            f"{name}: {count} patches applied ({upto_text(stages, upto)}), {head}"
+        )
     return StepResult(True, ", ".join(f"{n} {t} patches" for t, n in applied.items()))
 
 
@@ -722,7 +648,7 @@ def cmd_export(check: bool = False) -> int:
         upto = {t: applied_upto(cfg.workspace(t), cfg) for t in cfg.trees}
         console.print(
             "patches/ matches the workspace (compared: "
-            + ", ".join(f"{t} stages 1..{k}" for t, k in upto.items())
+            + ", ".join(f"{t} {upto_text(discover(cfg), k)}" for t, k in upto.items())
             + ")"
         )
         return 0
