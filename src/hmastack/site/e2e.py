@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hmastack.core.config import Config
 from hmastack.core.markdown import md_table
-from hmastack.e2e.compare import Verdict
-from hmastack.e2e.runner import E2EReport, read_report
+from hmastack.e2e.catalogue import UNSUPPORTED
+from hmastack.e2e.runner import E2EReport, read_report, result_table
+from hmastack.stack import series
 
 PAGE = "end-to-end.md"
 
@@ -22,12 +24,11 @@ sliding/full, 1:1 alternation, all sliding window, Llama-4-like chunked local).
 The connector is ours (`hmastack_testkit.e2e.connector`, loaded with
 `kv_connector_module_path`): it stores whole blocks of every layer on disk under
 vLLM's block hashes and loads them into each KV cache group's blocks, never into
-the null block. Stages 0-2 run with HMA off and the plain connector, stages 3-4
-with HMA on and the `SupportsHMA` connector. vLLM's own connectors run at the
-stages that make them support HMA and at the base: LMCacheConnectorV1,
+the null block. vLLM's own connectors run too: LMCacheConnectorV1,
 NixlConnector (a P/D pair of engine processes) and OffloadingConnector (the
 `--kv-offloading-backend native` connector, with a CPU spec of the testkit that
-copies whole blocks with torch).
+copies whole blocks with torch). Each runs with HMA on from the stage whose
+`stage.toml` names it in `hma`, with HMA off before it: {hma}.
 
 A scenario is **equal** when every request's greedy tokens and top-5 token ids
 match the reference run (same stage, no connector, no prefix caching) and every
@@ -36,36 +37,6 @@ engine's `num_cached_tokens` with the external hit the scenario set up (a check
 that cannot pass without a hit). Cells read *outcome · largest logprob
 difference · cached tokens of the first hit*.
 """
-
-
-def _cell(v: Verdict) -> str:
-    mark = "✓" if v.passed else "✗"
-    out = v.outcome
-    diff = v.max_logprob_diff
-    parts = [f"{mark} {out}"]
-    if diff is not None:
-        parts.append(diff if isinstance(diff, str) else f"{diff:.1e}")
-    hits = [c for c in v.cached if c[1]]
-    if hits:
-        parts.append(f"{hits[0][2]}/{hits[0][1]}")
-    return " · ".join(parts)
-
-
-def result_table(report: E2EReport) -> str:
-    """Scenario x stage, one cell per verdict (markdown)."""
-    stages = sorted({v.stage for v in report.verdicts})
-    rows: dict[str, dict[int, Verdict]] = {}
-    titles: dict[str, str] = {}
-    for v in report.verdicts:
-        rows.setdefault(v.scenario, {})[v.stage] = v
-        titles[v.scenario] = v.title
-    table = []
-    for name, by_stage in rows.items():
-        table.append(
-            [f"`{name}`", titles[name]]
-            + [_cell(by_stage[k]) if k in by_stage else "-" for k in stages]
-        )
-    return md_table(["scenario", "what", *(f"stage {k}" for k in stages)], table)
 
 
 def blocks_table(
@@ -121,9 +92,25 @@ def controls_table(report: E2EReport) -> str:
     return md_table(["stage", "control", "what", "failed checks", "result"], rows)
 
 
-def page(report_path: Path) -> str:
+def hma_stages(cfg: Config) -> str:
+    """Where each connector's HMA starts, from the stages' ``hma``."""
+    names = {
+        "test": "our connector",
+        "lmcache": "LMCacheConnectorV1",
+        "nixl": "NixlConnector",
+        "offload": "OffloadingConnector",
+    }
+    parts = [
+        f"{names[c]} from stage {s.key}"
+        for s in series.discover(cfg)
+        for c in s.info.hma
+    ]
+    return ", ".join(parts) or "no stage turns HMA on"
+
+
+def page(cfg: Config, report_path: Path) -> str:
     """The page's markdown; says so when the report is missing."""
-    out = [INTRO]
+    out = [INTRO.format(hma=hma_stages(cfg))]
     report = read_report(report_path)
     if report is None:
         out.append(
@@ -179,8 +166,6 @@ def page(report_path: Path) -> str:
                 ],
             )
         )
-    from hmastack.e2e.catalogue import UNSUPPORTED
-
     out.append("## Not run on the CPU engine\n")
     out += [f"- **{what}**: {why}" for what, why in UNSUPPORTED.items()]
     out.append("")
