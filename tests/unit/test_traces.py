@@ -12,7 +12,7 @@ import pytest
 from hmastack.spec import tlc, traces
 
 ROOT = Path(__file__).resolve().parents[2]
-SMALL_CFG = ROOT / "tests/stages/s03_connector_allocate/fixtures/replay-small.cfg"
+(SMALL_CFG,) = ROOT.glob("patches/*/tests/fixtures/replay-small.cfg")
 
 TRACE_FILE = """---------------- MODULE trace_0_0 -----------------
 STATE_1 == 
