@@ -191,7 +191,7 @@ def add_workspace_parsers(subparsers: Subparsers) -> None:
         help="reset the workspaces to the base and git am the stages up to KEY",
         description=(
             "Reset build/<tree> to its base tag and apply the patches of the "
-            "stages up to KEY (a stage's key, e.g. 03, or its directory; base: "
+            "stages up to KEY (a stage's key or its directory; base: "
             "none) in directory order with `git am --keep-non-patch "
             "--committer-date-is-author-date` "
             "(keeps the [Core][...] title tags; commit ids are the same on every "
@@ -246,7 +246,7 @@ def add_test_parser(subparsers: Subparsers) -> None:
     )
     group = parser.add_mutually_exclusive_group()
     group.add_argument(
-        "--stage", metavar="KEY", help="only this stage (its key, e.g. 03, or base)"
+        "--stage", metavar="KEY", help="only this stage (its key or directory, or base)"
     )
     group.add_argument(
         "--per-commit",
@@ -443,7 +443,7 @@ def add_docs_parser(subparsers: Subparsers) -> None:
 def add_refs_parser(subparsers: Subparsers) -> None:
     parser = subparsers.add_parser(
         "refs",
-        help="check the references to the series' commits ([03.14 Hold blocks])",
+        help="check the references to the series' commits ([KEY.N <title>])",
         description=doc(refs),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -471,8 +471,8 @@ def add_bench_parser(subparsers: Subparsers) -> None:
     )
     parser.add_argument(
         "--stages",
-        help="stages to compare with the base by key, e.g. 03 or 01..03 or "
-        "00a,03 (default all)",
+        help="stages to compare with the base by key: KEY, FIRST..LAST or a "
+        "comma-separated list of them (default all)",
     )
     parser.add_argument(
         "--no-peer", action="store_true", help="skip the vLLM 0.14.0 peer tree"
@@ -526,7 +526,7 @@ def add_e2e_parser(subparsers: Subparsers) -> None:
         "--quick", action="store_true", help="the CI-sized set (a few minutes)"
     )
     parser.add_argument(
-        "--stage", metavar="KEY", help="only this stage (its key, e.g. 03, or base)"
+        "--stage", metavar="KEY", help="only this stage (its key or directory, or base)"
     )
     parser.add_argument(
         "--only",

@@ -1,6 +1,6 @@
 """Benchmarks: what the series changes in memory, admission and scheduler cost.
 
-``hmastack bench [--quick] [--stages 01..03] [--no-peer] [--no-instructions]
+``hmastack bench [--quick] [--stages KEYS] [--no-peer] [--no-instructions]
 [--count-settings quick|full] [--no-commits] [--throughput] [--only NAMES]`` runs
 the scenarios of :data:`SCENARIOS` (scripts in ``bench/scenarios/``), each INSIDE
 one vLLM tree's process (``trees``), on the base, on each

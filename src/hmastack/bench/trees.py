@@ -44,7 +44,7 @@ PEER_LABEL = "v0.14.0"
 
 @dataclass(frozen=True)
 class BenchTree:
-    label: str  # "base", "stage 03", "stage 03.1", "v0.14.0", "stage 08 slowed"
+    label: str  # "base", "stage KEY", "stage KEY.J", "v0.14.0", "stage KEY slowed"
     path: Path  # the vLLM source tree
     note: str = ""  # what it is, for the report (a commit subject, a mutation)
     # The number of the stage it is (or whose commits it holds part of), 0 the
@@ -59,7 +59,7 @@ class BenchTree:
 def parse_stages(text: str | None, cfg: Config, quick: bool = False) -> list[int]:
     """The numbers of the stages to compare with the base: all by default, the
     last with --quick; ``text`` names them by key, ``A..B`` for a range
-    (``03``, ``01..03``, ``00a,03``)."""
+    (``KEY``, ``FIRST..LAST``, ``KEY,KEY``)."""
     stages = series.everything(cfg)
     if not text:
         return [len(stages) - 1] if quick else list(range(1, len(stages)))

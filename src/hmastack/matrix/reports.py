@@ -27,8 +27,8 @@ from hmastack.stack import series
 class StageResult(msgspec.Struct):
     """One stage's entry of build/reports/stages.json."""
 
-    stage: str  # its key ("03"; "base")
-    name: str  # its directory ("03-connector-allocate"; "base")
+    stage: str  # its key (or "base")
+    name: str  # its directory (or "base")
     patches: dict[str, int]
     heads: dict[str, str]
     vllm: PytestResult | None = None

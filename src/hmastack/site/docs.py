@@ -174,8 +174,8 @@ def fill_markers(
     links: dict[str, tuple[str, str, str]] | None = None,
 ) -> str:
     """Replace ``<!-- hmastack:NAME -->`` markers (an unknown name is an error)
-    and render each reference to a commit (``[03.14 Hold blocks]``) as a link
-    ``03.14`` to its heading on its stage page (``links``, of :class:`Site`),
+    and render each reference to a commit (``[<id> <title>]``) as a link
+    ``<id>`` to its heading on its stage page (``links``, of :class:`Site`),
     its subject the link's title; ``where`` is the page's path in the site."""
 
     def repl(m: re.Match) -> str:

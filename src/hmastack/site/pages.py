@@ -86,12 +86,12 @@ def file_number(path: Path) -> int:
 
 def patch_id(cfg: Config, stage: Stage, tree: str, n: int) -> str:
     """The id of patch file ``n`` of ``stage`` in ``tree``
-    (:meth:`Stage.patch_id`): ``03.14``, ``lmcache 04.4``."""
+    (:meth:`Stage.patch_id`): ``KEY.N``, ``lmcache KEY.N``."""
     return stage.patch_id(tree, n, next(iter(cfg.trees)))
 
 
 def patch_anchor(patch_id: str) -> str:
-    """The anchor of a patch's heading on its stage page: ``patch-03-14``."""
+    """The anchor of a patch's heading on its stage page: ``patch-KEY-N``."""
     return "patch-" + re.sub(r"[^a-z0-9]+", "-", patch_id.lower())
 
 

@@ -94,7 +94,7 @@ class Model(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     extra: list[str] = []
     module: str | None = None  # spec/<module>.tla; None: spec/tlc.toml's module
     # a mutation's: the commit whose protection it switches off, a reference
-    # (hmastack.stack.refs: "[03.14 Hold blocks]") or "base" (vLLM's own code)
+    # (hmastack.stack.refs: "[KEY.N <title>]") or "base" (vLLM's own code)
     patch: str | None = None
     name: str = ""
     path: Path = Path()
@@ -112,8 +112,7 @@ class Model(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             self.patch == "base" or refs.REF.fullmatch(self.patch)
         ):
             raise ValueError(
-                "patch must be base or a reference such as [03.14 Hold blocks], "
-                f"not {self.patch!r}"
+                f"patch must be base or a reference [KEY.N <title>], not {self.patch!r}"
             )
         if self.module is not None and not self.module.isidentifier():
             raise ValueError(f"module must be a TLA+ module name, not {self.module!r}")

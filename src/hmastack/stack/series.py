@@ -13,7 +13,7 @@ A stage is named by its KEY: two digits and optional letters (``03``, ``00a``).
 Stages apply in the order of their directory names, so ``00a-...`` goes ahead
 of ``01-...`` and ``03a-...`` after ``03-...``; ``Stage.number`` is the place in
 that order (1..N, the base 0), derived, never written down. On the command line
-and in reports a stage is its key (``--stage 03``, ``--upto 00a``), its directory
+and in reports a stage is its key (``--stage KEY``, ``--upto KEY``), its directory
 name, or ``base``.
 
 Every commit subject of a stage carries ``[<tag>]``: ``tag`` of its
@@ -23,7 +23,7 @@ connector {k}/{n}"`` -> ``[Hybrid allocator + connector 3/4]``). The rendered
 tags are distinct, so a subject names its stage (:func:`subject_stage`).
 
 A commit's id is its stage's key and its place among the stage's patch files
-of its tree: ``03.14`` (vLLM), ``lmcache 04.4`` (another tree).
+of its tree: ``KEY.N`` (vLLM), ``<tree> KEY.N`` (another tree, ``lmcache``).
 """
 
 from __future__ import annotations
@@ -81,8 +81,8 @@ class Break(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     with ``replace``; this stage's suites must catch it."""
 
     name: str
-    # The commit whose protection it removes: a reference ("[03.13 Allocate
-    # only]", hmastack.stack.refs) or "base" (vLLM 0.13.0's own code).
+    # The commit whose protection it removes: a reference ("[KEY.N <title>]",
+    # hmastack.stack.refs) or "base" (vLLM 0.13.0's own code).
     patch: str
     protection: str
     file: str
@@ -158,7 +158,7 @@ class StageFile(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 @dataclass(frozen=True)
 class Stage:
     number: int  # the place in the series: 0 the base, 1.. in directory order
-    key: str  # "03", "00a"; "base"
+    key: str  # two digits and optional letters; "base"
     slug: str
     path: Path
     patches: dict[str, list[Path]] = field(default_factory=dict)
@@ -168,12 +168,12 @@ class Stage:
 
     @property
     def name(self) -> str:
-        """The directory's name (``03-connector-allocate``, ``base``)."""
+        """The directory's name (``KEY-slug``, ``base``)."""
         return self.path.name
 
     @property
     def label(self) -> str:
-        """How reports and tables name it: ``stage 03``, ``base``."""
+        """How reports and tables name it: ``stage KEY``, ``base``."""
         return BASE if self.key == BASE else f"stage {self.key}"
 
     @property
@@ -184,8 +184,8 @@ class Stage:
         return self.patches.get(tree, [])
 
     def patch_id(self, tree: str, n: int, first_tree: str) -> str:
-        """The id of patch file ``n`` (1-based) of ``tree``: ``03.14``, or
-        ``lmcache 04.4`` in a tree other than the series' first."""
+        """The id of patch file ``n`` (1-based) of ``tree``: ``KEY.N``, or
+        ``<tree> KEY.N`` in a tree other than the series' first."""
         number = f"{self.key}.{n}"
         return number if tree == first_tree else f"{tree} {number}"
 
@@ -223,7 +223,7 @@ def _stage_patches(cfg: Config, path: Path) -> dict[str, list[Path]]:
 
 
 def base(cfg: Config) -> Stage:
-    """The base (stage 0): ``patches/base/`` with its tests and stage.toml,
+    """The base (number 0): ``patches/base/`` with its tests and stage.toml,
     when present."""
     path = cfg.patches / BASE
     info = _read_stage_file(path) if (path / STAGE_FILE).is_file() else StageFile()
@@ -254,7 +254,7 @@ def discover(cfg: Config) -> list[Stage]:
             raise HmastackError(
                 f"{path} is not a stage directory",
                 "stage directories are named KEY-slug, KEY two digits and "
-                "optional letters (01-skipped-tokens, 00a-fixes); `base` holds "
+                "optional letters (00a-fixes goes ahead of 01-...); `base` holds "
                 "the base's tests",
             )
         if not (path / "README.md").is_file():
@@ -387,7 +387,7 @@ def title(subject: str) -> str:
 
 @dataclass(frozen=True)
 class Commit:
-    id: str  # "03.14", "lmcache 04.4"
+    id: str  # "KEY.N", "lmcache KEY.N"
     stage: Stage
     tree: str
     path: Path

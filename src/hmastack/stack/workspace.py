@@ -44,7 +44,7 @@ class ApplyError(HmastackError):
 
 
 def upto_text(stages: list[Stage], upto: int) -> str:
-    """``stages 01..03`` (``the base`` when ``upto`` is 0)."""
+    """``stages FIRST..LAST`` (``the base`` when ``upto`` is 0)."""
     if upto == 0:
         return "the base"
     return f"stages {stages[0].key}..{stages[upto - 1].key}"
