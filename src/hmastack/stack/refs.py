@@ -1,9 +1,9 @@
 """References to the series' commits from prose, comments and data.
 
-A commit is referred to as ``[<id> <title>]``: its id (``03.14``, ``lmcache
-04.4``, see :mod:`hmastack.stack.series`) and the start of its subject's title
+A commit is referred to as ``[<id> <title>]``: its id (``KEY.N``, ``lmcache
+KEY.N``, see :mod:`hmastack.stack.series`) and the start of its subject's title
 (the subject without its bracketed tags), at least up to where it names one
-commit of the series: ``[03.14 Hold blocks]``. A reference holds when the
+commit of the series. A reference holds when the
 commit with that id exists and its title starts with that text, and no other
 commit's title does. So a reference to a commit a re-cut moved fails, even
 when its old id still exists and names another commit: the id is derived from
@@ -11,12 +11,13 @@ the commit's place, the title from the commit itself. ``hmastack refs --fix``
 writes each reference's id again from the commit its title names, which is
 what a re-cut needs.
 
-Outside a reference, an id of the series written alone (``03.14``) or in the
-old form (``patch 3.14``) is an error: nothing would notice it go stale.
+Outside a reference, an id of the series written alone (``KEY.N``) or in the
+old form (``patch S.N``) is an error: nothing would notice it go stale.
 
 The checked files: every file git tracks whose suffix is in
-:data:`SUFFIXES`, except the patch files and ``src/`` (which names no commit at
-all: ``tests/unit/test_no_stage_in_src.py``).
+:data:`SUFFIXES`, except the patch files, ``src/`` (which names no commit at
+all: ``tests/unit/test_no_stage_in_src.py``) and ``tests/unit/`` (the tool's
+own tests, whose ids are those of the demo series they build).
 """
 
 from __future__ import annotations
@@ -31,12 +32,12 @@ from hmastack.core.gitutil import git, is_repo
 from hmastack.stack import series
 
 SUFFIXES = (".md", ".py", ".toml", ".tla", ".cfg", ".yml", ".ini")
-# A reference: "[03.14 Hold blocks]", "[lmcache 04.4 vLLM v1 adapter: per-group]".
+# A reference: "[KEY.N <title>]", "[lmcache KEY.N <title>]".
 REF = re.compile(
     r"\[(?P<id>(?:(?P<tree>[a-z][a-z0-9-]*) )?(?P<key>\d\d[a-z]*)\.(?P<n>\d+))"
     r" (?P<text>[^\]\n]+)\]"
 )
-# The form of patch ids before they followed the directories: "patch 3.14".
+# The form of patch ids before they followed the directories: "patch S.N".
 OLD = re.compile(r"\b[Pp]atch(?:es)?\s+(?:lmcache\s+)?[1-9]\.[1-9]\d*\b")
 
 
@@ -130,7 +131,7 @@ def checked_files(cfg: Config) -> list[Path]:
         ]
     out = []
     for name in listed:
-        if not name or not name.endswith(SUFFIXES) or name.startswith("src/"):
+        if not name.endswith(SUFFIXES) or name.startswith(("src/", "tests/unit/")):
             continue
         path = cfg.root / name
         if path.is_file():
