@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import sys
 import zipfile
 from pathlib import Path
@@ -680,3 +681,18 @@ def test_stage_data_names_scenarios_that_exist(project):
     (project.root / "patches" / "01-first" / "stage.toml").write_text(TAG)
     with pytest.raises(HmastackError, match="no stage fixes the base bug"):
         cat.stages(project)
+
+
+def test_a_pd_handoff_has_one_shape(tmp_path):
+    """Both P/D pairs (the NIXL scenarios and the throughput) hand over the
+    producer's kv_transfer_params as ``{"params": [...]}`` and read them back
+    with the same function."""
+    from hmastack_testkit.e2e import scenarios
+
+    params = [{"remote_block_ids": [[1, 2], [3]]}, {"remote_block_ids": [[4]]}]
+    scenarios.write_handoff(tmp_path, params)
+    assert json.loads((tmp_path / scenarios.HANDOFF).read_text()) == {"params": params}
+    assert scenarios.read_handoff(tmp_path, seconds=1) == params
+    assert not list(tmp_path.glob("*.tmp"))
+    with pytest.raises(TimeoutError, match="kv_transfer_params"):
+        scenarios.read_handoff(tmp_path / "none", seconds=0.1)

@@ -83,6 +83,7 @@ from typing import Any
 
 import torch
 from hmastack_testkit import scripted_connector as scripted
+from hmastack_testkit import traces
 from hmastack_testkit.kvtest import (
     REPLAY_POLICIES,
     AdmissionSpy,
@@ -965,13 +966,13 @@ class TraceResult:
 def replay_trace(path: Path) -> TraceResult:
     """Replay one behaviour; raises Mismatch on the first difference."""
     start = time.perf_counter()
-    doc = json.loads(path.read_text())
-    states = doc["states"]
+    doc = traces.read(path)
+    states = doc.states
     res = TraceResult(path.name)
     res.events = sum(
         not pc_only(states[k - 1], states[k]) for k in range(1, len(states))
     )
-    rp = Replay(doc["constants"])
+    rp = Replay(doc.constants)
     k = 1
     while k < len(states):
         before, after = states[k - 1], states[k]

@@ -48,12 +48,12 @@ states.
 
 from __future__ import annotations
 
-import json
 import os
 from collections import deque
 from pathlib import Path
 
 import pytest
+from hmastack_testkit import traces
 from hmastack_testkit.kvtest import (
     make_cpu_vllm_config,
     make_kv_cache_groups,
@@ -312,11 +312,11 @@ def model_view(st: dict) -> dict:
     }
 
 
-def replay(doc: dict) -> int:
+def replay(doc: traces.Trace) -> int:
     """Replays one behaviour; returns the steps compared."""
     init_none_hash(sha256)
-    states = doc["states"]
-    c = doc["constants"]
+    states = doc.states
+    c = doc.constants
     rp = AsyncReplay(c)
     bs = c["B"]
     for k in range(1, len(states)):
@@ -359,7 +359,7 @@ def replay(doc: dict) -> int:
         if want != got:
             diff = {key: (want[key], got[key]) for key in want if want[key] != got[key]}
             raise Mismatch(
-                f"{doc['model']} trace {doc.get('index')} step {k}: model != "
+                f"{doc.model} trace {doc.index} step {k}: model != "
                 f"scheduler {diff}\nmodel {want}\nscheduler {got}"
             )
     return len(states) - 1
@@ -372,7 +372,7 @@ def test_async_replay_fixtures_exist():
     # while a step is in flight.
     slides = 0
     for path in files:
-        states = json.loads(path.read_text())["states"]
+        states = traces.read(path).states
         slides += sum(
             1
             for a, b in zip(states, states[1:], strict=False)
@@ -383,7 +383,7 @@ def test_async_replay_fixtures_exist():
     # the step of its synchronous load is in flight, then that load fails.
     freed_failures = 0
     for path in files:
-        states = json.loads(path.read_text())["states"]
+        states = traces.read(path).states
         freed_failures += sum(
             1
             for a, b in zip(states, states[1:], strict=False)
@@ -404,5 +404,4 @@ def test_async_replay_fixtures_exist():
     ids=lambda p: p.stem if p.parent == FIXTURES else f"loads-{p.stem}",
 )
 def test_async_replay(path: Path):
-    doc = json.loads(path.read_text())
-    assert replay(doc) > 0
+    assert replay(traces.read(path)) > 0

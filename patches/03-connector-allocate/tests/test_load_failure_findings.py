@@ -32,24 +32,25 @@ are the witnesses) and pass on stage 03.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+import msgspec
+from hmastack_testkit import traces
 from scheduler_replay import Mismatch, Replay, pc_only
 from vllm.v1.request import RequestStatus
 
 CEX = Path(__file__).parent / "fixtures" / "counterexamples"
 
 
-def load(name: str) -> dict:
-    return json.loads((CEX / f"{name}.json").read_text())
+def load(name: str) -> traces.Trace:
+    return traces.read(CEX / f"{name}.json")
 
 
-def drive(doc: dict, upto: int) -> Replay:
+def drive(doc: traces.Trace, upto: int) -> Replay:
     """Replay states 1..upto of a counterexample (each compared); returns the
     harness with the Scheduler in the last replayed state."""
-    states = doc["states"]
-    rp = Replay(doc["constants"])
+    states = doc.states
+    rp = Replay(doc.constants)
     k = 1
     while k <= upto:
         if pc_only(states[k - 1], states[k]):
@@ -58,16 +59,14 @@ def drive(doc: dict, upto: int) -> Replay:
         reached = rp.step(states, k)
         problems = rp.compare(states[reached])
         if problems:
-            raise Mismatch(f"{doc['model']} step {k}: " + "; ".join(problems))
+            raise Mismatch(f"{doc.model} step {k}: " + "; ".join(problems))
         k = reached + 1
     return rp
 
 
 def failing_step(doc: dict) -> int:
     return next(
-        k
-        for k, st in enumerate(doc["states"])
-        if st["event"]["act"] == "SyncLoadFailed"
+        k for k, st in enumerate(doc.states) if st["event"]["act"] == "SyncLoadFailed"
     )
 
 
@@ -88,7 +87,7 @@ def return_failed_step(rp: Replay, before: dict, ev: dict) -> set[int]:
 
 def test_invalid_block_leaves_the_prefix_cache_when_its_recompute_is_aborted():
     doc = load("series-stale-read-abort")
-    states = doc["states"]
+    states = doc.states
     fail = failing_step(doc)
     ev, before = states[fail]["event"], states[fail - 1]
     rp = drive(doc, fail - 1)
@@ -112,7 +111,7 @@ def test_stale_read_abort_counterexample_reads_invalid_kv():
     """The counterexample is one (a check of the fixture's meaning): its last
     step hits a block whose slot the failed load left invalid."""
     doc = load("series-stale-read-abort")
-    last = doc["states"][-1]
+    last = doc.states[-1]
     ev = last["event"]
     assert ev["act"] == "AllocateSlots" and ev["args"]["hitBlocks"] == 1
     block = last["table"][ev["req"]]["full"][0]
@@ -121,8 +120,8 @@ def test_stale_read_abort_counterexample_reads_invalid_kv():
 
 def test_sync_load_failure_after_preemption_is_handled():
     doc = load("mutations/range-by-cached")
-    assert doc["constants"]["Mutation"] == "RangeByCached"
-    states = doc["states"]
+    assert doc.constants["Mutation"] == "RangeByCached"
+    states = doc.states
     fail = failing_step(doc)
     assert fail == len(states) - 1
     ev, before = states[fail]["event"], states[fail - 1]
@@ -131,7 +130,10 @@ def test_sync_load_failure_after_preemption_is_handled():
     assert ev["args"]["affected"] == []
     # Up to the failure the mutation changes nothing: the replay follows the
     # code's model.
-    rp = drive({**doc, "constants": {**doc["constants"], "Mutation": "none"}}, fail - 1)
+    coded = msgspec.structs.replace(
+        doc, constants={**doc.constants, "Mutation": "none"}
+    )
+    rp = drive(coded, fail - 1)
     r = ev["req"]
     request = rp.requests[r]
     return_failed_step(rp, before, ev)

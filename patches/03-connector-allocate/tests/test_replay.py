@@ -4,8 +4,8 @@ The fixtures under ``fixtures/replay/`` (or the directory named by
 ``HMASTACK_REPLAY_TRACES``, as ``hmastack conform`` does) are behaviours of
 ``fixtures/replay-small.cfg`` (``Policy = "SeriesAllocOnly"``: stage 03 as it is)
 written by
-``hmastack spec traces tests/stages/s03_connector_allocate/fixtures/replay-small.cfg
--n 40 --depth 60 --out tests/stages/s03_connector_allocate/fixtures/replay``
+``hmastack spec traces patches/03-connector-allocate/tests/fixtures/replay-small.cfg
+-n 40 --depth 60 --out patches/03-connector-allocate/tests/fixtures/replay``
 (TLC -simulate, seed of spec/tlc.toml), committed so that this test needs no
 Java.
 
@@ -44,6 +44,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hmastack_testkit import traces
 from hmastack_testkit.kvtest import (
     REPLAY_POLICIES,
     AdmissionSpy,
@@ -465,10 +466,10 @@ STATS = {
 
 
 def replay(path: Path) -> None:
-    doc = json.loads(path.read_text())
-    assert doc["constants"]["Policy"] in REPLAY_POLICIES, "replay the code as it is"
-    rp = Replay(doc["constants"])
-    states = doc["states"]
+    doc = traces.read(path)
+    assert doc.constants["Policy"] in REPLAY_POLICIES, "replay the code as it is"
+    rp = Replay(doc.constants)
+    states = doc.states
     STATS["traces"] += 1
     for k in range(1, len(states)):
         before, after = states[k - 1], states[k]
@@ -513,10 +514,10 @@ def test_fixtures_present_and_replayed():
     trace stopped at an event the replay does not map or at the model's other
     eviction choice)."""
     assert len(TRACES) >= 20
-    index = json.loads((FIXTURES / "index.json").read_text())
-    assert len(index["traces"]) == len(TRACES)
+    index = traces.read_index(FIXTURES)
+    assert len(index.traces) == len(TRACES)
     if STATS["traces"] == len(TRACES):
-        total = sum(len(json.loads(p.read_text())["states"]) - 1 for p in TRACES)
+        total = sum(len(traces.read(p).states) - 1 for p in TRACES)
         assert STATS["steps"] + STATS["pc_only"] >= 0.9 * total, (STATS, total)
     print(f"\nreplay: {STATS['traces']} traces, {STATS['steps']} steps compared")
     print(f"pc-only steps (no event): {STATS['pc_only']}")

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 import pytest
+from hmastack_testkit import traces
 from scheduler_replay import (
     FIXTURES,
     RESULTS,
@@ -35,8 +36,8 @@ def unaligned_async_loads(paths: list[Path]) -> list[tuple[Path, int]]:
     """(trace, step) of each FinishLoad of an async load ending inside a block."""
     found = []
     for path in paths:
-        doc = json.loads(path.read_text())
-        states, block_size = doc["states"], doc["constants"]["B"]
+        doc = traces.read(path)
+        states, block_size = doc.states, doc.constants["B"]
         for k in range(1, len(states)):
             ev = states[k]["event"]
             r = ev["req"]
@@ -71,9 +72,8 @@ def test_async_load_ending_inside_a_block_counts_only_loaded_tokens():
 def test_scheduler_replay_summary():
     """The traces exist and most of their steps were compared (run last)."""
     assert TRACES, f"no trace-*.json in {os.environ.get(TRACES_ENV) or FIXTURES}"
-    index = TRACES[0].parent / "index.json"
-    if index.exists():
-        assert len(json.loads(index.read_text())["traces"]) == len(TRACES)
+    if (TRACES[0].parent / "index.json").exists():
+        assert len(traces.read_index(TRACES[0].parent).traces) == len(TRACES)
     summary = replay_all(TRACES)
     print("\n" + summary.format())
     if os.environ.get("HMASTACK_CONFORM_SUMMARY"):  # read by hmastack conform
