@@ -24,11 +24,14 @@ test: $(BIN)/hmastack
 unit: $(BIN)/hmastack
 	$(BIN)/pytest -m unit
 
+# ruff also on the stages' tests (patches/*/tests); `hmastack refs`: every
+# reference to a commit of the series holds (patches/README.md).
 lint: $(BIN)/hmastack
-	$(BIN)/ruff check src tests bench support/testkit \
-		&& $(BIN)/ruff format --check src tests bench support/testkit \
+	$(BIN)/ruff check src tests bench support/testkit patches \
+		&& $(BIN)/ruff format --check src tests bench support/testkit patches \
 		&& $(BIN)/vulture \
-		&& $(BIN)/mypy
+		&& $(BIN)/mypy \
+		&& $(BIN)/hmastack refs
 
 clean:
 	rm -rf build

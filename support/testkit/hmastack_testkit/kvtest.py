@@ -1,7 +1,7 @@
 """Shared helpers of our stage tests: KV cache specs and requests built the way
 vLLM's own tests build them, with one hashing setup for every stage.
 
-Imported by ``tests/stages/sNN_*/test_*.py`` (``support/testkit`` is on
+Imported by ``patches/*/tests/test_*.py`` (``support/testkit`` is on
 PYTHONPATH inside the stage matrix); it imports vLLM and Hypothesis, so it runs
 in build/env only. The KV cache specs, groups, the CPU VllmConfig and its
 scheduler are :mod:`hmastack_testkit.kv_layouts`'s (shared with the benchmark
