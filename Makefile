@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test unit lint clean
+.PHONY: run test unit lint lines clean
 
 $(BIN)/hmastack: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ lint: $(BIN)/hmastack
 		&& $(BIN)/vulture \
 		&& $(BIN)/mypy \
 		&& $(BIN)/hmastack refs
+
+# Lines of tooling per line of product source (.ci/lines says what each counts).
+lines:
+	.ci/lines
 
 clean:
 	rm -rf build
