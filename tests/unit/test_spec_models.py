@@ -261,7 +261,7 @@ def test_parse_model_rejects_bad_entries(tmp_path):
     # a mutation names the patch it switches off, as an id
     with pytest.raises(ValueError, match="names the patch"):
         spec_manifest.parse_model("mutations/m", {"result": "success"}, tmp_path)
-    with pytest.raises(ValueError, match="a reference such as"):
+    with pytest.raises(ValueError, match="must be base or a reference"):
         parse(result="success", patch="patch 14")
     ref = "[lmcache 04.2 vLLM integration: describe]"
     assert parse(result="success", patch=ref).patch == ref
@@ -579,3 +579,22 @@ def test_each_tlc_run_reads_the_standard_modules_from_its_own_directory(
     parsed = re.findall(r"Parsing file (\S*Sequences\.tla)", out.stdout)
     assert parsed, out.stdout[-2000:]
     assert all(Path(p).parent == work / "tmp" for p in parsed), parsed
+
+
+def test_each_model_belongs_to_one_stage():
+    """Every model of the manifest is one stage's: named in its [spec] models
+    (the base's for 0.13.0), or a mutation of the commit its patch names;
+    every model and counterexample a stage names exists."""
+    from hmastack.core import config
+    from hmastack.site.docs import mutation_stages
+    from hmastack.stack import series
+
+    cfg = config.load(ROOT)
+    models = spec_manifest.load_manifest(spec_manifest.load_settings(ROOT))
+    stages = series.everything(cfg)
+    named = [(m, s.key) for s in stages for m in s.info.spec.models]
+    owner = dict(named) | mutation_stages(cfg)
+    assert len(dict(named)) == len(named), "a model named by two stages"
+    assert sorted(owner) == sorted(models)
+    shown = [c.model for s in stages for c in s.info.spec.counterexamples]
+    assert shown and set(shown) <= set(models)

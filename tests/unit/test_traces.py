@@ -132,8 +132,10 @@ def test_every_committed_behaviour_has_the_one_schema(tmp_path):
     found = sorted(ROOT.glob("patches/*/tests/fixtures/**/*.json"))
     assert len(found) > 60
     for path in found:
-        doc = schema.read_index(path.parent) if path.name == "index.json" else (
-            schema.read(path)
+        doc = (
+            schema.read_index(path.parent)
+            if path.name == "index.json"
+            else (schema.read(path))
         )
         assert schema.to_json(doc) == json.loads(path.read_text()), path
     bad = tmp_path / "trace-0000.json"

@@ -265,13 +265,11 @@ def rewrite_links(
 def stage_tests(cfg: Config, info: StageInfo) -> dict[str, list[str]]:
     """The stage's own tests (``patches/<stage>/tests/``): file -> test functions."""
     out = {}
-    for folder in [info.stage.tests]:
-        for path in sorted(folder.rglob("test_*.py")):
-            names = re.findall(
-                r"^\s*(?:async\s+)?def\s+(test_\w+)", path.read_text(), flags=re.M
-            )
-            if names:
-                out[path.relative_to(cfg.root).as_posix()] = names
+    for path in sorted(info.stage.tests.rglob("test_*.py")):
+        text = path.read_text()
+        names = re.findall(r"^\s*(?:async\s+)?def\s+(test_\w+)", text, flags=re.M)
+        if names:
+            out[path.relative_to(cfg.root).as_posix()] = names
     return out
 
 
