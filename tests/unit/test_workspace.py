@@ -213,6 +213,11 @@ def test_subject_stage_of_series_and_follow_up(project):
         ("03", 4, "Demo series follow-up 1"),
     ]
 
+    # {i}/{t}: the place in the whole series.
+    (project.patches / "00a-fix" / "stage.toml").write_text('tag = "Demo {i}/{t}"\n')
+    assert [s.tag for s in series.discover(project)][0] == "Demo 1/4"
+    (project.patches / "00a-fix" / "stage.toml").write_text('tag = "Demo fix"\n')
+
     def stage_of(subject):
         found = series.subject_stage(stages, subject)
         return found.key if found else None

@@ -19,8 +19,10 @@ name, or ``base``.
 Every commit subject of a stage carries ``[<tag>]``: ``tag`` of its
 ``stage.toml`` with ``{k}`` and ``{n}`` filled in, the stage's place among the
 stages that share that ``tag`` and their number (``"Hybrid allocator +
-connector {k}/{n}"`` -> ``[Hybrid allocator + connector 3/4]``). The rendered
-tags are distinct, so a subject names its stage (:func:`subject_stage`).
+connector {k}/{n}"`` -> ``[Hybrid allocator + connector K/N]``), and ``{i}``
+and ``{t}``, its place in the whole series and the number of stages. The
+rendered tags are distinct, so a subject names its stage
+(:func:`subject_stage`).
 
 A commit's id is its stage's key and its place among the stage's patch files
 of its tree: ``KEY.N`` (vLLM), ``<tree> KEY.N`` (another tree, ``lmcache``).
@@ -142,7 +144,8 @@ class StageFile(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """A stage's ``stage.toml``."""
 
     # The subject tag of every commit: "{k}" and "{n}" its place among the
-    # stages with the same tag and their number. Every stage but the base has one.
+    # stages with the same tag and their number, "{i}" and "{t}" its place in
+    # the series and the number of stages. Every stage but the base has one.
     tag: str = ""
     # The connectors that keep the hybrid KV cache manager on from this stage.
     hma: list[Connector] = []
@@ -283,7 +286,8 @@ def discover(cfg: Config) -> list[Stage]:
 
 def render_tags(templates: list[str], paths: list[Path]) -> list[str]:
     """Each stage's subject tag: its template with ``{k}`` (its place among the
-    stages of the same template) and ``{n}`` (their number) filled in."""
+    stages of the same template), ``{n}`` (their number), ``{i}`` (its place in
+    the series) and ``{t}`` (the number of stages) filled in."""
     out = []
     for i, (template, path) in enumerate(zip(templates, paths, strict=True)):
         where = f"{path / STAGE_FILE}: tag {template!r}"
@@ -296,14 +300,16 @@ def render_tags(templates: list[str], paths: list[Path]) -> list[str]:
         fields = {
             f for _, f, _, _ in string.Formatter().parse(template) if f is not None
         }
-        if not fields <= {"k", "n"} or "[" in template or "]" in template:
+        if not fields <= {"k", "n", "i", "t"} or "[" in template or "]" in template:
             raise HmastackError(
                 f"{where} is not a tag",
                 "a tag has no brackets and fills in only {k} (the stage's place "
-                "among the stages with this tag) and {n} (their number)",
+                "among the stages with this tag), {n} (their number), {i} (its "
+                "place in the series) and {t} (the number of stages)",
             )
         same = [j for j, t in enumerate(templates) if t == template]
-        out.append(template.format(k=same.index(i) + 1, n=len(same)))
+        place = {"k": same.index(i) + 1, "n": len(same), "i": i + 1}
+        out.append(template.format(**place, t=len(templates)))
     for i, tag in enumerate(out):
         if out.count(tag) > 1:
             raise HmastackError(
