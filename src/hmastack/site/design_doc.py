@@ -24,7 +24,7 @@ from hmastack.core.config import Config
 from hmastack.core.errors import HmastackError
 from hmastack.core.gitutil import git, git_proc, is_repo
 from hmastack.core.process import CommandError, run
-from hmastack.site.pages import StageInfo, file_number, patch_id
+from hmastack.site.pages import StageInfo, patch_id
 
 DOC = "docs/design/hybrid_kv_cache_manager.md"
 IMAGES = "docs/assets/design/hybrid_kv_cache_manager"
@@ -57,9 +57,9 @@ class _Base:
 def doc_patches(cfg: Config, stages: list[StageInfo]) -> list[tuple[str, Path]]:
     """``(id, patch file)`` of every vLLM patch that changes the document."""
     return [
-        (patch_id(cfg, s.stage, "vllm", file_number(p.path)), p.path)
+        (patch_id(cfg, s.stage, "vllm", n), p.path)
         for s in stages
-        for p in s.trees().get("vllm", [])
+        for n, p in enumerate(s.trees().get("vllm", []), 1)
         if any(f.path == DOC for f in p.files)
     ]
 

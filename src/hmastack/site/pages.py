@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hmastack.core.config import Config
-from hmastack.core.errors import HmastackError
 from hmastack.core.markdown import code, fence, indent, md_table
 from hmastack.matrix.reports import HEADERS, CommitReport, StageReport
 from hmastack.site import reports as site_reports
@@ -74,14 +73,6 @@ class StageInfo:
 
 def tree_title(name: str) -> str:
     return TREE_TITLES.get(name, name)
-
-
-def file_number(path: Path) -> int:
-    """N of a ``git format-patch`` file ``000N-subject.patch``."""
-    head = path.name.split("-", 1)[0]
-    if not head.isdigit():
-        raise HmastackError(f"{path.name} does not start with a patch number")
-    return int(head)
 
 
 def patch_id(cfg: Config, stage: Stage, tree: str, n: int) -> str:
@@ -398,8 +389,8 @@ def stage_page(
             out.append(diffstat_table(combined_files(patches), tree))
         out.append("## Patches\n")
         for tree, patches in trees.items():
-            for p in patches:
-                label = patch_id(cfg, s, tree, file_number(p.path))
+            for n, p in enumerate(patches, 1):
+                label = patch_id(cfg, s, tree, n)
                 out.append(f"### {label}: {p.subject} {{#{patch_anchor(label)}}}\n")
                 out.append(
                     f"`{p.path.name}` · {html.escape(p.author)} · {p.date} · "
