@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test unit lint clean
+.PHONY: run test unit lint lines clean
 
 $(BIN)/hmastack: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,11 +24,18 @@ test: $(BIN)/hmastack
 unit: $(BIN)/hmastack
 	$(BIN)/pytest -m unit
 
+# ruff also on the stages' tests (patches/*/tests); `hmastack refs`: every
+# reference to a commit of the series holds (patches/README.md).
 lint: $(BIN)/hmastack
-	$(BIN)/ruff check src tests bench support/testkit \
-		&& $(BIN)/ruff format --check src tests bench support/testkit \
+	$(BIN)/ruff check src tests bench support/testkit patches \
+		&& $(BIN)/ruff format --check src tests bench support/testkit patches \
 		&& $(BIN)/vulture \
-		&& $(BIN)/mypy
+		&& $(BIN)/mypy \
+		&& $(BIN)/hmastack refs
+
+# Lines of tooling per line of product source (.ci/lines says what each counts).
+lines:
+	.ci/lines
 
 # The build folder (build/, or HMASTACK_BUILD), unless a workspace holds commits or
 # edits that patches/ does not: `hmastack clean` then names them and deletes nothing.

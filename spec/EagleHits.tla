@@ -1,13 +1,14 @@
 ------------------------------ MODULE EagleHits ------------------------------
 (***************************************************************************)
-(* Prefix cache hits with EAGLE on hybrid models (stage 05, patch 5.1):    *)
-(* HybridKVCacheCoordinator.find_longest_cache_hit as the code computes   *)
-(* it, checked against the rule of the stage README (LongestServableHit). *)
-(* Stage = 3: stages 03-04, vLLM 0.13.0's lookup and the null prefix of   *)
-(* stage 03, checked for a connector-loaded prefix (LoadedPrefixHit).    *)
-(* A small model of its own: one lookup of one request, for every request *)
+(* Prefix cache hits with EAGLE on hybrid models (stage 05, patch          *)
+(* [05.1 EAGLE prefix cache hit]):                                         *)
+(* HybridKVCacheCoordinator.find_longest_cache_hit as the code computes    *)
+(* it, checked against the rule of the stage README (LongestServableHit).  *)
+(* Stage = 3: stages 03-04, vLLM 0.13.0's lookup and the null prefix of    *)
+(* stage 03, checked for a connector-loaded prefix (LoadedPrefixHit). A    *)
+(* small model of its own: one lookup of one request, for every request    *)
 (* length, every set of cached blocks per KV cache group, with and without *)
-(* EAGLE, and every attention type of the second group.                  *)
+(* EAGLE, and every attention type of the second group.                    *)
 (*                                                                         *)
 (* Modelled: two KV cache groups of block size B, full attention and one  *)
 (* of sliding window (W tokens), chunked local attention (C tokens) or    *)
@@ -27,7 +28,7 @@ CONSTANTS
     W,        \* sliding window in tokens (the window counts the token itself)
     C,        \* attention_chunk_size of chunked local attention, in tokens
     MaxLen,   \* longest request, in tokens
-    Stage     \* 3: stages 03-04 (vLLM 0.13.0's lookup); 5: stage 05 on (patch 5.1's)
+    Stage     \* 3: stages 03-04 (vLLM 0.13.0's lookup); 5: stage 05 on (patch [05.1 EAGLE prefix cache hit]'s)
 
 ASSUME /\ B \in Nat \ {0} /\ W \in Nat \ {0, 1} /\ C \in Nat \ {0} /\ C % B = 0
        /\ MaxLen \in Nat \ {0} /\ Stage \in {3, 5}
@@ -51,14 +52,15 @@ vars == <<kind, eagle, len, cached, hit>>
 Hashed(n) == {i \in 0..(MaxLen \div B - 1) : (i + 1) * B <= n}
 
 (***************************************************************************)
-(* The code. Fix == patch 5.1 is applied (Stage = 5).                      *)
+(* The code. Fix == patch [05.1 EAGLE prefix cache hit] is applied (Stage  *)
+(* = 5).                                                                   *)
 (***************************************************************************)
 Fix == Stage = 5
 \* Block hashes a hit may use (KVCacheCoordinator.hit_block_hashes): with
-\* EAGLE (patch 5.1) those ending at or before max_cache_hit_length; 0.13.0
+\* EAGLE (patch [05.1 EAGLE prefix cache hit]) those ending at or before max_cache_hit_length; 0.13.0
 \* passes all of them.
 NumHashes(n, e) == IF e /\ Fix THEN (n - 1) \div B ELSE n \div B
-\* Patch 5.1 looks one block past the hit with EAGLE; 0.13.0 does not.
+\* Patch [05.1 EAGLE prefix cache hit] looks one block past the hit with EAGLE; 0.13.0 does not.
 Look(e) == IF e /\ Fix THEN 1 ELSE 0
 \* Blocks lo, lo+1, ... that are all in S, up to (excluding) hi.
 RunFrom(S, lo, hi) ==
@@ -71,7 +73,7 @@ FullHit(S, maxLen, n, e) ==
 
 \* SlidingWindowManager.find_longest_cache_hit, in blocks: from right to
 \* left, the first run of contiguous hits of ceil((W-1)/B) blocks plus one
-\* with EAGLE (patch 5.1: EAGLE's block, which may lie past max_length;
+\* with EAGLE (patch [05.1 EAGLE prefix cache hit]: EAGLE's block, which may lie past max_length;
 \* 0.13.0: within it); without one, the run from block 0.
 SwaHit(S, maxLen, n, e) ==
     LET contig == CeilDiv(W - 1, B) + (IF e THEN 1 ELSE 0)

@@ -33,7 +33,7 @@ from hmastack.matrix import stages as matrix
 from hmastack.site import docs
 from hmastack.spec import models as spec
 from hmastack.spec import traces
-from hmastack.stack import base, clean, env, workspace
+from hmastack.stack import base, clean, env, refs, series, workspace
 
 Subparsers = argparse._SubParsersAction
 
@@ -69,7 +69,9 @@ def env_command(args: argparse.Namespace) -> StepResult:
 
 
 def apply_command(args: argparse.Namespace) -> StepResult:
-    return workspace.run_step(config.load(), args.upto, force=args.force)
+    cfg = config.load()
+    upto = None if args.upto is None else series.number(cfg, args.upto)
+    return workspace.run_step(cfg, upto, force=args.force)
 
 
 def export_command(args: argparse.Namespace) -> int:
@@ -91,6 +93,18 @@ def test_command(args: argparse.Namespace) -> StepResult:
         ours_only=args.ours_only,
         quick=args.quick,
     )
+
+
+def refs_command(args: argparse.Namespace) -> int:
+    cfg = config.load()
+    if args.fix:
+        for path in refs.fix(cfg):
+            console.print(f"  rewrote {path.relative_to(cfg.root)}", highlight=False)
+    problems = refs.check(cfg)
+    for p in problems:
+        console.print(f"  {p}", highlight=False, markup=False)
+    console.print(f"{len(problems)} references do not hold")
+    return 1 if problems else 0
 
 
 def spec_fetch_command(args: argparse.Namespace) -> int:
@@ -198,10 +212,12 @@ def add_env_parser(subparsers: Subparsers) -> None:
 def add_workspace_parsers(subparsers: Subparsers) -> None:
     parser = subparsers.add_parser(
         "apply",
-        help="reset the workspaces to the base and git am stages 1..K",
+        help="reset the workspaces to the base and git am the stages up to KEY",
         description=(
-            "Reset build/<tree> to its base tag and apply the patches of stages "
-            "1..K with `git am --keep-non-patch --committer-date-is-author-date` "
+            "Reset build/<tree> to its base tag and apply the patches of the "
+            "stages up to KEY (a stage's key or its directory; base: "
+            "none) in directory order with `git am --keep-non-patch "
+            "--committer-date-is-author-date` "
             "(keeps the [Core][...] title tags; commit ids are the same on every "
             "machine). Every tree is checked before any is reset: uncommitted "
             "changes, commits that patches/ does not hold, a git operation in "
@@ -215,9 +231,7 @@ def add_workspace_parsers(subparsers: Subparsers) -> None:
             "`export` refuses until an apply succeeds."
         ),
     )
-    parser.add_argument(
-        "--upto", type=int, metavar="K", help="last stage (default: all)"
-    )
+    parser.add_argument("--upto", metavar="KEY", help="the last stage (default: all)")
     parser.add_argument(
         "--force",
         action="store_true",
@@ -232,21 +246,22 @@ def add_workspace_parsers(subparsers: Subparsers) -> None:
         help="write the workspace commits back into patches/ (git format-patch)",
         description=(
             "Write the commits of build/<tree> above its base tag into "
-            "patches/NN-*/<tree>/ with git format-patch (zero commit ids, full "
+            "patches/KEY-*/<tree>/ with git format-patch (zero commit ids, full "
             "index, no signature: byte-for-byte stable) and list each file added, "
-            "updated or deleted. A commit's stage comes from its subject. Only "
-            "stages up to the one `apply` brought the workspace to (or later ones "
-            "whose commits were `git am`ed on top) are written or compared. Export "
-            "and --check refuse, writing nothing: a workspace where a rebase, `git "
-            "am`, merge, cherry-pick, revert or bisect is in progress, or whose "
-            "HEAD is not the branch `apply` brought to the series (detached, or "
-            "another branch); a workspace that no apply completed (a failed or "
-            "interrupted apply, or only `hmastack base`); uncommitted changes in a "
-            "workspace; a fixup!/squash!/amend! commit; a subject with no stage "
-            "tag or a malformed one; and a commit whose author is not its "
-            "Signed-off-by (vLLM's DCO check). Export also refuses to overwrite a "
-            "file of patches/ edited since the last apply or export, and to delete "
-            "every patch of a stage unless --empty-stage names it."
+            "updated or deleted. A commit's stage is the one whose tag (stage.toml) "
+            "its subject carries. Only stages up to the one `apply` brought the "
+            "workspace to (or later ones whose commits were `git am`ed on top) are "
+            "written or compared. Export and --check refuse, writing nothing: a "
+            "workspace where a rebase, `git am`, merge, cherry-pick, revert or "
+            "bisect is in progress, or whose HEAD is not the branch `apply` brought "
+            "to the series (detached, or another branch); a workspace that no apply "
+            "completed (a failed or interrupted apply, or only `hmastack base`); "
+            "uncommitted changes in a workspace; a fixup!/squash!/amend! commit; a "
+            "subject with no stage tag, a malformed one or two; and a commit whose "
+            "author is not its Signed-off-by (vLLM's DCO check). Export also "
+            "refuses to overwrite a file of patches/ edited since the last apply or "
+            "export, and to delete every patch of a stage unless --empty-stage "
+            "names it."
         ),
     )
     parser.add_argument(
@@ -256,11 +271,11 @@ def add_workspace_parsers(subparsers: Subparsers) -> None:
     )
     parser.add_argument(
         "--empty-stage",
-        type=int,
         action="append",
-        metavar="K",
-        help="let export delete every patch of stage K of a tree (its commits "
-        "are gone from the workspace on purpose); repeatable",
+        metavar="KEY",
+        help="let export delete every patch of a tree of this stage (its key or "
+        "directory; its commits are gone from the workspace on purpose); "
+        "repeatable",
     )
     parser.set_defaults(func=export_command)
 
@@ -288,7 +303,9 @@ def add_test_parser(subparsers: Subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     group = parser.add_mutually_exclusive_group()
-    group.add_argument("--stage", type=int, metavar="K", help="only stage K (0..N)")
+    group.add_argument(
+        "--stage", metavar="KEY", help="only this stage (its key or directory, or base)"
+    )
     group.add_argument(
         "--per-commit",
         action="store_true",
@@ -374,7 +391,7 @@ def add_traces_parser(sub: Subparsers) -> None:
             "--counterexample, the counterexample of a model the manifest expects "
             "to fail) as JSON, one file per behaviour, under "
             "build/reports/spec/traces/<model>/ (or --out); the replay fixtures of "
-            "tests/stages/s03_* are made so."
+            "patches/*/tests/fixtures are made so."
         ),
     )
     p.add_argument("model", help="a model of spec/manifest.toml, or a .cfg path")
@@ -411,7 +428,7 @@ def add_traces_parser(sub: Subparsers) -> None:
 def add_conform_parser(subparsers: Subparsers) -> None:
     parser = subparsers.add_parser(
         "conform",
-        help="replay TLC behaviours and random schedules on stage 03 and on "
+        help="replay TLC behaviours and random schedules on the series and on "
         "deliberately broken copies",
         description=doc(conform),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -444,7 +461,8 @@ def add_conform_parser(subparsers: Subparsers) -> None:
         dest="breaks",
         action="append",
         metavar="NAME",
-        help=f"only this break (repeatable): {', '.join(conform.BREAKS)}",
+        help="only this break (repeatable): a name of a [[conform.breaks]] of a "
+        "patches/*/stage.toml (an unknown name lists them)",
     )
     which.add_argument(
         "--no-break", action="store_true", help="only the series, no broken copies"
@@ -480,6 +498,22 @@ def add_docs_parser(subparsers: Subparsers) -> None:
     build_parser.set_defaults(func=docs_build_command)
 
 
+def add_refs_parser(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "refs",
+        help="check the references to the series' commits ([KEY.N <title>])",
+        description=doc(refs),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--fix",
+        action="store_true",
+        help="first write each reference's id from the commit its title names "
+        "(after a re-cut)",
+    )
+    parser.set_defaults(func=refs_command, needs_build=False)
+
+
 def add_bench_parser(subparsers: Subparsers) -> None:
     parser = subparsers.add_parser(
         "bench",
@@ -494,7 +528,9 @@ def add_bench_parser(subparsers: Subparsers) -> None:
         "count settings (the report gives the run's seconds)",
     )
     parser.add_argument(
-        "--stages", help="stages to compare with the base, e.g. 3 or 1-3 (default all)"
+        "--stages",
+        help="stages to compare with the base by key: KEY, FIRST..LAST or a "
+        "comma-separated list of them (default all)",
     )
     parser.add_argument(
         "--no-peer", action="store_true", help="skip the vLLM 0.14.0 peer tree"
@@ -550,7 +586,9 @@ def add_e2e_parser(subparsers: Subparsers) -> None:
         help="the CI-sized set (`make test` runs it; the report gives the "
         "run's seconds)",
     )
-    parser.add_argument("--stage", type=int, metavar="K", help="only stage K")
+    parser.add_argument(
+        "--stage", metavar="KEY", help="only this stage (its key or directory, or base)"
+    )
     parser.add_argument(
         "--only",
         metavar="TEXT",
@@ -601,6 +639,7 @@ ADD_PARSERS: tuple[Callable[[Subparsers], None], ...] = (
     add_base_parser,
     add_env_parser,
     add_workspace_parsers,
+    add_refs_parser,
     add_test_parser,
     add_spec_parser,
     add_conform_parser,

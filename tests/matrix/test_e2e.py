@@ -1,8 +1,9 @@
 """The real engine end to end as part of the suite, the CI-sized set.
 
-Runs ``hmastack e2e --quick`` for real at the base and at stage 3 (HMA off
-with the plain connector, HMA on with the ``SupportsHMA`` connector), and its
-OffloadingConnector scenarios at the stage that makes it support HMA, and checks
+Runs ``hmastack e2e --quick`` for real at the base and at the first stage with
+HMA on for the test connector (HMA off with the plain connector, HMA on with the
+``SupportsHMA`` connector), and its OffloadingConnector scenarios at the stage
+that makes it support HMA (``hma`` of the stages' stage.toml), and checks
 the report it wrote: every verdict passes, the negative controls were caught by
 the check each names, and the outputs were compared (not an empty run).
 """
@@ -15,20 +16,23 @@ import sys
 from pathlib import Path
 
 from hmastack.core import config
-from hmastack.e2e import catalogue as cat
 from hmastack.e2e.runner import read_report
+from hmastack.stack import series
 
 ROOT = Path(__file__).resolve().parents[2]
-# (stage, --only): the quick set at 0 and 3, its OffloadingConnector scenarios
-# at their stage
-RUNS = ((0, None), (3, None), (cat.OFFLOAD_STAGE, "offload"))
-STAGES = tuple(stage for stage, only in RUNS if only is None)
 
 
 def test_e2e_ci_set(capfd):
     cfg = config.load(ROOT)
+    found = series.discover(cfg)
+    hma, offload_hma = (series.first_with(found, c, "hma") for c in ("test", "offload"))
+    assert hma is not None and offload_hma is not None
+    # (stage, --only): the quick set at the base and where the test connector
+    # turns HMA on, the OffloadingConnector scenarios where it turns HMA on
+    runs = (("base", None), (hma.key, None), (offload_hma.key, "offload"))
+    stages = tuple(stage for stage, only in runs if only is None)
     verdicts = []
-    for stage, only in RUNS:
+    for stage, only in runs:
         report_path = cfg.reports / "e2e.json"
         report_path.unlink(missing_ok=True)
         with capfd.disabled():  # show progress live: this takes minutes
@@ -40,7 +44,7 @@ def test_e2e_ci_set(capfd):
                     "e2e",
                     "--quick",
                     "--stage",
-                    str(stage),
+                    stage,
                     *(["--only", only] if only else []),
                 ],
                 cwd=ROOT,
@@ -60,7 +64,7 @@ def test_e2e_ci_set(capfd):
     compared = [v for v in verdicts if v.outcome == "equal"]
     assert len(compared) >= 10, "too few scenarios compared their outputs"
     controls = {(v.stage, v.scenario): v for v in verdicts if v.expect == "caught"}
-    for stage in STAGES:
+    for stage in stages:
         assert (controls[(stage, "control-skip-group")].caught_by or "").startswith(
             "outputs"
         )
@@ -71,18 +75,18 @@ def test_e2e_ci_set(capfd):
     # with the prompt read over NIXL, and reading the blocks in the wrong order
     # is caught.
     nixl = {(v.stage, v.scenario): v for v in verdicts}
-    for stage in STAGES:
+    for stage in stages:
         assert nixl[(stage, "nixl-consume")].checks["outputs"]
-    assert (nixl[(0, "control-nixl-rotated-blocks")].caught_by or "").startswith(
+    assert (nixl[("base", "control-nixl-rotated-blocks")].caught_by or "").startswith(
         "outputs"
     )
     # OffloadingConnector: a prompt served again from the second tier, at the
     # base and with HMA; a store that reads blocks the hold did not keep is
     # found.
     offload = {(v.stage, v.scenario): v for v in verdicts}
-    for stage in (0, cat.OFFLOAD_STAGE):
+    for stage in ("base", offload_hma.key):
         assert offload[(stage, "offload-reload")].checks["cached tokens"]
     # A scenario on another engine than the model's default is named
     # "scenario/engine" in the report.
-    control = offload[(cat.OFFLOAD_STAGE, "control-offload-no-hold/offload-race")]
+    control = offload[(offload_hma.key, "control-offload-no-hold/offload-race")]
     assert "connector findings" in (control.caught_by or "")

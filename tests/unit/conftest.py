@@ -19,6 +19,8 @@ FILES = {
 }
 
 
+# The tag of the demo project's stages: "[Demo series K/2]".
+TAG = 'tag = "Demo series {k}/{n}"\n'
 # [series] author of the demo project: the author and sign-off of its commits.
 SERIES_AUTHOR = "Demo Series <demo@example.com>"
 
@@ -47,8 +49,6 @@ def write_project(root: Path, sha256: str) -> None:
     (root / "hmastack.toml").write_text(
         f"""
 [series]
-title_tag = "Demo series"
-stages = 2
 author = "{SERIES_AUTHOR}"
 base_author = "hmastack base <hmastack@localhost>"
 base_date = "2025-12-18T00:00:00+00:00"
@@ -70,8 +70,16 @@ deselected = "env/deselected.toml"
 """
     )
     for stage in ("01-first", "02-second"):
-        (root / "patches" / stage).mkdir(parents=True)
-        (root / "patches" / stage / "README.md").write_text(f"# {stage}\n")
+        write_stage(root, stage)
+
+
+def write_stage(root: Path, name: str, toml: str = TAG) -> Path:
+    """A stage directory ``patches/<name>/`` with its README.md and stage.toml."""
+    path = root / "patches" / name
+    path.mkdir(parents=True)
+    (path / "README.md").write_text(f"# {name}\n")
+    (path / "stage.toml").write_text(toml)
+    return path
 
 
 @pytest.fixture

@@ -23,8 +23,14 @@ from hmastack.core.errors import HmastackError
 from hmastack.core.reports import write as write_report
 from hmastack.site import docs
 from hmastack.stack import env as env_mod
+from hmastack.stack import series
+
+from .conftest import TAG, write_stage
 
 ROOT = Path(__file__).resolve().parents[2]
+# The first stage whose external tokens get blocks only in the window: the one
+# from which the test connector keeps HMA on (its stage.toml's hma).
+WINDOW_STAGE = series.first_with(series.discover(config_mod.load(ROOT)), "test", "hma")
 B = 16
 
 
@@ -69,11 +75,14 @@ def test_expected_admission_figures():
     assert figures.check_admission(rep, args) == []
 
 
-def test_parse_stages():
-    cfg = config_mod.load(ROOT)
-    assert bench_trees.parse_stages(None, cfg) == list(range(1, cfg.num_stages + 1))
-    assert bench_trees.parse_stages(None, cfg, quick=True) == [cfg.num_stages]
-    assert bench_trees.parse_stages("0,1-3", cfg) == [1, 2, 3]
+def test_parse_stages(project):
+    write_stage(project.root, "00a-fix", 'tag = "Fix"\n')
+    assert bench_trees.parse_stages(None, project) == [1, 2, 3]
+    assert bench_trees.parse_stages(None, project, quick=True) == [3]
+    assert bench_trees.parse_stages("base,01..02", project) == [2, 3]
+    assert bench_trees.parse_stages("00a,02", project) == [1, 3]
+    with pytest.raises(HmastackError, match="unknown stage '3'"):
+        bench_trees.parse_stages("3", project)
 
 
 def _bench_call(monkeypatch, argv: list[str]) -> dict:
@@ -165,7 +174,8 @@ def test_ratio_rows_pair_rounds_by_setting():
 
 
 def test_tree_colors_are_stable():
-    assert bench_plots.tree_color("stage 0") == bench_plots.TAB10[0]
+    assert bench_plots.tree_color("base") == bench_plots.TAB10[0]
+    assert bench_plots.tree_color("stage 00a") == bench_plots.TAB10[0]
     assert bench_plots.tree_color("stage 4") == bench_plots.TAB10[4]
     assert bench_plots.tree_color("v0.14.0") == bench_plots.TAB10[9]
     # Partial commits: lighter shades of their stage's colour, all distinct.
@@ -353,7 +363,7 @@ def _tree(k: int) -> bench_trees.BenchTree:
     pyenv = env_mod.location(cfg)
     if not pyenv.python.exists():
         pytest.skip(f"{pyenv.python} missing: run `hmastack env` first")
-    return bench_trees.BenchTree(f"stage {k}", bench_trees.stage_tree(cfg, k))
+    return bench_trees.bench_tree(cfg, k)
 
 
 def _run(k: int, name: str, args: dict) -> dict:
@@ -378,7 +388,7 @@ def test_peak_blocks_base_allocates_every_external_token():
 
 @pytest.mark.vllm_tree
 def test_peak_blocks_stage3_holds_only_the_window():
-    rep = _run(3, "peak_blocks", PEAK_ARGS)
+    rep = _run(WINDOW_STAGE.number, "peak_blocks", PEAK_ARGS)
     assert rep["separate_external_arg"] is True  # detected with inspect
     for r in rep["rows"]:
         total = math.ceil((r["external"] + r["new"]) / B)
@@ -403,7 +413,7 @@ def test_admission_base_gains_nothing_from_hma_for_an_external_hit():
 
 @pytest.mark.vllm_tree
 def test_admission_stage3_reaches_the_physical_limit():
-    (r,) = _run(3, "admission", ADMIT_ARGS)["rows"]
+    (r,) = _run(WINDOW_STAGE.number, "admission", ADMIT_ARGS)["rows"]
     assert r["longest_hit"] == r["longest_hit_physical"] == 62879
     assert r["concurrent"] == r["concurrent_physical"] == 6
 
@@ -418,7 +428,7 @@ COST_ARGS = {
 @pytest.mark.vllm_tree
 def test_scheduler_cost_with_the_scripted_connector_does_the_same_work():
     base = _run(0, "scheduler_cost", COST_ARGS)["rows"]
-    stage3 = _run(3, "scheduler_cost", COST_ARGS)["rows"]
+    stage3 = _run(WINDOW_STAGE.number, "scheduler_cost", COST_ARGS)["rows"]
     assert [bench_cost.key(r) for r in base] == [
         bench_cost.key(s) for s in COST_ARGS["settings"]
     ]
@@ -482,19 +492,19 @@ def test_commit_trees_are_the_proper_prefixes_of_a_stage():
     cfg = config_mod.load(ROOT)
     if not (cfg.workspace("vllm") / ".git").exists():
         pytest.skip("no vLLM workspace: run `hmastack base` first")
-    series = workspace.discover(cfg)
-    multi = [s.number for s in series if len(s.patches_for("vllm")) > 1]
+    found = workspace.discover(cfg)
+    multi = [s for s in found if len(s.patches_for("vllm")) > 1]
     if not multi:
         pytest.skip("no stage has several vLLM commits")
-    k = multi[0]
-    trees = bench_trees.commit_trees(cfg, [k])
-    n = len(series[k - 1].patches_for("vllm"))
-    assert [t.label for t in trees] == [f"stage {k}.{j}" for j in range(1, n)]
-    before = sum(len(s.patches_for("vllm")) for s in series[: k - 1])
+    stage = multi[0]
+    trees = bench_trees.commit_trees(cfg, [stage.number])
+    n = len(stage.patches_for("vllm"))
+    assert [t.label for t in trees] == [f"stage {stage.key}.{j}" for j in range(1, n)]
+    before = sum(len(s.patches_for("vllm")) for s in found[: stage.number - 1])
     for j, t in enumerate(trees, 1):
         count = git(t.path, "rev-list", "--count", "v0.13.0..HEAD").strip()
         assert int(count) == before + j
-        assert f"{k}/{cfg.series.stages}]" in t.note  # the commit's subject
+        assert f"[{stage.tag}]" in t.note  # the commit's subject
 
 
 def test_the_page_opens_with_headline_and_plots_then_method(project):
@@ -601,9 +611,13 @@ def test_expected_eagle_hit(row, window, want):
     assert figures.expected_eagle_hit(["full", "swa"], window, 16, row) == want
 
 
-def test_eagle_check_flags_a_wrong_hit(monkeypatch):
-    """Stage 5 is checked exactly (a tree giving 0.13.0's double drop fails),
-    stage 4 and the peer are only reported."""
+def test_eagle_check_flags_a_wrong_hit(monkeypatch, project):
+    """The stage whose [bench] checks names the eagle rule is checked exactly
+    (a tree giving 0.13.0's double drop fails), the stage before it and the
+    peer are only reported."""
+    (project.patches / "02-second" / "stage.toml").write_text(
+        TAG + '[bench]\nchecks = ["eagle-rule"]\n'
+    )
     row = _eagle_row("fully cached") | {"pattern": "gptoss", "window": 128}
     report = {"rows": [row | {"hit": 4064, "hit_no_eagle": 4096}]}
     monkeypatch.setattr(
@@ -611,26 +625,31 @@ def test_eagle_check_flags_a_wrong_hit(monkeypatch):
         "_run_each",
         lambda cfg, pyenv, trees, name, args: ({t.label: [report] for t in trees}, {}),
     )
-    trees = [bench_trees.BenchTree(label, None) for label in ("stage 4", "v0.14.0")]
-    assert figures.bench_eagle(None, None, trees, bench.QUICK)["checked"] == "exact"
-    trees.append(bench_trees.BenchTree("stage 5", None))
-    out = figures.bench_eagle(None, None, trees, bench.QUICK)
+    trees = [
+        bench_trees.BenchTree("stage 01", None, stage=1),
+        bench_trees.BenchTree("v0.14.0", None),
+    ]
+    assert figures.bench_eagle(project, None, trees, bench.QUICK)["checked"] == "exact"
+    trees.append(bench_trees.BenchTree("stage 02", None, stage=2))
+    out = figures.bench_eagle(project, None, trees, bench.QUICK)
     assert out["checked"] == "MISMATCH"
     assert out["mismatches"] == [
-        "stage 5: gptoss W=128 fully cached: hit 4064 (want 4080)"
+        "stage 02: gptoss W=128 fully cached: hit 4064 (want 4080)"
     ]
+    assert "checked exactly from stage 02 on" in out["method"]
     assert "|gptoss|128|fully cached|4101|4064|4064|4064|4080|4096|" in _cells(
         bench_tables.eagle_markdown(out["rows"])
     )
 
 
-def test_eagle_check_flags_a_hit_below_the_base(monkeypatch):
+def test_eagle_check_flags_a_hit_below_the_base(monkeypatch, project):
     """A stage, or a commit of one, before the rule's stage whose hit is below
     the base's fails the check (a regression a later stage fixes); the peer
     is only reported."""
     row = _eagle_row("connector sync", external=4096, load="sync")
     row |= {"pattern": "gptoss", "window": 128, "hit_no_eagle": 4096}
-    hits = {"stage 0": 4064, "stage 3": 4064, "stage 3.2": 0, "v0.14.0": 0}
+    hits = {"base": 4064, "stage 01": 4064, "stage 01.2": 0, "v0.14.0": 0}
+    numbers = {"base": 0, "stage 01": 1, "stage 01.2": 1, "v0.14.0": None}
     monkeypatch.setattr(
         figures,
         "_run_each",
@@ -639,21 +658,23 @@ def test_eagle_check_flags_a_hit_below_the_base(monkeypatch):
             {},
         ),
     )
-    trees = [bench_trees.BenchTree(label, None) for label in hits]
-    out = figures.bench_eagle(None, None, trees, bench.QUICK)
+    trees = [bench_trees.BenchTree(k, None, stage=numbers[k]) for k in hits]
+    out = figures.bench_eagle(project, None, trees, bench.QUICK)
     assert out["mismatches"] == [
-        "stage 3.2: gptoss W=128 connector sync: hit 0 (the base's 4064)"
+        "stage 01.2: gptoss W=128 connector sync: hit 0 (the base's 4064)"
     ]
+    assert "checked exactly nowhere" in out["method"]
 
 
 EAGLE_ARGS = {"patterns": ["gptoss"], "windows": [128], "block_size": B}
 
 
 @pytest.mark.vllm_tree
-def test_eagle_hits_stage5_follows_the_rule_and_the_base_drops_twice():
+def test_eagle_hits_of_the_rules_stage_follow_it_and_the_base_drops_twice():
     kinds = figures.GROUP_KINDS["gptoss"]
-    stage5 = _run(5, "eagle_hits", EAGLE_ARGS)["rows"]
-    for r in stage5:
+    rule = figures.check_from(config_mod.load(ROOT), "eagle-rule")
+    assert rule is not None
+    for r in _run(rule, "eagle_hits", EAGLE_ARGS)["rows"]:
         assert r["hit"] == figures.expected_eagle_hit(kinds, 128, B, r), r["case"]
     base = {r["case"]: r for r in _run(0, "eagle_hits", EAGLE_ARGS)["rows"]}
     # 0.13.0: full attention and sliding window each drop a block for eagle.
@@ -674,13 +695,16 @@ def test_no_commits_leaves_out_the_trees_per_commit_prefix(monkeypatch, commits)
 
     def commit_trees(cfg, numbers):
         asked.append(numbers)
-        return [bench_trees.BenchTree(f"stage {k}.1", Path(f"/{k}.1")) for k in numbers]
+        return [
+            bench_trees.BenchTree(f"stage {k}.1", Path(f"/{k}.1"), stage=k)
+            for k in numbers
+        ]
 
     monkeypatch.setattr(figures, "commit_trees", commit_trees)
     trees = [
-        bench_trees.BenchTree(label, Path(f"/{label}"))
-        for label in ("stage 0", "stage 3", "stage 5", bench_trees.PEER_LABEL)
-    ]
+        bench_trees.BenchTree(label, Path(f"/{label}"), stage=k)
+        for label, k in (("stage 0", 0), ("stage 3", 3), ("stage 5", 5))
+    ] + [bench_trees.BenchTree(bench_trees.PEER_LABEL, Path("/peer"))]
     ctx = figures.Context(cfg=None, pyenv=None, trees=trees, plan=plan, quick=False)
     labels = [t.label for t in figures.count_trees(ctx)]
     if commits:
@@ -824,8 +848,11 @@ def test_each_writer_gives_its_schema_every_field(monkeypatch, project, name):
             {},
         ),
     )
-    trees = [bench_trees.BenchTree(label, None) for label in ("stage 0", "stage 5")]
-    report = WRITERS[name](None, None, trees, bench.QUICK)
+    trees = [
+        bench_trees.BenchTree("base", None, stage=0),
+        bench_trees.BenchTree("stage 02", None, stage=2),
+    ]
+    report = WRITERS[name](project, None, trees, bench.QUICK)
     scenario = next(s for s in bench.SCENARIOS if s.name == name)
     encoded = bench.encode(scenario, report)
     assert isinstance(encoded, scenario.schema) and len(encoded.rows) == 2

@@ -21,6 +21,9 @@ from hmastack.bench import throughput as bt
 from hmastack.bench import throughput_nixl as bn
 from hmastack.core.errors import HmastackError
 from hmastack.site import docs
+from hmastack.stack import series
+
+from .conftest import TAG
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,18 +54,30 @@ def _runs(base_s: list[float], tree_s: list[float], case="memory-bound"):
     }
 
 
-def test_plans_base_hma_off_plain_connector_series_hma_on():
-    base = bt.plan("memory-bound", 0, Path("/m"), Path("/s"))
-    series = bt.plan("memory-bound", 3, Path("/m"), Path("/s"))
+def test_plans_base_hma_off_plain_connector_series_hma_on(project):
+    base = bt.plan("memory-bound", False, Path("/m"), Path("/s"))
+    series_plan = bt.plan("memory-bound", True, Path("/m"), Path("/s"))
     assert (base["hma"], base["connector"]) == (False, "plain")
-    assert (series["hma"], series["connector"]) == (True, "hma")
+    assert (series_plan["hma"], series_plan["connector"]) == (True, "hma")
     # The same memory: blocks of one layer (the engine divides by the layers a
     # block holds, models.ModelSpec.num_blocks).
-    assert base["pool_layer_blocks"] == series["pool_layer_blocks"] == 1440
-    forced = bt.plan("control", 0, Path("/m"), Path("/s"), hma=True)
-    assert (forced["hma"], forced["connector"]) == (True, "hma")
-    assert bt.tree_label(0, True) == "stage 0 (HMA on)"
-    assert bt.tree_label(3, None) == bt.tree_label(3, True) == "stage 3"
+    assert base["pool_layer_blocks"] == series_plan["pool_layer_blocks"] == 1440
+    # The trees: the stages whose [bench] throughput names the set, HMA on
+    # from the stage whose hma names the test connector.
+    (project.patches / "01-first" / "stage.toml").write_text(
+        TAG + '[bench]\nthroughput = ["full"]\n'
+    )
+    (project.patches / "02-second" / "stage.toml").write_text(
+        TAG + 'hma = ["test"]\n[bench]\nthroughput = ["quick", "full"]\n'
+    )
+    stages = series.everything(project)
+    assert bt.trees(stages, quick=True) == {"base": (0, False), "stage 02": (2, True)}
+    assert bt.trees(stages, quick=False) == {
+        "base": (0, False),
+        "base (HMA on)": (0, True),
+        "stage 01": (1, False),
+        "stage 02": (2, True),
+    }
     spec = MODELS[bt.MODEL]
     assert spec.num_layers == bt.LAYERS
     assert spec.num_blocks(bt.MEMORY_BOUND_LAYER_BLOCKS, False) == 240
@@ -273,14 +288,18 @@ def test_nixl_a_producer_holding_blocks_or_an_error_fails_timing_never():
             _pd_run(["FullAttentionSpec"], [69], 1199, 16)
         ]
     }
-    assert bn.pair_leaks(runs) == []
+    assert bn.pair_leaks(runs, 3) == []
     runs[("gpt-oss-like control", "stage 0")][0]["producer_blocks_held_after_read"] = 5
-    assert bn.pair_leaks(runs) == [
+    assert bn.pair_leaks(runs, 3) == [
         "gpt-oss-like control stage 0: the producer holds 5 blocks after the read"
     ]
     # 0.13.0's idle producer keeps them (reported, not checked)
     runs[("gpt-oss-like control", "stage 0")][0]["stage"] = 0
-    assert bn.pair_leaks(runs) == []
+    assert bn.pair_leaks(runs, 3) == []
+    # No stage names the check: nothing is checked.
+    runs[("gpt-oss-like control", "stage 0")][0]["stage"] = 4
+    assert bn.pair_leaks(runs, None) == []
+    assert bn.pair_leaks(runs, 3)
     assert bn.failed({"errors": {"stage 6": "control round 0: boom"}})
     assert bn.failed({"rows": [{"ratio median": 0.1}]}) == []
 
@@ -299,7 +318,19 @@ def test_nixl_pair_plans_same_layout_both_sides_budget_on_the_consumer():
     assert set(bn.CASES) == {
         f"{lay} {c}" for lay in ("Gemma-3-like", "gpt-oss-like") for c in bt.CASES
     }
-    assert [t[0] for t in bn.TREES] == ["stage 0", "stage 6", bn.WITNESS]
+
+
+def test_nixl_trees_are_the_base_and_the_stage_that_turns_hma_on(project):
+    with pytest.raises(HmastackError, match="no stage turns HMA on"):
+        bn.trees(series.everything(project))
+    (project.patches / "02-second" / "stage.toml").write_text(TAG + 'hma = ["nixl"]\n')
+    trees = bn.trees(series.everything(project))
+    assert trees == [
+        ("base", 0, False),
+        ("stage 02", 2, True),
+        ("stage 02 (HMA off)", 2, False),
+    ]
+    assert bn.witness([t[0] for t in trees]) == "stage 02 (HMA off)"
 
 
 def test_nixl_predictions_put_the_layout_beside_the_engine():

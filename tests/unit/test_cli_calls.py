@@ -23,7 +23,7 @@ def test_calls(monkeypatch) -> list[dict]:
 
 def test_hmastack_test_runs_the_whole_matrix_by_default(test_calls):
     assert cli.main(["test"]) == 0
-    assert cli.main(["test", "--stage", "3", "--jobs", "1", "--ours-only"]) == 0
+    assert cli.main(["test", "--stage", "03", "--jobs", "1", "--ours-only"]) == 0
     assert cli.main(["test", "--per-commit"]) == 0
     assert cli.main(["test", "--quick"]) == 0
     default = {
@@ -35,7 +35,7 @@ def test_hmastack_test_runs_the_whole_matrix_by_default(test_calls):
     }
     assert test_calls == [
         default,
-        default | {"stage": 3, "jobs": 1, "ours_only": True},
+        default | {"stage": "03", "jobs": 1, "ours_only": True},
         default | {"per_commit": True},
         default | {"quick": True},
     ]

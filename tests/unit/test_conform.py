@@ -5,14 +5,21 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from hmastack import cli
 from hmastack.conform import run as conform
+from hmastack.core import config
 from hmastack.core.errors import HmastackError
 from hmastack.core.gitutil import git
 from hmastack.matrix import pytest_runs
+from hmastack.stack import series
+
+from .conftest import TAG, write_stage
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_tree(path, text: str):
@@ -36,10 +43,12 @@ def make_tree(path, text: str):
 
 BRK = conform.Break(
     name="demo",
+    patch="base",
     protection="returns 1",
-    path="mod.py",
-    old="return 1",
-    new="return 2",
+    file="mod.py",
+    find="return 1",
+    replace="return 2",
+    stage="03",
 )
 
 
@@ -60,7 +69,7 @@ def test_broken_tree_needs_exactly_one_match(project, tmp_path, text):
     with pytest.raises(HmastackError) as err:
         conform.broken_tree(project, source, BRK)
     assert "break 'demo'" in err.value.message and "mod.py" in err.value.message
-    assert "BREAKS" in err.value.hint
+    assert "stage.toml" in err.value.hint
 
 
 def test_caught_needs_a_verdict_of_each_kind():
@@ -157,37 +166,49 @@ def test_break_and_no_break_exclude_each_other(project, capsys):
     assert "not allowed with" in capsys.readouterr().err
 
 
+STAGES = series.discover(config.load(ROOT))
+BREAKS = conform.all_breaks(STAGES)
+
+
 def test_unknown_break_is_a_usage_error(project, capsys):
+    write_stage(
+        project.root,
+        "03-demo",
+        TAG + '[[conform.breaks]]\nname = "a-break"\npatch = "base"\n'
+        'protection = "p"\nfile = "f"\nfind = "x"\nreplace = "y"\n',
+    )
     assert cli.main(["conform", "--break", "nope"]) == 2
     err = capsys.readouterr().err
-    assert "unknown break nope" in err
-    assert all(name in err for name in conform.BREAKS)
+    assert "unknown break nope" in err and "a-break" in err
 
 
 def test_breaks_name_their_protection():
-    for brk in conform.BREAKS.values():
-        assert brk.old != brk.new and brk.protection
-        assert brk.path.startswith("vllm/")
+    assert BREAKS
+    for brk in BREAKS.values():
+        assert brk.find != brk.replace and brk.protection
+        assert brk.file.startswith("vllm/")
 
 
-def test_a_break_of_a_later_stage_runs_that_stages_suites():
-    """A break of a later stage's code runs the suites of its own stage
-    (``STAGE_SUITES``), whose files exist; the stage-03 breaks run ``SUITES``."""
-    from pathlib import Path
-
-    from hmastack.conform import breaks
-
-    root = Path(__file__).resolve().parents[2]
-    later = [b for b in breaks.BREAKS.values() if b.stage != breaks.STAGE]
-    assert later, "no break of a later stage"
-    for brk in breaks.BREAKS.values():
-        suites = breaks.suites_of(brk.stage)
-        assert suites, brk.name
-        if brk.stage == breaks.STAGE:
-            assert suites == breaks.SUITES
-        assert any(s.kind in brk.caught_by for s in suites), brk.name
+def test_every_break_runs_suites_of_its_own_stage_that_can_catch_it():
+    """A break runs the suites of the stage that declares it, whose files
+    exist, and one of them is of each kind that must catch it; exactly one
+    stage names the model conformance replays."""
+    by_key = {s.key: s for s in STAGES}
+    assert conform.traces_stage(STAGES).info.conform.traces
+    for brk in BREAKS.values():
+        stage = by_key[brk.stage]
+        suites = stage.info.conform.suites
+        kinds = {s.kind for s in suites}
+        assert set(brk.caught_by) <= kinds, brk.name
         for suite in suites:
-            assert (root / breaks.STAGE_TESTS / suite.directory / suite.file).is_file()
+            assert (stage.path / suite.file).is_file()
+
+
+def test_two_stages_that_name_the_traces_are_refused(project):
+    for name in ("03-a", "04-b"):
+        write_stage(project.root, name, TAG + '[conform]\ntraces = "m.cfg"\n')
+    with pytest.raises(HmastackError, match="2 stages name the model"):
+        conform.traces_stage(series.discover(project))
 
 
 def test_suites_and_reasons_name_tests_that_exist():
@@ -198,11 +219,6 @@ def test_suites_and_reasons_name_tests_that_exist():
     series' run skip the explicit tests."""
     import ast
     import re
-    from pathlib import Path
-
-    from hmastack.conform import breaks
-
-    stage_tests = Path(__file__).resolve().parents[2] / breaks.STAGE_TESTS
 
     def defined(path: Path) -> set[str]:
         tree = ast.parse(path.read_text())
@@ -212,22 +228,24 @@ def test_suites_and_reasons_name_tests_that_exist():
                 names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
         return names
 
-    suites = [*breaks.SUITES, *(s for v in breaks.STAGE_SUITES.values() for s in v)]
-    only = [s for s in suites if s.broken_only]
+    suites = [(s, suite) for s in STAGES for suite in s.info.conform.suites]
+    only = [(s, suite) for s, suite in suites if suite.broken_only]
     assert only
-    for suite in only:
-        path = stage_tests / suite.directory / suite.file
+    for stage, suite in only:
+        path = stage.path / suite.file
         assert suite.broken_only in defined(path), (suite.file, suite.broken_only)
-    for suite in (s for s in suites if s.also):
-        assert list((stage_tests / suite.directory).glob(suite.also)), suite.also
+    for stage, suite in suites:
+        if suite.also:
+            also = list((stage.path / suite.file).parent.glob(suite.also))
+            assert also, suite.also
     named = [
         m.groups()
-        for brk in breaks.BREAKS.values()
+        for brk in BREAKS.values()
         for m in re.finditer(
             r"(test_\w+\.py)::(test_\w+)", brk.not_by_replay + brk.not_by_random
         )
     ]
     assert named
     for file, test in named:
-        (path,) = stage_tests.glob(f"s*/{file}")
+        (path,) = ROOT.glob(f"patches/*/tests/{file}")
         assert test in defined(path), (file, test)

@@ -1,7 +1,7 @@
 """The committed counterexamples the stage tests replay through vLLM are the
 ones TLC reports for the model of the code as it is.
 
-``tests/stages/s03_connector_allocate/fixtures/counterexamples/<model>.json``
+``patches/<stage>/tests/fixtures/counterexamples/<model>.json``
 (``mutations/<name>.json`` for a mutation)
 are written by ``hmastack spec traces MODEL --counterexample``; the stage tests
 run without Java, so this test runs TLC again and compares.
@@ -18,14 +18,8 @@ import pytest
 from hmastack.spec import traces
 
 ROOT = Path(__file__).resolve().parents[2]
-CEX = (
-    ROOT
-    / "tests"
-    / "stages"
-    / "s03_connector_allocate"
-    / "fixtures"
-    / "counterexamples"
-)
+# The stage whose tests replay them: wherever a re-cut puts them, one folder.
+(CEX,) = ROOT.glob("patches/*/tests/fixtures/counterexamples")
 # Manifest model names: mutations/<name> sit in a subfolder.
 MODELS = sorted(
     p.relative_to(CEX).with_suffix("").as_posix() for p in CEX.rglob("*.json")

@@ -14,7 +14,7 @@ from hmastack.core.gitutil import git, identity_env
 from hmastack.site import design_doc
 from hmastack.site.pages import StageInfo
 from hmastack.site.patches import parse_patch
-from hmastack.stack.workspace import Stage
+from hmastack.stack.series import Stage
 
 DOC = design_doc.DOC
 BASE = (
@@ -78,7 +78,7 @@ def _workspace(tmp_path: Path) -> tuple[_Cfg, list[StageInfo]]:
     out = tmp_path / "patches"
     git(repo, "format-patch", "-q", "-o", out, "v0.13.0")
     files = sorted(out.glob("*.patch"))
-    stage = Stage(3, "connector-allocate", out, {"vllm": files})
+    stage = Stage(1, "03", "connector-allocate", out, {"vllm": files})
     info = StageInfo(stage, "# stage\n", [parse_patch(p, "vllm") for p in files])
     cfg = _Cfg(tmp_path / "build", {"vllm": _Tree("v0.13.0")})
     # the workspace's own tree moves on; the page is built from the base commit
@@ -89,10 +89,10 @@ def _workspace(tmp_path: Path) -> tuple[_Cfg, list[StageInfo]]:
 def test_the_page_is_the_base_document_with_the_series_hunks(tmp_path):
     cfg, stages = _workspace(tmp_path)
     doc = design_doc.design_doc(cfg, stages)
-    assert doc is not None and doc.patch_ids == ["3.2"]
+    assert doc is not None and doc.patch_ids == ["03.2"]
     page = design_doc.page(doc)
     assert page.startswith("# Hybrid KV Cache Manager\n\n!!! note")
-    assert "with the changes of 3.2 applied" in page
+    assert "with the changes of 03.2 applied" in page
     assert page.rstrip().endswith("## KV connectors\n\nThe series' section.")
     # images become the site's assets, links to vLLM's other pages its release's
     assert "![Overview](assets/vllm-design/overview.png)" in page
@@ -137,7 +137,7 @@ def test_a_hunk_that_does_not_apply_names_the_patches(tmp_path):
     (repo / DOC).write_text("# Hybrid KV Cache Manager\n\nOther text.\n")
     _commit(repo, "another base")
     git(repo, "tag", "v0.13.0")
-    with pytest.raises(HmastackError, match=r"the patches 3\.2 do not apply"):
+    with pytest.raises(HmastackError, match=r"the patches 03\.2 do not apply"):
         design_doc.design_doc(cfg, stages)
 
 

@@ -22,6 +22,9 @@ from hmastack.site import patches as site_patches
 from hmastack.spec import manifest as spec_manifest
 from hmastack.spec import models as spec
 from hmastack.stack import base, workspace
+from hmastack.stack import series as series_mod
+
+from .conftest import TAG
 
 REPO = Path(__file__).resolve().parents[2]
 AUTHOR = "Ada Lovelace <ada@example.com>"
@@ -121,16 +124,16 @@ def test_parse_patch_reads_headers_message_diffstat_and_tests(series):
     assert second.diff.startswith("diff --git a/tests/test_core.py")
 
 
-def test_patch_ids_follow_the_glossary():
-    """``S.N`` in the first tree (vLLM), ``<tree> S.N`` in another; N is the
-    file's number, not its place in the stage."""
+def test_patch_ids_follow_the_directories():
+    """``KEY.N`` in the first tree (vLLM), ``<tree> KEY.N`` in another: the
+    stage's key and the patch's place among its files; the anchor of its
+    heading on the stage page."""
     cfg = config_mod.load(Path(__file__).resolve().parents[2])
     assert list(cfg.trees)[:2] == ["vllm", "lmcache"]
-    n = pages.file_number(Path("0014-KVConnector-Hold-blocks.patch"))
-    assert pages.patch_id(cfg, 3, "vllm", n) == "3.14"
-    assert pages.patch_id(cfg, 4, "lmcache", 1) == "lmcache 4.1"
-    with pytest.raises(HmastackError, match="patch number"):
-        pages.file_number(Path("Hold-blocks.patch"))
+    stage = series_mod.Stage(1, "00a", "fixes", Path("patches/00a-fixes"))
+    assert pages.patch_id(cfg, stage, "vllm", 14) == "00a.14"
+    assert pages.patch_id(cfg, stage, "lmcache", 1) == "lmcache 00a.1"
+    assert pages.patch_anchor("lmcache 00a.1") == "patch-lmcache-00a-1"
 
 
 def test_parse_patch_rejects_a_non_patch(tmp_path):
@@ -153,9 +156,10 @@ def test_stage_page_is_generated_from_readme_commits_and_diff(series):
     page = docs.generate(series).pages["stages/01-first.md"]
     assert page.startswith("# [Core][Demo series 1/2] Return bigger numbers\n")
     assert "## Purpose\n\nBigger." in page
-    # Each patch's heading is its id (docs/glossary.md): stage 1, file 0001.
-    assert "### 1.1: [Core][Demo series 1/2] Make f3 return 33" in page
-    assert "### 1.2: " in page and "demo 1/2:" not in page
+    # Each patch's heading is its id (stage 01, file 0001) with its anchor.
+    assert "### 01.1: [Core][Demo series 1/2] Make f3 return 33 {#patch-01-1}" in page
+    assert "### 01.2: " in page and "demo 1/2:" not in page
+    assert "**Stage 01** (1 of 2) · its commits carry `[Demo series 1/2]`" in page
     assert "f3 must return 33 because the brief says so." in page
     assert "| `demo/core.py` | +1 | −1 |" in page
     assert "`tests/test_core.py` (added)" in page
@@ -227,7 +231,15 @@ def test_conformance_report_is_rendered(project):
     from hmastack.conform import run as conform
 
     broken = conform.BreakRun(
-        brk=conform.Break("free-aborted-load", "keeps the blocks", "p", "o", "n"),
+        brk=conform.Break(
+            name="free-aborted-load",
+            patch="base",
+            protection="keeps the blocks",
+            file="p",
+            find="o",
+            replace="n",
+            stage="03",
+        ),
         caught={"replay": True},
         runs=[
             conform.SuiteRun(
@@ -251,10 +263,10 @@ def test_conformance_report_is_rendered(project):
         },
     )
     traces = conform.Traces(model="m.cfg", count=200, steps=2546, depth=60, seed=5)
-    report = conform.ConformanceReport(3, traces, None, [replay], [broken])
+    report = conform.ConformanceReport("03", traces, None, [replay], [broken])
     reports.write(project.reports / conform.REPORT, report)
     block = docs.generate(project).blocks["conformance-results"]
-    assert "200 TLC behaviours of `m.cfg` (2546 steps, seed 5) at stage 3" in block
+    assert "200 TLC behaviours of `m.cfg` (2546 steps, seed 5) at stage 03" in block
     assert "| replay through the Scheduler | 201 passed / 0 failed | 8 |" in block
     assert "steps compared 1666" in block
     # a count per key reads as words, not as a Python dict
@@ -277,13 +289,13 @@ def test_a_report_of_another_schema_names_the_file_and_the_step(project):
 def test_stage_row_of_the_last_stage_table_is_on_the_page(series):
     series.reports.mkdir(parents=True)
     entry = {
-        "stage": 1, "name": "01-first", "patches": {"demo": 2}, "heads": {},
+        "stage": "01", "name": "01-first", "patches": {"demo": 2}, "heads": {},
         "vllm": {"counts": {"passed": 10, "failed": 1},
                  "failures": ["tests/a.py::test_new"], "returncode": 1, "log": "x"},
         "ours": {"counts": {"passed": 4}, "failures": [], "returncode": 0, "log": "y"},
         "ruff": {"demo": "ok"}, "seconds": 12.4, "ok": False,
     }  # fmt: skip
-    base_entry = dict(entry, stage=0, name="base", ok=True,
+    base_entry = dict(entry, stage="base", name="base", ok=True,
                       vllm={"counts": {"passed": 11}, "failures": []})  # fmt: skip
     (series.reports / "stages.json").write_text(
         json.dumps(
@@ -297,10 +309,10 @@ def test_stage_row_of_the_last_stage_table_is_on_the_page(series):
     site = docs.generate(series)
     page = site.pages["stages/01-first.md"]
     assert (
-        "| 1 01-first | 2 demo | 10 passed / 1 failed | - | 4 passed / 0 failed "
+        "| 01-first | 2 demo | 10 passed / 1 failed | - | 4 passed / 0 failed "
         "| demo ok | 12 | RED |" in page
     )
-    assert "| 0 base |" in page
+    assert "| base |" in page
     assert (
         "Failing here and not on the base" in page and "`tests/a.py::test_new`" in page
     )
@@ -315,7 +327,7 @@ def _copy_spec(project) -> None:
 def test_model_page_lists_every_manifest_model_before_any_run(project):
     _copy_spec(project)
     page = docs.generate(project).pages["model-results.md"]
-    assert "## Stage 03: allocation alone and as coded" in page
+    assert "## The series: allocation alone and as coded" in page
     assert "| `SaveHold` |" in page and "| `RangeByComputed` |" in page
     assert "| `WindowCovered` | `Spec => []WindowCovered` | `IsSeries` |" in page
     assert "Generated from `spec/HybridKVAlloc.tla`" in page
@@ -323,7 +335,8 @@ def test_model_page_lists_every_manifest_model_before_any_run(project):
     models = spec_manifest.load_manifest(spec_manifest.load_settings(project.root))
     for name in models:
         assert f"| `{name}` |" in page, name
-    assert "| `mutations/skip-ceil` | SeriesAsCoded | SkipCeil |" in page
+    # the demo series has none of the commits the mutations name: no stage
+    assert "| `mutations/skip-ceil` |  | SeriesAsCoded | SkipCeil |" in page
     assert "Not run yet: `hmastack spec check`" in page
 
 
@@ -389,8 +402,12 @@ def test_a_spec_file_that_does_not_match_its_schema_fails_the_site(
 def test_model_page_shows_the_checks_own_verdict_and_counterexamples(project):
     """Reports written by the real `spec check`: the page shows each model's
     own verdict, a mutation's and a simulation's included, and a
-    counterexample step by step."""
+    counterexample step by step (the one a stage's [spec] names)."""
     _copy_spec(project)
+    (project.patches / "02-second" / "stage.toml").write_text(
+        TAG + '[[spec.counterexamples]]\nmodel = "series-stall"\n'
+        'title = "The stall of the demo"\nmeaning = "It stalls."\n'
+    )
     settings = spec_manifest.load_settings(project.root)
     models = spec_manifest.load_manifest(settings)
     chosen = ["series-stall", "mutations/skip-ceil", "series-deep"]
@@ -410,7 +427,7 @@ def test_model_page_shows_the_checks_own_verdict_and_counterexamples(project):
     assert "safety failure (WindowCovered)" in rows["`mutations/skip-ceil`"]
     assert rows["`series-deep`"].rstrip().endswith("| yes |")
     assert "not run yet" in rows["`series-wide`"]
-    section = page.split("### The stall (deadlock) of stage 03's allocation alone")[1]
+    section = page.split("### The stall of the demo")[1]
     assert "| 1 | **AllocateSlots** r" in section.split("###")[0]
 
 
@@ -554,7 +571,9 @@ def test_stage_page_lists_every_commit_as_the_per_commit_run_reported_it(series)
 
     stage1 = sorted((series.patches / "01-first" / "demo").glob("*.patch"))
     assert len(stage1) == 2
-    green = matrix.CommitResult("demo", 1, 1, stage1[0].name, "Make f3 return 33", "h")
+    green = matrix.CommitResult(
+        "demo", 1, "01", stage1[0].name, "Make f3 return 33", "h"
+    )
     green.vllm = pytest_runs.PytestResult({"passed": 5}, [], 0)
     green.ruff = "ok"
     reports.write_commit_report(series, [green])
@@ -563,7 +582,7 @@ def test_stage_page_lists_every_commit_as_the_per_commit_run_reported_it(series)
     assert "1/2] Make f3 return 33 | 5 passed / 0 failed | ok | green |" in page
     assert "1/2] Test f3 | not run | - | - |" in page
 
-    red = matrix.CommitResult("demo", 2, 1, stage1[1].name, "Test f3", "h2")
+    red = matrix.CommitResult("demo", 2, "01", stage1[1].name, "Test f3", "h2")
     red.vllm = pytest_runs.PytestResult({"passed": 4, "failed": 1}, ["t.py::x"], 1)
     red.ruff = "ok"
     reports.write_commit_report(series, [green, red])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import sys
 import zipfile
 from pathlib import Path
@@ -15,11 +16,25 @@ from hmastack.core import config, reports
 from hmastack.core.errors import HmastackError
 from hmastack.core.process import CommandError
 from hmastack.e2e import catalogue as cat
-from hmastack.e2e import compare, engine, environment, runner, site
+from hmastack.e2e import compare, engine, environment, runner
+from hmastack.site import e2e as site
 
-from .conftest import record_download
+from .conftest import TAG, record_download, write_stage
 
 ROOT = Path(__file__).resolve().parents[2]
+# The series' stages as the end-to-end set sees them, found by what they do
+# (their stage.toml), not by their keys.
+ATS = cat.stages(config.load(ROOT))
+BASE = ATS[0]
+
+
+def first(connector: str) -> cat.At:
+    """The first stage whose connector ``connector`` keeps HMA on."""
+    return next(at for at in ATS if connector in at.hma)
+
+
+def before(at: cat.At) -> cat.At:
+    return ATS[ATS.index(at) - 1]
 
 
 # --- environment -------------------------------------------------------------------
@@ -93,7 +108,7 @@ def _e2e(tmp_path, **kernels) -> config.Config:
         plugin="plugin",
         no_deps=["xgrammar==0.1.27"],
     )
-    series = config.SeriesTable("T", 1, "A <a@b>", "B <b@c>", "2025-01-01")
+    series = config.SeriesTable("A <a@b>", "B <b@c>", "2025-01-01")
     suite = config.SuiteTable(vllm=[], deselected="deselected.toml")
     return config.Config(
         series=series, trees={}, env=env, suite=suite, e2e=table, root=tmp_path
@@ -235,23 +250,25 @@ def test_every_catalogued_scenario_exists_engine_side():
 
 
 def test_plan_stage_processes():
-    procs = runner.plan_stage(3, cat.selected(quick=True))
+    procs = runner.plan_stage(first("test"), cat.selected(quick=True))
+    assert "lmcache" not in first("test").hma
     refs = [p for p in procs if p.connector is None]
-    # LMCache 0.3.11 (stages 0-3) keeps HMA off: its reference too
+    # LMCache 0.3.11 (before its HMA stage) keeps HMA off: its reference too
     assert {(p.model, p.hma) for p in refs} == {
         ("gemma-5to1", True),
         ("gemma-5to1", False),
     }
     assert {p.connector for p in procs if p.connector} == {"hma", "lmcache", "nixl"}
     assert not any(p.hma for p in procs if p.connector == "lmcache")
-    at_4 = runner.plan_stage(4, cat.selected(True))
-    assert all(p.hma for p in at_4 if p.connector not in (None, "nixl"))
+    at_lmcache = runner.plan_stage(first("lmcache"), cat.selected(True))
+    assert "nixl" not in first("lmcache").hma
+    assert all(p.hma for p in at_lmcache if p.connector not in (None, "nixl"))
     consumers = [p for p in procs if p.wave == 1]
     assert sorted(p.pythonhashseed for p in consumers) == ["0", "1"]
     assert [p.functions for p in procs if "pd-store" in p.functions] == [["pd-store"]]
     stall = [p for p in procs if p.connector and "stall" in p.functions]
     assert stall and stall[0].functions == ["stall"]  # isolated
-    base = runner.plan_stage(0, cat.selected(quick=True))
+    base = runner.plan_stage(BASE, cat.selected(quick=True))
     assert {p.connector for p in base} == {None, "plain", "lmcache", "nixl", "offload"}
     assert not any(p.hma for p in base)
 
@@ -259,7 +276,7 @@ def test_plan_stage_processes():
 def test_nixl_pairs_run_at_once_one_producer_per_consumer():
     """A NixlConnector consumer reads its producer's memory: the two run at
     once (wave 2), each pair with its own producer, store folder and ports."""
-    procs = runner.plan_stage(0, cat.selected(quick=True))
+    procs = runner.plan_stage(BASE, cat.selected(quick=True))
     pairs = runner.nixl_pairs(procs)
     consumers = {p.functions[0] for _, p in pairs}
     assert consumers == {
@@ -273,11 +290,12 @@ def test_nixl_pairs_run_at_once_one_producer_per_consumer():
         assert producer.namespace == consumer.namespace == f"pd-{consumer.functions[0]}"
         assert producer.connector == consumer.connector == "nixl"
         assert producer.wave == consumer.wave == 2
-    # NixlConnector supports HMA from stage 06: HMA off before it, on there.
-    for stage in (5, 6):
+    # NixlConnector supports HMA from the stage that names it: HMA off before
+    # it, on there.
+    for at, hma in ((before(first("nixl")), False), (first("nixl"), True)):
         same = [s for s in cat.SCENARIOS if s.hma is None and s.producer_hma is None]
-        nixl = [p for p in runner.plan_stage(stage, same) if p.connector == "nixl"]
-        assert nixl and all(p.hma == (stage >= 6) for p in nixl)
+        nixl = [p for p in runner.plan_stage(at, same) if p.connector == "nixl"]
+        assert nixl and all(p.hma == hma for p in nixl)
     assert len({runner.free_port() for _ in range(3)}) >= 2
 
 
@@ -287,7 +305,7 @@ def test_a_nixl_pair_may_differ_in_hma():
     own HMA setting, the reference with the consumer's."""
     controls = [s for s in cat.SCENARIOS if s.producer_hma is not None]
     assert len(controls) == 2
-    procs = runner.plan_stage(6, controls)
+    procs = runner.plan_stage(first("nixl"), controls)
     pairs = runner.nixl_pairs(procs)
     assert len(pairs) == 2
     for producer, consumer in pairs:
@@ -315,7 +333,7 @@ def test_read_check_needs_blocks_read_and_no_failure():
 def test_producer_freed_check_reads_the_producers_blocks():
     s = cat.Scenario(
         "nixl-consume", "t", connector="nixl", producer="nixl-produce",
-        checks=("producer freed",), base_bug="keeps the blocks", fixed_at=3,
+        checks=("producer freed",), base_bug="keeps the blocks",
     )  # fmt: skip
     ref = _run([_req("nixl-a", [5, 7], LP)])
 
@@ -326,15 +344,16 @@ def test_producer_freed_check_reads_the_producers_blocks():
     freed, held = _judge(s, run(0), ref), _judge(s, run(13), ref)
     assert freed.passed and freed.checks["producer freed"]
     assert not held.passed and held.figures["producer_blocks_held_after_read"] == 13
-    assert _judge(s, run(13), ref, stage=0).passed  # the base bug shows
-    assert not _judge(s, run(0), ref, stage=0).passed
+    assert _judge(s, run(13), ref, at=BUGGY).passed  # the base bug shows
+    assert not _judge(s, run(0), ref, at=BUGGY).passed
     assert not _judge(s, _run([_req("nixl-a", [5, 7], LP, 199, 199)]), ref).passed
 
 
 def test_the_memory_witness_runs_only_at_the_base_with_hma_forced():
     control = [s for s in cat.SCENARIOS if s.name == "memory-window" and s.hma]
-    assert len(control) == 1 and control[0].stages == (0,)
-    procs = runner.plan_stage(0, list(cat.SCENARIOS))
+    assert len(control) == 1
+    assert [at.key for at in ATS if cat.runs_at(control[0], at)] == [BASE.key]
+    procs = runner.plan_stage(BASE, list(cat.SCENARIOS))
     forced = [p for p in procs if p.hma and p.connector == "hma"]
     assert forced and "memory-window" in forced[0].functions
 
@@ -378,8 +397,18 @@ CONTROL = cat.Scenario("x", "t", expect="caught", caught_by="outputs")
 SEED = cat.Scenario("pd-load", "t", expect="caught", caught_by="cached tokens")
 
 
-def _judge(s, run, ref, stage=3):
-    return compare.judge(s, stage, True, "hma", run, ref, s.name, s.title)
+# A stage that fixed the base bugs of the scenarios below, and one before it.
+FIXED = cat.At(
+    "02",
+    frozenset({"test"}),
+    fixed=frozenset({"e", "stall", "nixl-consume"}),
+    fixed_at=dict.fromkeys(["e", "stall", "nixl-consume"], "02"),
+)
+BUGGY = cat.At("01", fixed_at=FIXED.fixed_at)
+
+
+def _judge(s, run, ref, at=FIXED):
+    return compare.judge(s, at, True, "hma", run, ref, s.name, s.title)
 
 
 def test_judge_equal_needs_the_expected_hit():
@@ -404,27 +433,28 @@ def test_negative_controls_pass_only_when_their_check_fails():
 
 
 def test_known_base_bug_must_show_before_its_fix():
-    s = cat.Scenario("e", "t", base_bug="resumes late", fixed_at=3)
+    s = cat.Scenario("e", "t", base_bug="resumes late")
     ref = _run([_req("hit", [5, 7], LP)])
     differs = _run([_req("hit", [5, 8], LP, 200, 200)])
-    assert _judge(s, differs, ref, stage=0).passed
-    assert not _judge(s, differs, ref, stage=3).passed
+    assert _judge(s, differs, ref, at=BUGGY).passed
+    assert "fixed at stage 02" in _judge(s, differs, ref, at=BUGGY).detail
+    assert not _judge(s, differs, ref, at=FIXED).passed
     same = _run([_req("hit", [5, 7], LP, 200, 200)])
-    assert not _judge(s, same, ref, stage=0).passed
+    assert not _judge(s, same, ref, at=BUGGY).passed
 
 
 def test_stall_passes_only_as_the_known_base_stall_before_its_fix():
     stall = {"outcome": "stall", "detail": "no progress"}
-    s = cat.Scenario("stall", "t", base_bug="stalls", fixed_at=3, base_bug_stalls=True)
-    v = _judge(s, stall, None, stage=0)
+    s = cat.Scenario("stall", "t", base_bug="stalls", base_bug_stalls=True)
+    v = _judge(s, stall, None, at=BUGGY)
     assert v.outcome == "stall" and v.passed
-    assert not _judge(s, stall, None, stage=3).passed  # fixed there: a stall is red
+    assert not _judge(s, stall, None, at=FIXED).passed  # fixed: a stall is red
     assert not _judge(SYNC, stall, None).passed
     # Before the fix the stall must show: finishing there means it does not bite.
     ref = _run([_req("hit", [5, 7], LP)])
     finished = _run([_req("hit", [5, 7], LP, 256, 256)])
-    assert not _judge(s, finished, ref, stage=0).passed
-    assert _judge(s, finished, ref, stage=3).passed
+    assert not _judge(s, finished, ref, at=BUGGY).passed
+    assert _judge(s, finished, ref, at=FIXED).passed
 
 
 def test_window_check():
@@ -449,10 +479,10 @@ def test_window_check():
 
 
 def test_page_without_report(tmp_path):
-    assert "Not run yet" in site.page(tmp_path / "e2e.json")
+    assert "Not run yet" in site.page(config.load(ROOT), tmp_path / "e2e.json")
 
 
-def _report(verdicts, stages=(0,), quick=False) -> runner.E2EReport:
+def _report(verdicts, stages=("base",), quick=False) -> runner.E2EReport:
     runs = [runner.StageRun(k, 1.0, []) for k in stages]
     return runner.E2EReport("now", quick, list(stages), 1e-4, 1.0, runs, verdicts)
 
@@ -462,24 +492,34 @@ def test_page_tables(tmp_path):
     v = _judge(SYNC, _run([_req("hit", [5, 7], LP, 256, 256)]), ref)
     c = _judge(CONTROL, _run([_req("hit", [5, 8], LP, 256, 256)]), ref)
     report = _report([v, c], quick=True)
-    table = site.result_table(report)
+    table = runner.result_table(report)
     assert "| `sync-load` | t | ✓ equal · 0.0e+00 · 256/256 |" in table
     assert "caught ✓" in site.controls_table(report)
     # the page reads what the writer wrote
     reports.write(tmp_path / "e2e.json", report)
-    assert "| `sync-load` | t | ✓ equal" in site.page(tmp_path / "e2e.json")
+    page = site.page(config.load(ROOT), tmp_path / "e2e.json")
+    assert "| `sync-load` | t | ✓ equal" in page
 
 
 def test_reports_of_single_stages_merge():
     ref = _run([_req("hit", [5, 7], LP)])
     v = _judge(SYNC, _run([_req("hit", [5, 7], LP, 256, 256)]), ref)
-    at = {k: msgspec.structs.replace(v, stage=k, detail=f"old {k}") for k in (0, 3)}
-    old = _report([at[0], at[3]], stages=(0, 3))
-    new = _report([msgspec.structs.replace(v, stage=3, detail="new")], stages=(3,))
-    merged = runner.merge_report(old, new)
-    assert merged.stages == [0, 3] and [r.stage for r in merged.runs] == [0, 3]
-    assert [(x.stage, x.detail) for x in merged.verdicts] == [(0, "old 0"), (3, "new")]
-    assert runner.merge_report(msgspec.structs.replace(old, quick=True), new) == new
+    keys = ["base", "00a", "01"]  # the series' order, not the keys' sort order
+    at = {k: msgspec.structs.replace(v, stage=k, detail=f"old {k}") for k in keys}
+    old = _report([at["base"], at["01"]], stages=("base", "01"))
+    fresh = msgspec.structs.replace(v, stage="00a", detail="new")
+    new = _report([fresh], stages=("00a",))
+    merged = runner.merge_report(old, new, keys)
+    assert merged.stages == keys and [r.stage for r in merged.runs] == keys
+    assert [(x.stage, x.detail) for x in merged.verdicts] == [
+        ("base", "old base"),
+        ("00a", "new"),
+        ("01", "old 01"),
+    ]
+    # A stage the series no longer has is dropped.
+    assert runner.merge_report(old, new, ["base", "00a"]).stages == ["base", "00a"]
+    quick = msgspec.structs.replace(old, quick=True)
+    assert runner.merge_report(quick, new, keys) == new
 
 
 # --- the engine-process launcher (e2e driver and throughput bench) ------------------
@@ -561,10 +601,11 @@ def test_kv_events_check_needs_the_stream_and_the_groups():
     # HMA on (the stage's verdict) but the engine ran one group: HMA went off.
     assert not _judge(s, run(["FullAttentionSpec"]), ref).passed
     hma_off = compare.judge(
-        s, 0, False, "plain", run(["FullAttentionSpec"]), ref, s.name, s.title
+        s, BASE, False, "plain", run(["FullAttentionSpec"]), ref, s.name, s.title
     )
     assert hma_off.passed
-    assert cat.KV_EVENTS_STAGE in s.stages and 0 in s.stages
+    # It runs at the base (the control, HMA off) and at the stages that list it.
+    assert s.listed and cat.runs_at(s, BASE)
 
 
 def test_offloading_checks_and_plans():
@@ -606,14 +647,52 @@ def test_offloading_checks_and_plans():
     caught = _judge(control, run({}, [3, 67], findings=["store 0 read ..."]), ref)
     assert caught.passed and "connector findings" in caught.caught_by
     assert not _judge(control, run({}, [3, 67], held={"store-a": 320}), ref).passed
-    # The plans: OffloadingConnector with HMA at its stage only, the spec's
-    # settings in the plan.
+    # The plans: OffloadingConnector with HMA from its stage, the spec's
+    # settings in the plan; before it (and after the base) none runs.
     offload = [s for s in cat.SCENARIOS if s.connector == "offload"]
-    for stage in (0, cat.OFFLOAD_STAGE):
-        procs = [
-            p for p in runner.plan_stage(stage, offload) if p.connector == "offload"
-        ]
-        assert procs and all(p.hma == (stage > 0) for p in procs)
+    for at in (BASE, first("offload")):
+        procs = [p for p in runner.plan_stage(at, offload) if p.connector == "offload"]
+        assert procs and all(p.hma == (at is not BASE) for p in procs)
         plan = procs[0].plan(Path("m"), Path("s"))
         assert set(plan["extra_config"]) == {"num_cpu_blocks", "store_delay_steps"}
-    assert not runner.plan_stage(6, offload)
+    assert not runner.plan_stage(before(first("offload")), offload)
+
+
+def test_stage_data_names_scenarios_that_exist(project):
+    """A stage.toml entry that names no scenario, a base bug no stage fixes or
+    one two stages fix are refused, naming the file."""
+    bugs = [cat.scenario_id(s) for s in cat.SCENARIOS if s.base_bug]
+    listed = sorted({cat.scenario_id(s) for s in cat.SCENARIOS if s.listed})
+    base = project.root / "patches" / "base"
+    base.mkdir()
+    (base / "stage.toml").write_text(f"[e2e]\nrun = {listed!r}\n".replace("'", '"'))
+    fixes = f"[e2e]\nfixes = {bugs!r}\n".replace("'", '"')
+    (project.root / "patches" / "01-first" / "stage.toml").write_text(TAG + fixes)
+    assert [at.key for at in cat.stages(project)] == ["base", "01", "02"]
+    write_stage(project.root, "03-again", TAG + fixes)
+    with pytest.raises(HmastackError, match="which stage 01 fixes already"):
+        cat.stages(project)
+    (project.root / "patches" / "03-again" / "stage.toml").write_text(
+        TAG + '[e2e]\nrun = ["no-such-scenario"]\n'
+    )
+    with pytest.raises(HmastackError, match="names no listed scenario"):
+        cat.stages(project)
+    (project.root / "patches" / "03-again" / "stage.toml").write_text(TAG)
+    (project.root / "patches" / "01-first" / "stage.toml").write_text(TAG)
+    with pytest.raises(HmastackError, match="no stage fixes the base bug"):
+        cat.stages(project)
+
+
+def test_a_pd_handoff_has_one_shape(tmp_path):
+    """Both P/D pairs (the NIXL scenarios and the throughput) hand over the
+    producer's kv_transfer_params as ``{"params": [...]}`` and read them back
+    with the same function."""
+    from hmastack_testkit.e2e import scenarios
+
+    params = [{"remote_block_ids": [[1, 2], [3]]}, {"remote_block_ids": [[4]]}]
+    scenarios.write_handoff(tmp_path, params)
+    assert json.loads((tmp_path / scenarios.HANDOFF).read_text()) == {"params": params}
+    assert scenarios.read_handoff(tmp_path, seconds=1) == params
+    assert not list(tmp_path.glob("*.tmp"))
+    with pytest.raises(TimeoutError, match="kv_transfer_params"):
+        scenarios.read_handoff(tmp_path / "none", seconds=0.1)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,7 +30,14 @@ from hmastack.core import config
 from hmastack.core.gitutil import git
 from hmastack.stack import base, workspace
 
-from .test_workspace import commit_change, exported_series, snapshot, two_trees
+from .conftest import write_stage
+from .test_workspace import (
+    FOLLOW_UP,
+    commit_change,
+    exported_series,
+    snapshot,
+    two_trees,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -244,9 +252,12 @@ def test_export_refuses_to_empty_a_stage_unless_asked(project):
     assert proc.returncode == 2
     assert "export would delete every patch of a stage" in proc.stderr
     assert "patches/02-second/demo/: all 1 patches" in proc.stderr
-    assert "hmastack export --empty-stage 2" in proc.stderr
+    assert "hmastack export --empty-stage 02" in proc.stderr
+    assert "(no commit of " in proc.stderr and "carries '[Demo series 2/2]')" in (
+        proc.stderr
+    )
     assert snapshot(project) == before
-    proc = cli("export", "--empty-stage", "2")
+    proc = cli("export", "--empty-stage", "02")
     assert proc.returncode == 0, proc.stderr
     assert "deleted patches/02-second/demo/" in proc.stderr
     assert len(snapshot(project)) == 1
@@ -264,9 +275,16 @@ def test_export_refuses_to_empty_a_stage_unless_asked(project):
     [
         (
             "[Core][Demo series follow-up 0] x",
-            "names no follow-up: the series has none",
+            "'[Demo series follow-up 0]' names no stage",
         ),
-        ("[Core][Demo series follow-up 1] x", "names no follow-up"),
+        (
+            "[Core][Demo series follow-up 2] x",
+            "'[Demo series follow-up 2]' names no stage",
+        ),
+        (
+            "[Core][Demo series follow-up 01] x",
+            "'[Demo series follow-up 01]' names no stage",
+        ),
         ("[Core][Demo series 0/2] x", "'[Demo series 0/2]' names no stage"),
         ("[Core][Demo series 3/2] x", "'[Demo series 3/2]' names no stage"),
         ("[Core][Demo series 01/2] x", "'[Demo series 01/2]' names no stage"),
@@ -275,22 +293,33 @@ def test_export_refuses_to_empty_a_stage_unless_asked(project):
             "[Core][Demo series 1/2][Demo series 2/2] x",
             "carries '[Demo series 1/2]' and '[Demo series 2/2]'",
         ),
+        (
+            "[Core][Demo series 2/2] x [Demo series follow-up 1]",
+            "carries '[Demo series 2/2]' and '[Demo series follow-up 1]'",
+        ),
         ("[Core] x", "carries no stage tag"),
+        ("[Core][Other series 1/2] x", "carries no stage tag"),
     ],
 )
 def test_malformed_stage_tags_are_refused(project, subject, why):
-    """`follow-up 0` was read as stage 2 (N + 0) and exported into it."""
-    exported_series(project)
-    repo = project.workspace("demo")
+    """A subject names a stage by carrying its rendered tag once: a tag of a
+    stage's form that no stage renders (its numbers out of range or written
+    with a leading zero) and two tags name none. Before, `follow-up 0` was read
+    as stage N + 0 and exported into it."""
+    write_stage(project.root, "03-third", FOLLOW_UP)
+    cfg = config.load(project.root)
+    exported_series(cfg)
+    repo = cfg.workspace("demo")
     (repo / "README").write_text("x\n")
     sh(repo, "commit", "-qsam", subject)
-    before = snapshot(project)
+    before = snapshot(cfg)
     for args in (["export"], ["export", "--check"]):
         proc = cli(*args)
         assert proc.returncode == 2, proc.stderr
         assert "names no stage" in proc.stderr and why in proc.stderr
-        assert "'[Demo series 1/2]' .. '[Demo series 2/2]'" in proc.stderr
-    assert snapshot(project) == before
+        assert "'[Demo series 1/2]' .. '[Demo series 2/2]' (01..02)" in proc.stderr
+        assert "or '[Demo series follow-up 1]' (03)" in proc.stderr
+    assert snapshot(cfg) == before
 
 
 @pytest.mark.parametrize("kind", ["fixup", "squash", "amend"])
@@ -323,12 +352,7 @@ def test_autosquash_commits_are_refused_with_the_command_that_folds_them(project
 
 
 def test_a_stage_with_no_patch_is_refused_and_started_as_the_hint_says(project):
-    toml = project.root / "hmastack.toml"
-    toml.write_text(
-        toml.read_text().replace("stages = 2\n", "stages = 2\nfollowups = 1\n")
-    )
-    (project.patches / "03-third").mkdir()
-    (project.patches / "03-third" / "README.md").write_text("# 03-third\n")
+    write_stage(project.root, "03-third", FOLLOW_UP)
     cfg = config.load(project.root)
     exported_series(cfg)
     repo = cfg.workspace("demo")
@@ -336,10 +360,10 @@ def test_a_stage_with_no_patch_is_refused_and_started_as_the_hint_says(project):
     proc = cli("apply")
     assert proc.returncode == 2
     assert "stage 03-third holds no patch" in proc.stderr
-    assert "`hmastack apply --upto 2`" in proc.stderr
+    assert "`hmastack apply --upto 02`" in proc.stderr
     assert "'[Demo series follow-up 1]'" in proc.stderr
     assert head(repo) == at  # nothing was changed
-    assert cli("apply", "--upto", "2").returncode == 0
+    assert cli("apply", "--upto", "02").returncode == 0
     (repo / "README").write_text("follow-up\n")
     sh(repo, "commit", "-qsam", "[Core][Demo series follow-up 1] Start")
     assert cli("export").returncode == 0
@@ -643,7 +667,7 @@ def test_an_interrupted_apply_puts_every_tree_back(
     _, err = child.communicate(timeout=60)
     name = signal.Signals(signum).name
     assert child.returncode == 130, err
-    assert f"interrupted ({name}) while applying stages 1..2" in err
+    assert f"interrupted ({name}) while applying stages 01..02" in err
     assert "every tree was reset to its base (demo at v1.0, other at v2.0)" in err
     assert "Traceback" not in err
     for tree in cfg.trees:
@@ -761,7 +785,7 @@ def _bad(project: config.Config, tmp: Path, case: str) -> tuple[list[str], dict]
         return ["apply"], {"HMASTACK_ROOT": str(tmp)}
     if case == "a malformed hmastack.toml":
         toml = root / "hmastack.toml"
-        toml.write_text(toml.read_text().replace("stages = 2", "stagess = 2"))
+        toml.write_text(toml.read_text().replace("base_date =", "base_datee ="))
         return ["apply"], {}
     if case == "an unknown stage":
         return ["apply", "--upto", "9"], {}
@@ -774,11 +798,7 @@ def _bad(project: config.Config, tmp: Path, case: str) -> tuple[list[str], dict]
         (root / "patches" / "02-second" / "README.md").unlink()
         return ["apply"], {}
     if case == "patches/ missing":
-        (root / "patches" / "01-first" / "README.md").unlink()
-        (root / "patches" / "02-second" / "README.md").unlink()
-        (root / "patches" / "01-first").rmdir()
-        (root / "patches" / "02-second").rmdir()
-        (root / "patches").rmdir()
+        shutil.rmtree(root / "patches")
         return ["apply"], {}
     if case == "export before any workspace":
         return ["export"], {}
@@ -797,9 +817,9 @@ BAD = {
     "HMASTACK_BUILD cannot be written": "cannot be written",
     "a manifest model without its cfg file": "model ghost: its cfg file",
     "HMASTACK_ROOT without hmastack.toml": "hmastack.toml is missing",
-    "a malformed hmastack.toml": "unknown field `stagess`",
-    "an unknown stage": "unknown stage 9",
-    "export --empty-stage of an unknown stage": "unknown stage 9",
+    "a malformed hmastack.toml": "unknown field `base_datee`",
+    "an unknown stage": "unknown stage '9'",
+    "export --empty-stage of an unknown stage": "unknown stage '9'",
     "--jobs 0": "argument --jobs: 0 is too small: 1 or more",
     "a stage without README.md": "stage 02-second has no README.md",
     "patches/ missing": "patches does not exist",

@@ -10,7 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from hmastack.conform.run import all_breaks
+from hmastack.core import config
+from hmastack.site.overview import patch_checks
 from hmastack.spec import manifest as spec_manifest
+from hmastack.stack import refs, series
 
 ROOT = Path(__file__).resolve().parents[2]
 GLOSSARY = ROOT / "docs" / "glossary.md"
@@ -50,7 +54,7 @@ def corpora() -> dict[str, str]:
         vllm += text_of(tree.rglob("*.py"))
     ours = text_of(
         p
-        for d in ("tests", "bench", "src")
+        for d in ("tests", "bench", "src", "patches")
         for p in (ROOT / d).rglob("*")
         if p.suffix in {".py", ".toml", ".json"} and "fixtures" not in p.parts
     )
@@ -100,84 +104,60 @@ def test_glossary_check_bites():
 
 # --- which patch each check guards ---------------------------------------------------
 
-PATCH_TABLE = ["patch", "commit", "conformance breaks", "mutations"]
-
-
-def patch_text(patch: str) -> str:
-    """The diff of patch ``S.N`` (``lmcache S.N``), or "" when there is none."""
-    tree, _, number = patch.rpartition(" ")
-    stage, _, index = number.partition(".")
-    files = sorted(
-        (ROOT / "patches").glob(
-            f"{int(stage):02d}-*/{tree or 'vllm'}/{int(index):04d}-*"
-        )
-    )
-    return text_of(files)
-
 
 def declared() -> dict[str, str]:
-    """Every conformance break and mutation, and the patch it declares."""
-    from hmastack.conform.breaks import BREAKS
-
+    """Every conformance break and mutation, and the commit it declares."""
+    cfg = config.load(ROOT)
     models = spec_manifest.load_manifest(spec_manifest.load_settings(ROOT))
-    out = {name: b.patch for name, b in BREAKS.items()}
+    out = {name: b.patch for name, b in all_breaks(series.discover(cfg)).items()}
     out |= {n: m.patch or "" for n, m in models.items() if n.startswith("mutations/")}
     return out
 
 
-def patch_rows(doc) -> dict[str, str]:
-    """The table of patches: each check named there -> the patch of its row."""
-    (rows,) = [rows for header, rows in doc if header == PATCH_TABLE]
-    listed: dict[str, str] = {}
-    for patch, _, brks, muts in rows:
-        for name in names(brks) + names(muts):
-            assert name not in listed, f"{name} in two rows"
-            listed[name] = patch
-    return listed
-
-
 def wrong_concept_rows(doc, patches: dict[str, str]) -> list[str]:
-    """Rows of the concept tables that name a conformance break whose patch
-    their term does not name (a row names it as "(3.14)")."""
-    from hmastack.conform.breaks import BREAKS
-
+    """Rows of the concept tables that name a conformance break whose commit
+    their term does not name (a row names it as "([03.14 Hold blocks])")."""
     wrong = []
     for header, rows in doc:
         if "tests and benchmarks" not in header:
             continue
         col = header.index("tests and benchmarks")
         for row in rows:
-            ids = re.findall(r"\(([^)]*)\)", row[0])
-            named = {p.strip() for i in ids for p in i.split(",")}
+            named = {m["id"] for m in refs.REF.finditer(row[0])}
             for name in names(row[col]):
-                if name in BREAKS and patches[name] not in named:
+                ref = refs.REF.fullmatch(patches.get(name, ""))
+                if ref and ref["id"] not in named:
                     wrong.append(f"{row[0]}: {name} guards {patches[name]}")
     return wrong
 
 
-def test_each_break_and_mutation_is_listed_at_the_patch_it_declares():
+def test_each_break_and_mutation_names_a_commit_of_the_series():
+    """Every break and mutation names base or a commit that exists with that
+    title; the glossary's table of them is generated from those names, one
+    row per commit."""
+    cfg = config.load(ROOT)
     checks = declared()
-    bad = {n: p for n, p in checks.items() if not spec_manifest.PATCH_ID.fullmatch(p)}
-    assert bad == {}, "checks without a patch id"
-    absent = {p for p in checks.values() if p != "base" and not patch_text(p)}
-    assert absent == set(), "patch ids with no patch file"
-    doc = tables(GLOSSARY.read_text())
-    assert patch_rows(doc) == checks
-    assert wrong_concept_rows(doc, checks) == []
+    commits = series.commits(cfg)
+    bad = {
+        n: p
+        for n, p in checks.items()
+        if p != "base" and not refs.named_by_ref(commits, p)
+    }
+    assert bad == {}, "checks that name no commit"
+    table = patch_checks(cfg)
+    ((header, rows),) = tables(table)
+    assert header == ["patch", "commit", "conformance breaks", "mutations"]
+    listed = {n: row[0] for row in rows for n in names(row[2]) + names(row[3])}
+    assert listed == checks
+    assert "<!-- hmastack:patch-checks -->" in GLOSSARY.read_text()
+    assert wrong_concept_rows(tables(GLOSSARY.read_text()), checks) == []
 
 
 def test_a_wrong_row_of_the_glossary_is_caught():
-    """Witnesses: a break moved to another patch's row, and a concept row
-    naming a break of another patch, both fail the check above."""
+    """Witness: a concept row naming a break of another commit fails the
+    check above."""
     checks = declared()
     text = GLOSSARY.read_text()
-    moved = text.replace(
-        "| `free-held-blocks` | `mutations/free-in-flight` |",
-        "| - | `mutations/free-in-flight` |",
-    ).replace(
-        "| `no-in-flight-fence` |", "| `no-in-flight-fence`, `free-held-blocks` |"
-    )
-    assert moved != text and patch_rows(tables(moved)) != checks
     concept = text.replace(
         "`free-held-blocks` (conformance break)",
         "`no-in-flight-fence` (conformance break)",

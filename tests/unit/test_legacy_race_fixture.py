@@ -1,6 +1,6 @@
 """The legacy-race scenario the stage-0 test drives through vLLM is TLC's trace.
 
-``tests/stages/s00_base/legacy_race_events.json`` holds the events of the
+``patches/base/tests/legacy_race_events.json`` holds the events of the
 ``legacy-race`` counterexample; the stage test replays them against the real
 ``KVCacheManager`` (it runs without Java). This test runs TLC and checks the
 fixture still is the counterexample it reports.
@@ -19,7 +19,7 @@ from hmastack.spec import manifest as spec_manifest
 from hmastack.spec import models as spec
 
 ROOT = Path(__file__).resolve().parents[2]
-FIXTURE = ROOT / "tests" / "stages" / "s00_base" / "legacy_race_events.json"
+FIXTURE = ROOT / "patches" / "base" / "tests" / "legacy_race_events.json"
 
 
 @pytest.mark.tlc

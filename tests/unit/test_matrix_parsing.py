@@ -10,6 +10,7 @@ import pytest
 from hmastack.core.errors import HmastackError
 from hmastack.matrix import pytest_runs
 from hmastack.matrix import stages as matrix
+from hmastack.stack import series
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -194,7 +195,7 @@ def test_lmcache_suite_runs_at_the_stages_that_patch_lmcache(monkeypatch, tmp_pa
     monkeypatch.setattr(matrix, "run_pytest", fake_run_pytest)
     monkeypatch.setattr(matrix, "run_ruff", lambda *args: "n/a")
     monkeypatch.setattr(matrix, "git", lambda *args: "0" * 40)
-    monkeypatch.setattr(matrix, "our_stage_tests", lambda cfg, k: [])
+    monkeypatch.setattr(matrix, "our_stage_tests", lambda cfg, k, own=False: [])
     trees = {"vllm": tmp_path / "vllm", "lmcache": tmp_path / "lmcache"}
     for stage, lmcache_patches in ((3, 0), (4, 3)):
         calls.clear()
@@ -217,7 +218,7 @@ def test_lmcache_suite_runs_at_the_stages_that_patch_lmcache(monkeypatch, tmp_pa
                 cfg.suite.lmcache,
                 trees["lmcache"],
                 [trees["vllm"], trees["lmcache"]],
-                f"stage-{stage}-lmcache.log",
+                f"stage-{series.everything(cfg)[stage].key}-lmcache.log",
             )
         ]
 
@@ -274,6 +275,21 @@ def test_quick_stages_run_the_test_files_their_own_commits_add_or_change(tmp_pat
     assert matrix.own_vllm_tests(cfg, tmp_path, 0, deselected) == []  # type: ignore[arg-type]
 
 
-def test_quick_matrix_keeps_the_base_and_the_last_stage():
-    cfg = SimpleNamespace(series=SimpleNamespace(stages=4), num_stages=8)
-    assert matrix.full_stages(cfg) == {0, 8}  # type: ignore[arg-type]
+def test_quick_matrix_keeps_the_base_and_the_last_stage(project):
+    assert matrix.full_stages(project) == {0, 2}
+
+
+def test_stage_tests_are_the_base_and_each_stages_tests_folder(project):
+    """The stage matrix runs ``patches/base/tests`` and the ``tests/`` of each
+    stage up to the one it checks (with ``own``: that stage's alone); a folder
+    without a test file is not run."""
+    for name in ("base", "01-first", "02-second"):
+        (project.patches / name / "tests").mkdir(parents=True)
+        (project.patches / name / "tests" / "test_x.py").write_text("")
+    (project.patches / "02-second" / "tests" / "test_x.py").unlink()
+    names = [p.parent.name for p in matrix.our_stage_tests(project, 2)]
+    assert names == ["base", "01-first"]
+    assert matrix.our_stage_tests(project, 1, own=True) == [
+        project.patches / "01-first" / "tests"
+    ]
+    assert matrix.our_stage_tests(project, 2, own=True) == []

@@ -41,7 +41,7 @@ def test_each_commit_is_applied_with_the_ones_before_it(three_commits):
         "[Core][Demo series 2/2] Change f5",
         "[Core][Demo series 2/2] Change f7",
     ]
-    assert [r.stage for r in results] == [1, 2, 2]
+    assert [r.stage for r in results] == ["01", "02", "02"]
     # The clone holds exactly the first two commits while checking the second.
     repo = cfg.build / "commits" / "0" / "demo"
     assert git(repo, "rev-parse", "HEAD") == results[-1].head

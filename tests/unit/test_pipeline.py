@@ -50,7 +50,7 @@ def steps(monkeypatch):
 
         return run_step
 
-    cfg = SimpleNamespace(trees={"demo": SimpleNamespace(tag="v1")}, num_stages=2)
+    cfg = SimpleNamespace(trees={"demo": SimpleNamespace(tag="v1")})
     monkeypatch.setattr(pipeline.config, "load", lambda: cfg)
     for name, module in MODULES.items():
         monkeypatch.setattr(module, "run_step", step(name))

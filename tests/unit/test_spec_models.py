@@ -172,10 +172,12 @@ def test_passing_series_models_check_every_safety_property_they_claim():
 def test_each_fix_of_stage_03_bites():
     """A model of stage 03's allocation alone (SeriesAllocOnly) fails where the
     commits of stage 03 (SeriesAsCoded) pass with the same constants: the save
-    race (patch 3.14), the stale read after an abort (patch 3.5), the stall as
-    a deadlock and as a liveness failure (patch 3.7), a connector whose loads
-    all fail (patch 3.9: without it the request loads again for ever). Patch
-    3.8 is witnessed by its mutation (mutations/range-by-cached)."""
+    race ([03.14 Hold blocks]), the stale read after an abort
+    ([03.5 All sharers of a failed KV block]), the stall as a deadlock and as a
+    liveness failure ([03.7 Fix a stall]), a connector whose loads all fail
+    ([03.9 No new KV load]: without it the request loads again for ever).
+    [03.8 Handle a failed sync KV load] is witnessed by its mutation
+    (mutations/range-by-cached)."""
     MAIN, CODED = '"SeriesAllocOnly"', '"SeriesAsCoded"'
     pairs = [
         ("series-save-race", "series-saves", MAIN, CODED),
@@ -259,9 +261,11 @@ def test_parse_model_rejects_bad_entries(tmp_path):
     # a mutation names the patch it switches off, as an id
     with pytest.raises(ValueError, match="names the patch"):
         spec_manifest.parse_model("mutations/m", {"result": "success"}, tmp_path)
-    with pytest.raises(ValueError, match="an id such as 3.14"):
+    with pytest.raises(ValueError, match="must be base or a reference"):
         parse(result="success", patch="patch 14")
-    assert parse(result="success", patch="lmcache 4.2").patch == "lmcache 4.2"
+    ref = "[lmcache 04.2 vLLM integration: describe]"
+    assert parse(result="success", patch=ref).patch == ref
+    assert parse(result="success", patch="base").patch == "base"
 
 
 def test_malformed_manifest_names_the_model(tmp_path):
@@ -575,3 +579,22 @@ def test_each_tlc_run_reads_the_standard_modules_from_its_own_directory(
     parsed = re.findall(r"Parsing file (\S*Sequences\.tla)", out.stdout)
     assert parsed, out.stdout[-2000:]
     assert all(Path(p).parent == work / "tmp" for p in parsed), parsed
+
+
+def test_each_model_belongs_to_one_stage():
+    """Every model of the manifest is one stage's: named in its [spec] models
+    (the base's for 0.13.0), or a mutation of the commit its patch names;
+    every model and counterexample a stage names exists."""
+    from hmastack.core import config
+    from hmastack.site.docs import mutation_stages
+    from hmastack.stack import series
+
+    cfg = config.load(ROOT)
+    models = spec_manifest.load_manifest(spec_manifest.load_settings(ROOT))
+    stages = series.everything(cfg)
+    named = [(m, s.key) for s in stages for m in s.info.spec.models]
+    owner = dict(named) | mutation_stages(cfg)
+    assert len(dict(named)) == len(named), "a model named by two stages"
+    assert sorted(owner) == sorted(models)
+    shown = [c.model for s in stages for c in s.info.spec.counterexamples]
+    assert shown and set(shown) <= set(models)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,14 @@ def test_violation_kinds():
     assert parse_tool_output(temporal).kind == "liveness"
     deadlock = "@!@!@STARTMSG 2114:1 @!@!@\nDeadlock reached.\n@!@!@ENDMSG 2114 @!@!@\n"
     assert parse_tool_output(deadlock).kind == "deadlock"
+
+
+def test_the_captured_fixtures_carry_no_machine_paths():
+    """TLC's captured output names the files it parsed: the fixtures hold them
+    as ``<build>/...`` and ``<tmp>/...``, not as one machine's paths."""
+    machine = re.compile(r"(?<![\w<>.-])/(?:work|tmp|home|root|Users|var)/")
+    for path in sorted(FIXTURES.iterdir()):
+        text = path.read_text()
+        assert not machine.search(text), path.name
+        assert "<build>/spec/" in text, path.name
+    assert machine.search("Parsing file /work/x/build/spec/M.tla")

@@ -16,6 +16,7 @@ from hmastack.core.errors import HmastackError
 from hmastack.e2e import environment
 from hmastack.matrix import pytest_runs
 from hmastack.spec import manifest as spec_manifest
+from hmastack.stack import series
 
 ROOT = Path(__file__).resolve().parents[2]
 HMASTACK_TOML = (ROOT / "hmastack.toml").read_text()
@@ -31,8 +32,8 @@ def _config_error(tmp_path: Path, old: str, new: str) -> str:
 
 
 def test_hmastack_toml_wrong_type_names_the_key_and_the_value(tmp_path):
-    message = _config_error(tmp_path, "stages = 4", 'stages = "4"')
-    assert "Expected `int`, got `str` - at `series.stages`" in message
+    message = _config_error(tmp_path, 'base_date = "', 'base_date = 4\nx = "')
+    assert "Expected `str`, got `int` - at `series.base_date`" in message
 
 
 def test_hmastack_toml_missing_key_names_the_tree(tmp_path):
@@ -65,14 +66,34 @@ def test_hmastack_toml_wrong_type_in_a_list_and_a_peer(tmp_path):
         ('ruff = "0.14.0"', 'rufff = "0.14.0"', "`rufff` - at `trees.vllm`"),
         # a table the file does not have
         ("[env]\n", "[extra]\nx = 1\n\n[env]\n", "`extra`"),
-        # a typo of followups is named as such, not as a wrong stage count
-        ("\nfollowups = ", "\nfollowup = ", "`followup` - at `series`"),
+        # the stages are the directories: a count of them is no key
+        ("[series]\n", "[series]\nstages = 4\n", "`stages` - at `series`"),
         ("member_sha256", "member_sha", "`member_sha` - at `e2e.kernels`"),
     ],
 )
 def test_hmastack_toml_refuses_unknown_keys_and_tables(tmp_path, old, new, expected):
     message = _config_error(tmp_path, old, new)
     assert "Object contains unknown field " + expected in message
+
+
+def test_a_stage_toml_names_the_key_that_does_not_match(project):
+    """patches/*/stage.toml has one schema (hmastack.stack.series.StageFile):
+    a wrong type, an unknown key or a value the schema does not allow names
+    the file and the key."""
+    toml = project.patches / "02-second" / "stage.toml"
+    for text, expected in [
+        ('tag = "T"\n[e2e]\nrun = "x"\n', "Expected `array`, got `str` - at `e2e.run`"),
+        ('tag = "T"\n[e2e]\nrunn = []\n', "unknown field `runn` - at `e2e`"),
+        (
+            'tag = "T"\n[[conform.breaks]]\nname = "b"\n',
+            "missing required field `patch` - at `conform.breaks[0]`",
+        ),
+        ('tag = "T"\n[bench]\nchecks = ["eagle"]\n', "at `bench.checks[0]`"),
+    ]:
+        toml.write_text(text)
+        with pytest.raises(HmastackError) as err:
+            series.discover(project)
+        assert str(toml) in err.value.message and expected in err.value.message
 
 
 def test_every_configuration_file_refuses_unknown_keys(tmp_path):

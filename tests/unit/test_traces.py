@@ -12,7 +12,7 @@ import pytest
 from hmastack.spec import tlc, traces
 
 ROOT = Path(__file__).resolve().parents[2]
-SMALL_CFG = ROOT / "tests/stages/s03_connector_allocate/fixtures/replay-small.cfg"
+(SMALL_CFG,) = ROOT.glob("patches/*/tests/fixtures/replay-small.cfg")
 
 TRACE_FILE = """---------------- MODULE trace_0_0 -----------------
 STATE_1 == 
@@ -121,3 +121,24 @@ def test_cli_writes_under_reports(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     index = json.loads((out / "index.json").read_text())
     assert index["num"] == 3 and len(index["traces"]) == 3
+
+
+def test_every_committed_behaviour_has_the_one_schema(tmp_path):
+    """The replays' fixtures (behaviours, their indexes, counterexamples) decode
+    as hmastack_testkit.traces' schema and encode back to the same JSON; a
+    document with another key is refused, naming the file."""
+    from hmastack_testkit import traces as schema
+
+    found = sorted(ROOT.glob("patches/*/tests/fixtures/**/*.json"))
+    assert len(found) > 60
+    for path in found:
+        doc = (
+            schema.read_index(path.parent)
+            if path.name == "index.json"
+            else (schema.read(path))
+        )
+        assert schema.to_json(doc) == json.loads(path.read_text()), path
+    bad = tmp_path / "trace-0000.json"
+    bad.write_text(json.dumps({**json.loads(found[-1].read_text()), "extra": 1}))
+    with pytest.raises(ValueError, match="trace-0000.json is no trace"):
+        schema.read(bad)

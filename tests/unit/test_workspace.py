@@ -3,15 +3,16 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import msgspec
 import pytest
 
 from hmastack.core import config
 from hmastack.core.errors import HmastackError
 from hmastack.core.gitutil import git, git_proc, identity_env
-from hmastack.stack import base, workspace
+from hmastack.stack import base, series, workspace
 
-from .conftest import SERIES_AUTHOR, make_sdist
+from .conftest import SERIES_AUTHOR, TAG, make_sdist, write_stage
+
+FOLLOW_UP = 'tag = "Demo series follow-up {k}"\n'
 
 
 def commit_change(cfg, stage: int, path: str, old: str, new: str, title: str):
@@ -163,17 +164,21 @@ def test_commit_without_stage_in_subject_is_refused(project):
         workspace.export(project, check=True)
 
 
-def test_unknown_stage_number(project):
-    with pytest.raises(HmastackError, match="unknown stage 7"):
-        workspace.check_stage_number(project, 7)
+def test_unknown_stage_name(project):
+    assert series.number(project, "02") == 2
+    assert series.number(project, "01-first") == 1
+    assert series.number(project, "base") == 0
+    assert series.number(project, None) == 2
+    with pytest.raises(HmastackError, match="unknown stage '7'"):
+        series.number(project, "7")
     proc = subprocess.run(
-        [sys.executable, "-m", "hmastack", "apply", "--upto", "7"],
+        [sys.executable, "-m", "hmastack", "apply", "--upto", "07"],
         capture_output=True,
         text=True,
     )
     assert proc.returncode == 2
-    assert "unknown stage 7" in proc.stderr
-    assert "0 (the untouched base) to 2" in proc.stderr
+    assert "unknown stage '07'" in proc.stderr
+    assert "base, 01, 02" in proc.stderr
 
 
 def test_stage_without_readme_is_refused(project):
@@ -195,33 +200,80 @@ def test_unknown_tree_directory_is_refused(project):
 
 
 def test_subject_stage_of_series_and_follow_up(project):
-    follow = msgspec.structs.replace(
-        project, series=msgspec.structs.replace(project.series, followups=2)
+    """Each stage's tag is its stage.toml's, {k}/{n} counted among the stages
+    of the same tag in directory order; a subject names the stage whose tag it
+    carries."""
+    write_stage(project.root, "03-third", FOLLOW_UP)
+    write_stage(project.root, "00a-fix", 'tag = "Demo fix"\n')
+    stages = series.discover(project)
+    assert [(s.key, s.number, s.tag) for s in stages] == [
+        ("00a", 1, "Demo fix"),
+        ("01", 2, "Demo series 1/2"),
+        ("02", 3, "Demo series 2/2"),
+        ("03", 4, "Demo series follow-up 1"),
+    ]
+
+    # {i}/{t}: the place in the whole series.
+    (project.patches / "00a-fix" / "stage.toml").write_text('tag = "Demo {i}/{t}"\n')
+    assert [s.tag for s in series.discover(project)][0] == "Demo 1/4"
+    (project.patches / "00a-fix" / "stage.toml").write_text('tag = "Demo fix"\n')
+
+    def stage_of(subject):
+        found = series.subject_stage(stages, subject)
+        return found.key if found else None
+
+    assert stage_of("[Core][Demo series 2/2] x") == "02"
+    assert stage_of("[Core][Demo series follow-up 1] x") == "03"
+    assert stage_of("[Core][Demo fix] x") == "00a"
+    assert stage_of("[Core][Demo series 3/2] x") is None
+    assert stage_of("[Core][Demo series 2/3] x") is None
+    assert stage_of("[Core][Other 1/2] x") is None
+    # a tag once, as rendered: no leading zero, no second tag
+    assert stage_of("[Core][Demo series 02/2] x") is None
+    assert stage_of("[Core][Demo series follow-up 01] x") is None
+    assert stage_of("[Core][Demo series 1/2][Demo series 2/2] x") is None
+    assert stage_of("[Core][Demo fix] x [Demo fix]") is None
+    assert series.why_no_stage(stages, "[Core][Demo series 3/2] x") == (
+        "'[Demo series 3/2]' names no stage: the tags of its form are "
+        "'[Demo series 1/2]' .. '[Demo series 2/2]' (01..02)"
     )
-    assert follow.num_stages == 4
-    assert workspace.subject_stage(follow, "[Core][Demo series 2/2] x") == 2
-    assert workspace.subject_stage(follow, "[Core][Demo series follow-up 1] x") == 3
-    assert workspace.subject_stage(follow, "[Core][Demo series follow-up 2] x") == 4
-    # "K/N" names stage K of the series' N stages only.
-    assert workspace.subject_stage(follow, "[Core][Demo series 3/2] x") is None
-    assert workspace.subject_stage(follow, "[Core][Demo series 3/3] x") is None
-    assert workspace.subject_stage(follow, "[Core][Other 1/2] x") is None
-    assert follow.stage_tag(2) == "[Demo series 2/2]"
-    assert follow.stage_tag(3) == "[Demo series follow-up 1]"
+    assert series.tag_forms(stages) == (
+        "'[Demo fix]' (00a) or '[Demo series 1/2]' .. '[Demo series 2/2]' (01..02) "
+        "or '[Demo series follow-up 1]' (03)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "toml", "error"),
+    [
+        ("01-again", TAG, "two stages under .* have the key 01"),
+        ("03-same", 'tag = "Demo series 2/2"\n', "is another stage's too"),
+        ("03-no-tag", "", "has no tag"),
+        ("03-bad", 'tag = "Demo {stage}"\n', "is not a tag"),
+        ("03-bracket", 'tag = "[Demo]"\n', "is not a tag"),
+        ("3-short", TAG, "is not a stage directory"),
+        ("03-unknown", TAG + "hmm = 1\n", "unknown field `hmm`"),
+        ("03-connector", TAG + 'hma = ["tset"]\n', "at `hma\\[0\\]`"),
+    ],
+)
+def test_a_stage_directory_that_names_no_stage_is_refused(project, name, toml, error):
+    write_stage(project.root, name, toml)
+    with pytest.raises(HmastackError, match=error):
+        series.discover(project)
+
+
+def test_a_stage_without_stage_toml_is_refused(project):
+    (project.patches / "02-second" / "stage.toml").unlink()
+    with pytest.raises(HmastackError, match="02-second has no stage.toml"):
+        series.discover(project)
 
 
 def test_follow_up_stage_exports_into_its_directory(project):
-    """A follow-up stage (``followups = 1`` in hmastack.toml) is stage N + 1:
-    its commits carry ``[<title_tag> follow-up 1]``; a ``K/N`` tag beyond the
-    series is refused with the accepted forms."""
-    toml = project.root / "hmastack.toml"
-    toml.write_text(
-        toml.read_text().replace("stages = 2\n", "stages = 2\nfollowups = 1\n")
-    )
-    (project.patches / "03-third").mkdir()
-    (project.patches / "03-third" / "README.md").write_text("# 03-third\n")
+    """A follow-up stage is a directory with its own tag: its commits carry
+    ``[Demo series follow-up 1]`` and export writes them there; a tag of no
+    stage is refused, naming every stage's tag."""
+    write_stage(project.root, "03-third", FOLLOW_UP)
     cfg = config.load(project.root)
-    assert cfg.num_stages == 3
     base.materialize(cfg, cfg.tree("demo"))
     workspace.apply(cfg, 3)
     repo = cfg.workspace("demo")
@@ -286,7 +338,7 @@ def test_export_after_a_failed_apply_refuses_and_deletes_nothing(project):
         with pytest.raises(HmastackError, match="the last `hmastack apply` failed"):
             workspace.export(project, check=check)
     assert snapshot(project) == before
-    assert "`hmastack apply --upto 1` brings every tree" in proc.stderr
+    assert "`hmastack apply --upto 01` brings every tree" in proc.stderr
     assert "every tree was reset to its base" in err.value.hint
     # not a patch at all: nothing to rebase, the file is to be restored
     assert "git checkout -- " in err.value.hint and "rebase" not in err.value.hint
@@ -474,7 +526,7 @@ def test_rebase_after_a_failed_apply_as_its_hint_says(project):
     assert workspace.export(project, check=True) == []
     workspace.apply(project, 2)
     assert "return 77" in core.read_text()
-    assert "hmastack apply --upto 1" in err.value.hint
+    assert "hmastack apply --upto 01" in err.value.hint
 
 
 def test_export_names_every_refused_commit_of_every_tree(project):

@@ -218,9 +218,9 @@ def ratio_rows(
 
 
 def is_series(tree_label: str) -> bool:
-    """A stage of the series or a commit prefix of one (``stage 3``,
-    ``stage 3.2``), not the base (``stage 0``) nor the peer."""
-    return tree_label.startswith("stage ") and tree_label != "stage 0"
+    """A stage of the series, a commit prefix of one (``stage KEY``, ``stage
+    KEY.J``) or a slowed copy, not the base nor the peer."""
+    return tree_label.startswith("stage ")
 
 
 def to_profile(row: dict) -> bool:

@@ -21,10 +21,10 @@ from hmastack.bench.trees import (
     commit_trees,
     run_scenario,
     slowed_tree,
-    tree_stage,
 )
 from hmastack.core.config import Config
 from hmastack.stack import env as env_mod
+from hmastack.stack import series
 
 
 @dataclass
@@ -214,20 +214,14 @@ def _run_each(cfg, pyenv, trees, name, args):
     return alternate(trees, 1, lambda t, _: run_scenario(cfg, pyenv, t, name, args))
 
 
-# The first stage whose prefix cache hits follow the eagle rule
-# (patches/05-eagle-hits); its hits are checked exactly, earlier trees and the
-# peer are reported.
-EAGLE_RULE_STAGE = 5
-
-
 EAGLE_WINDOWS = [128, 512]
 
 
-def is_stage_tree(label: str) -> bool:
-    """A stage (``"stage 3"``) or a commit of one (``"stage 3.2"``), not the
-    peer or a slowed copy."""
-    kind, _, num = label.partition(" ")
-    return kind == "stage" and num.replace(".", "", 1).isdigit()
+def check_from(cfg: Config, check: str) -> int | None:
+    """The number of the first stage whose ``[bench] checks`` names ``check``
+    (None: no stage does)."""
+    stage = series.first_with(series.discover(cfg), check, "bench.checks")
+    return None if stage is None else stage.number
 
 
 def eagle_first_cached_block(kind: str, window: int, B: int, row: dict) -> int:
@@ -276,15 +270,21 @@ def bench_eagle(
     args = {"patterns": plan["patterns"], "windows": EAGLE_WINDOWS, "block_size": B}
     results, errors = _run_each(cfg, pyenv, trees, "eagle_hits", args)
     rows, mismatches = [], []
+    # The first stage whose hits follow the rule: its hits and those of the
+    # stages after it are checked exactly, earlier trees and the peer reported.
+    rule_from = check_from(cfg, "eagle-rule")
+    stage_of = {t.label: t.stage for t in trees}
     # No stage's hit (a commit's included) is below the base's, in any case.
     base = {
         (r["pattern"], r["window"], r["case"]): r["hit"]
-        for runs in [results.get("stage 0") or []]
+        for t in trees[:1]
+        if t.stage == 0
+        for runs in [results.get(t.label) or []]
         for r in (runs[0]["rows"] if runs else [])
     }
     for label, runs in results.items():
-        stage = tree_stage(label)
-        checked = stage is not None and stage >= EAGLE_RULE_STAGE
+        stage = stage_of.get(label)
+        checked = stage is not None and rule_from is not None and stage >= rule_from
         for r in runs[0]["rows"] if runs else []:
             kinds = GROUP_KINDS[r["pattern"]]
             rule = expected_eagle_hit(kinds, r["window"], B, r)
@@ -292,7 +292,7 @@ def bench_eagle(
             if checked and r["hit"] != rule:
                 mismatches.append(f"{where}: hit {r['hit']} (want {rule})")
             floor = base.get((r["pattern"], r["window"], r["case"]))
-            if is_stage_tree(label) and floor is not None and r["hit"] < floor:
+            if stage and floor is not None and r["hit"] < floor:
                 mismatches.append(f"{where}: hit {r['hit']} (the base's {floor})")
             rows.append(
                 {
@@ -312,8 +312,13 @@ def bench_eagle(
         "method": "a prompt computed (or loaded by a KV connector first) and "
         "freed, blocks evicted from one group, then the same prompt's prefix "
         "cache hit (get_computed_blocks) with eagle on and off; B=16; 'rule': the "
-        f"longest hit by the rule, checked exactly from stage {EAGLE_RULE_STAGE} on; "
-        "at every stage (and commit) no hit below the base's",
+        "longest hit by the rule, checked exactly "
+        + (
+            f"from stage {series.key_of(series.discover(cfg), rule_from)} on; "
+            if rule_from
+            else "nowhere (no stage names the rule); "
+        )
+        + "at every stage (and commit) no hit below the base's",
         "checked": "exact" if not mismatches else "MISMATCH",
         "mismatches": mismatches,
         "errors": errors,
@@ -417,15 +422,15 @@ def run_cpu_time(ctx: Context) -> dict:
 def count_trees(ctx: Context) -> list[BenchTree]:
     """The trees whose instructions are counted: the base, each stage preceded by
     its partial commits (full set), the peer (full set)."""
-    stages = [t for t in ctx.trees if t.label != PEER_LABEL]
+    stages = [t for t in ctx.trees if t.stage is not None]
     out = [stages[0]]
-    commits: dict[str, list[BenchTree]] = {}
+    commits: dict[int, list[BenchTree]] = {}
     if ctx.plan["commits"]:
-        numbers = [int(t.label.split()[1]) for t in stages[1:]]
+        numbers = [t.stage for t in stages[1:] if t.stage is not None]
         for t in commit_trees(ctx.cfg, numbers):
-            commits.setdefault(t.label.split()[1].split(".")[0], []).append(t)
+            commits.setdefault(t.stage or 0, []).append(t)
     for t in stages[1:]:
-        out += commits.get(t.label.split()[1], [])
+        out += commits.get(t.stage or 0, [])
         out.append(t)
     if ctx.plan["peer_cost"]:
         out += [t for t in ctx.trees if t.label == PEER_LABEL]
@@ -451,14 +456,13 @@ def run_instructions(ctx: Context) -> dict:
         }
     cg, server = ctx.counting
     trees = count_trees(ctx)
-    stages = [t for t in ctx.trees if t.label.startswith("stage ")]
+    stages = [t for t in ctx.trees if t.stage is not None]
     last = stages[-1]
     plan = {**ctx.plan["counts"]}
     plan["repeat"] = [stages[0].label, last.label][: plan.get("repeat_trees", 2)]
     witness = None
-    if last is not stages[0]:
-        k = int(last.label.split()[1])
-        slowed = slowed_tree(ctx.cfg, k, bench_cost.SLOWDOWN)
+    if last is not stages[0] and last.stage:
+        slowed = slowed_tree(ctx.cfg, last.stage, bench_cost.SLOWDOWN)
         witness = bench_cost.Witness(slowed, last)
     return bench_counts.instruction_counts(
         ctx.cfg, ctx.pyenv, trees, plan, cg, server, witness

@@ -5,6 +5,7 @@ scenario, a colour and a marker per tree.
 from __future__ import annotations
 
 import math
+import re
 from typing import TYPE_CHECKING, Any
 
 from hmastack.bench import cost as bench_cost
@@ -32,19 +33,20 @@ TAB10 = [
 
 
 def tree_color(label: str) -> str:
-    """The same colour for a tree in every plot: stage k is ``Ck`` (tab10), its
-    partial commits ``stage k.j`` a lighter ``Ck``, a slowed copy black, the
-    peer C9."""
+    """The same colour for a tree in every plot: the base ``C0``, stage KEY
+    ``Ck`` (tab10, k from the key's digits), its partial commits ``stage
+    KEY.J`` a lighter ``Ck``, a slowed copy black, the peer C9."""
+    if label == "base":
+        return TAB10[0]
     kind, _, rest = label.partition(" ")
-    num, _, suffix = rest.partition(" ")
-    if kind != "stage":
+    key, _, suffix = rest.partition(" ")
+    digits = re.match(r"\d+", key)
+    if kind != "stage" or digits is None:
         return TAB10[9]
     if suffix:
         return "#000000"
-    whole, _, part = num.partition(".")
-    if not whole.isdigit():
-        return TAB10[9]
-    color = TAB10[int(whole) % 9]
+    color = TAB10[int(digits[0]) % 9]
+    _, _, part = key.partition(".")
     if not part:
         return color
     mix = 0.35 + 0.3 / (int(part) + 1)  # lighter for earlier commits

@@ -1,9 +1,9 @@
 """Benchmarks: what the series changes in memory, admission and scheduler cost.
 
-``hmastack bench [--quick] [--stages 1-3] [--no-peer] [--no-instructions]
+``hmastack bench [--quick] [--stages KEYS] [--no-peer] [--no-instructions]
 [--count-settings quick|full] [--no-commits] [--throughput] [--only NAMES]`` runs
 the scenarios of :data:`SCENARIOS` (scripts in ``bench/scenarios/``), each INSIDE
-one vLLM tree's process (``trees``), on the base (stage 0), on each
+one vLLM tree's process (``trees``), on the base, on each
 selected stage and on the vLLM 0.14.0 peer, alternating trees:
 
 1. ``peak_blocks``: peak blocks per KV cache group for one request with an
@@ -23,7 +23,8 @@ selected stage and on the vLLM 0.14.0 peer, alternating trees:
 4. ``scheduler_cost``: CPU time of the same calls, noisy, beside the counts.
 5. ``eagle_hits``: the prefix cache hit (tokens) of a request whose prompt was
    cached (fully, evicted in one group, loaded by a KV connector), with eagle on
-   and off. Checked exactly from stage 5 on against the rule
+   and off. Checked exactly from the stage whose ``[bench] checks`` names
+   "eagle-rule" on, against the rule
    (:func:`expected_eagle_hit`); earlier trees and the peer are reported.
 
 Results: ``build/reports/bench/<scenario>.json``, ``summary.md`` (tables), one
@@ -35,10 +36,11 @@ in :data:`SCENARIOS`.
 Optional (``--throughput``, ``--only throughput``; in ``hmastack run --full``, not in
 ``make test``): ``throughput``, the real engine (``build/e2e-env``) serving a
 batch whose long prefixes come from a KV connector under a memory-bound and a
-control KV budget, base (HMA off) against stages 3/4 (``throughput``); and
-``throughput_nixl``, the same budgets on the decode side of a P/D pair with
-NixlConnector (two engines, NIXL over UCX on 127.0.0.1), base (HMA off) against
-stage 6, on the Gemma-3-like and gpt-oss-like layouts.
+control KV budget, base (HMA off) against the stages whose ``[bench]
+throughput`` names the set (``throughput``); and ``throughput_nixl``, the same
+budgets on the decode side of a P/D pair with NixlConnector (two engines, NIXL
+over UCX on 127.0.0.1), base (HMA off) against the first stage whose ``hma``
+names "nixl", on the Gemma-3-like and gpt-oss-like layouts.
 """
 
 from __future__ import annotations
@@ -87,9 +89,9 @@ from hmastack.bench.tables import print_table, summary_markdown
 from hmastack.bench.trees import (
     PEER_LABEL,
     BenchTree,
+    bench_tree,
     parse_stages,
     peer_tree,
-    stage_tree,
 )
 from hmastack.core.config import Config
 from hmastack.core.errors import HmastackError
@@ -385,10 +387,8 @@ def run_bench(
     # kernels); the others run in build/bench/stages and the peer's tree.
     if set(only) <= set(OPTIONAL):
         selected, no_peer = [], True
-    trees = (
-        [BenchTree("stage 0", stage_tree(cfg, 0))] if selected or not no_peer else []
-    )
-    trees += [BenchTree(f"stage {k}", stage_tree(cfg, k)) for k in selected]
+    trees = [bench_tree(cfg, 0)] if selected or not no_peer else []
+    trees += [bench_tree(cfg, k) for k in selected]
     skipped: dict[str, str] = {}
     if not no_peer:
         path, why = peer_tree(cfg)

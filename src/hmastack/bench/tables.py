@@ -8,9 +8,7 @@ from hmastack.bench import cost as bench_cost
 from hmastack.bench.plots import (
     categories,
 )
-from hmastack.bench.trees import (
-    tree_stage,
-)
+from hmastack.bench.trees import is_stage
 from hmastack.core.markdown import md_table
 from hmastack.core.progress import console
 
@@ -173,11 +171,9 @@ def eagle_markdown(rows: list[dict]) -> str:
     table = []
     for pattern, W, case in categories(rows, "pattern", "W", "case"):
         mine = [by.get((t, pattern, W, case)) for t in trees]
-        # The rule and the hit without eagle: from the latest stage measured.
-        ref = max(
-            (r for r in mine if r and tree_stage(r["tree"]) is not None),
-            key=lambda r: tree_stage(r["tree"]) or 0,
-        )
+        # The rule and the hit without eagle: from the latest stage measured
+        # (the trees are in the series' order, the peer last).
+        ref = [r for r in mine if r and is_stage(r["tree"])][-1]
         table.append(
             [pattern, W, case, ref["prompt"]]
             + [r["hit (eagle)"] if r else "-" for r in mine]

@@ -5,14 +5,16 @@ vLLM 0.13.0's engine on CPU (the end-to-end environment of ``hmastack e2e``,
 from the CPU test connector (``hmastack_testkit.e2e.connector``), on the tiny
 Gemma-3-like model (5 sliding-window layers, W=32, and 1 full-attention layer;
 ``hmastack_testkit.e2e.models``). One engine process per run
-(``hmastack_testkit.e2e.throughput``); runs alternate between the trees (base,
-stage 3, stage 4: A B C, C B A, ...) within one invocation, for each KV budget:
+(``hmastack_testkit.e2e.throughput``); runs alternate between the trees (the
+base and the stages whose ``[bench] throughput`` names the set: A B C, C B A,
+...) within one invocation, for each KV budget:
 
 * **memory-bound**: a pool of :data:`MEMORY_BOUND_LAYER_BLOCKS` blocks of one
   layer. The base runs as 0.13.0 does with a connector: HMA off (the plain
   test connector), so a block holds all 6 layers and every token of a request
-  takes one (240 blocks: 3 requests of 65-69 blocks fit at once). From stage 3
-  HMA stays on with the connector that supports it (``SupportsHMA``): the
+  takes one (240 blocks: 3 requests of 65-69 blocks fit at once). From the
+  stage whose ``hma`` names "test" HMA stays on with the connector that
+  supports it (``SupportsHMA``): the
   full-attention group takes a block per 16 tokens, each sliding-window group
   only its window; the same memory holds the whole batch.
 * **control** (negative control): :data:`CONTROL_LAYER_BLOCKS`, enough for the
@@ -42,7 +44,6 @@ from __future__ import annotations
 import statistics
 import time
 from pathlib import Path
-from typing import Any
 
 import msgspec
 
@@ -51,6 +52,8 @@ from hmastack.bench.trees import round_order
 from hmastack.core.config import Config
 from hmastack.core.errors import HmastackError
 from hmastack.core.progress import console, step
+from hmastack.stack import series
+from hmastack.stack.series import Stage
 
 MODEL = "gemma-5to1"
 LAYERS = 6  # layers of MODEL: a block holds all of them with HMA off
@@ -64,26 +67,32 @@ MEMORY_BOUND_LAYER_BLOCKS = 1440
 # HMA off: 1200 blocks hold the 16 requests (69 blocks each) at once.
 CONTROL_LAYER_BLOCKS = 6 * 1200
 CASES = {"memory-bound": MEMORY_BOUND_LAYER_BLOCKS, "control": CONTROL_LAYER_BLOCKS}
-HMA_FROM_STAGE = 3  # the stage from which the test connector keeps HMA on
-# The trees besides the base: (stage, HMA forced on). "stage 0 (HMA on)" is
-# 0.13.0 with HMA forced on (the SupportsHMA test connector): it separates what
-# the hybrid manager's groups cost per step from what the series changes.
-FULL: dict[str, Any] = {"trees": [(0, True), (3, None), (4, None)], "rounds": 3}
-QUICK: dict[str, Any] = {"trees": [(3, None)], "rounds": 2}
+ROUNDS = {"full": 3, "quick": 2}
 PROCESS_TIMEOUT = 420.0  # seconds: start-up, store phase and the measured batch
 
 
-def tree_label(stage: int, hma: bool | None) -> str:
-    return f"stage {stage}" + (" (HMA on)" if hma and stage < HMA_FROM_STAGE else "")
+def trees(stages: list[Stage], quick: bool) -> dict[str, tuple[int, bool]]:
+    """The runs' trees, label -> (stage number, HMA on): the base with HMA
+    off; in the full set also "base (HMA on)", 0.13.0 with HMA forced on (the
+    SupportsHMA test connector: it separates what the hybrid manager's groups
+    cost per step from what the series changes); the stages (of
+    :func:`series.everything`) whose ``[bench] throughput`` names the set, HMA
+    on from the first stage whose ``hma`` names "test"."""
+    which = "quick" if quick else "full"
+    out = {series.BASE: (0, False)}
+    if not quick:
+        out[f"{series.BASE} (HMA on)"] = (0, True)
+    hma: set[str] = set()
+    for s in stages[1:]:
+        hma.update(s.info.hma)
+        if which in s.info.bench.throughput:
+            out[s.label] = (s.number, "test" in hma)
+    return out
 
 
-def plan(
-    case: str, stage: int, model_dir: Path, store: Path, hma: bool | None = None
-) -> dict:
-    """The engine plan of one run (``hmastack_testkit.e2e.throughput``): HMA on from
-    :data:`HMA_FROM_STAGE` (the test connector that supports it) unless
-    ``hma`` says otherwise."""
-    hma = stage >= HMA_FROM_STAGE if hma is None else hma
+def plan(case: str, hma: bool, model_dir: Path, store: Path) -> dict:
+    """The engine plan of one run (``hmastack_testkit.e2e.throughput``): with
+    HMA on, the test connector that supports it."""
     return {
         "model": MODEL,
         "model_dir": str(model_dir),
@@ -449,18 +458,17 @@ def engine_trees(
     from hmastack.e2e import environment
     from hmastack.e2e.engine import ensure_models
     from hmastack.matrix import stages as matrix
-    from hmastack.stack import workspace
 
     with step("the end-to-end environment (build/e2e-env)"):
         environment.ensure(cfg)
     models = ensure_models(cfg, cfg.build / "e2e" / "models", names)
-    series = workspace.discover(cfg)
+    found = series.discover(cfg)
     trees: dict[int, dict[str, Path]] = {}
     for k in sorted(stages):
-        if k > cfg.num_stages:
-            raise HmastackError(f"no stage {k}", f"the series has {cfg.num_stages}")
-        with step(f"stage {k}: trees (git am) and compiled kernels"):
-            t = matrix.stage_trees(cfg, series, k, root=cfg.build / "bench" / "engine")
+        if k > len(found):
+            raise HmastackError(f"no stage number {k}", f"the series has {len(found)}")
+        with step(f"{series.key_of(found, k)}: trees (git am) and compiled kernels"):
+            t = matrix.stage_trees(cfg, found, k, root=cfg.build / "bench" / "engine")
             environment.place_kernels(cfg, t["vllm"])
             trees[k] = t
     return models, trees
@@ -470,29 +478,26 @@ def run(cfg: Config, quick: bool) -> dict:
     """Every run, alternating trees per round and case; the report."""
     from hmastack.e2e.engine import engine_support
 
-    settings = QUICK if quick else FULL
+    rounds = ROUNDS["quick" if quick else "full"]
     started = time.monotonic()
-    specs = {"stage 0": (0, None)}
-    specs |= {tree_label(k, hma): (k, hma) for k, hma in settings["trees"]}
-    models, trees = engine_trees(cfg, {k for k, _ in specs.values()}, {MODEL})
+    specs = trees(series.everything(cfg), quick)
+    models, engines = engine_trees(cfg, {k for k, _ in specs.values()}, {MODEL})
     labels = list(specs)
     support = engine_support(cfg)
     work = cfg.build / "bench" / "throughput"
     runs: dict[tuple[str, str], list[dict]] = {}
     errors: dict[str, str] = {}
-    for i in range(settings["rounds"]):
+    for i in range(rounds):
         for case in CASES:
             for label in round_order(labels, i):
                 k, hma = specs[label]
                 slug = label.replace(" ", "").replace("(", "-").replace(")", "")
                 name = f"{case}-{slug}-r{i}"
                 store = work / "store" / name
-                the_plan = plan(case, k, models / MODEL, store, hma)
-                with step(
-                    f"throughput round {i + 1}/{settings['rounds']}: {case}, {label}"
-                ):
+                the_plan = plan(case, hma, models / MODEL, store)
+                with step(f"throughput round {i + 1}/{rounds}: {case}, {label}"):
                     result = run_one(
-                        cfg, trees[k], support, models, work, name, the_plan
+                        cfg, engines[k], support, models, work, name, the_plan
                     )
                 if "error" in result:
                     errors.setdefault(label, f"{case} round {i}: {result['error']}")
@@ -515,16 +520,17 @@ def run(cfg: Config, quick: bool) -> dict:
         f"own {BATCH['prefix']}-token prefix stored in the CPU test connector and "
         f"loaded synchronously, {BATCH['suffix']} new prompt tokens, "
         f"{BATCH['max_tokens']} generated tokens, max_num_seqs {MAX_NUM_SEQS}; base "
-        "with HMA off (plain connector, as 0.13.0 runs with a connector), stages 3+ "
-        "with HMA on (SupportsHMA connector), 'stage 0 (HMA on)': 0.13.0 with HMA "
-        "forced on (the SupportsHMA connector); pools in blocks of one layer "
+        "with HMA off (plain connector, as 0.13.0 runs with a connector), the "
+        "stages with HMA on where the test connector supports it (SupportsHMA), "
+        "'base (HMA on)': 0.13.0 with HMA forced on (the SupportsHMA connector); "
+        "pools in blocks of one layer "
         f"({', '.join(f'{c} {n}' for c, n in CASES.items())}); one engine process "
-        f"per run, trees alternating, {settings['rounds']} rounds; ratio = tree / "
+        f"per run, trees alternating, {rounds} rounds; ratio = tree / "
         "base requests per second per round",
         "batch": BATCH,
         "cases": CASES,
-        "rounds": settings["rounds"],
-        "headline": headline(verdicts, settings["rounds"]),
+        "rounds": rounds,
+        "headline": headline(verdicts, rounds),
         "explanation": explanation(verdicts),
         "verdicts": verdicts,
         "mismatches": mismatches,

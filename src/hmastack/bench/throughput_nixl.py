@@ -15,16 +15,17 @@ decode side.
 Layouts: the Gemma-3-like ``gemma-5to1`` (5 sliding-window layers, W=32, and
 1 full-attention layer: 6 KV cache groups with HMA on) and the gpt-oss-like
 ``gemma-1to1`` (sliding window and full attention alternating, 6 layers: 2
-groups of 3 layers). Trees: the base with HMA off (0.13.0's NixlConnector does
-not support HMA), stage 6 with HMA on, and stage 6 with HMA forced off (the
-witness: the series' code with the base's block layout; its memory-bound ratio
-stays near 1, so what moves the ratio is the layout stage 6 allows).
+groups of 3 layers). Trees (:func:`trees`): the base with HMA off (0.13.0's
+NixlConnector does not support HMA), the first stage whose ``hma`` names
+"nixl" with HMA on, and that stage with HMA forced off (the witness: the
+series' code with the base's block layout; its memory-bound ratio stays near
+1, so what moves the ratio is the layout that stage allows).
 
 Block counts' prediction: per KV cache group of the consumer a request's peak
 is ``ceil(T / B)`` blocks (T = prompt + generated tokens - 1, the tokens whose
 KV it holds at its last step) for full attention and with HMA off, and
 ``min(ceil(T / B), ceil((W - 1) / B) + 1)`` for a sliding-window group (the
-window minimum, stage 03's allocation of external tokens); a request fits when
+window minimum, the series' allocation of external tokens); a request fits when
 the pool's free blocks hold that peak. A measured per-request peak that is not
 the predicted one fails the command (in a run with a preemption only the
 full-attention groups are compared: :func:`prediction_mismatches`); the
@@ -47,7 +48,10 @@ from hmastack.bench import throughput as thr
 from hmastack.bench.report import column
 from hmastack.bench.trees import round_order
 from hmastack.core.config import Config
+from hmastack.core.errors import HmastackError
 from hmastack.core.progress import console, step
+from hmastack.stack import series
+from hmastack.stack.series import Stage
 
 # model -> the layout it stands for
 MODELS = {"gemma-5to1": "Gemma-3-like", "gemma-1to1": "gpt-oss-like"}
@@ -60,16 +64,30 @@ CASES = {
 MODEL_OF = {f"{layout} {case}": m for m, layout in MODELS.items() for case in thr.CASES}
 # The producer holds the whole batch until the consumer has read it.
 PRODUCER_LAYER_BLOCKS = thr.CONTROL_LAYER_BLOCKS
-NIXL_HMA_FROM_STAGE = 6  # the first stage whose NixlConnector supports HMA
-# (label, stage, HMA): the base first
-TREES: list[tuple[str, int, bool]] = [
-    ("stage 0", 0, False),
-    ("stage 6", NIXL_HMA_FROM_STAGE, True),
-    ("stage 6 (HMA off)", NIXL_HMA_FROM_STAGE, False),
-]
-WITNESS = "stage 6 (HMA off)"  # run on the memory-bound budgets only
 ROUNDS = {"quick": 1, "full": 2}
 BLOCK_SIZE = 16  # hmastack_testkit.e2e.models.BLOCK_SIZE
+
+
+def trees(stages: list[Stage]) -> list[tuple[str, int, bool]]:
+    """(label, stage number, HMA) of the runs, the base first: the base with
+    HMA off, then the first stage (of :func:`series.everything`) whose ``hma``
+    names "nixl" with HMA on and, the witness, with HMA off."""
+    nixl = series.first_with(stages, "nixl", "hma")
+    if nixl is None:
+        raise HmastackError(
+            "no stage turns HMA on for NixlConnector",
+            'name "nixl" in `hma` of the stage.toml of the stage that does',
+        )
+    return [
+        (series.BASE, 0, False),
+        (nixl.label, nixl.number, True),
+        (f"{nixl.label} (HMA off)", nixl.number, False),
+    ]
+
+
+def witness(labels: list[str]) -> str:
+    """The label of the witness run (memory-bound budgets only)."""
+    return labels[-1]
 
 
 def tokens_held(batch: dict) -> int:
@@ -185,23 +203,31 @@ def run_pair(
     return consumer
 
 
-# From stage 3 an idle engine keeps polling its connector while blocks are
-# held, so the producer frees what the consumer read; 0.13.0's producer keeps
-# them while it is idle (the e2e scenario nixl-consume's base_bug): reported,
-# not checked, before this stage.
-FREED_FROM_STAGE = 3
+def producer_frees_from(stages: list[Stage]) -> int | None:
+    """The number of the first stage whose ``[bench] checks`` names
+    "producer-frees" (None: none)."""
+    stage = series.first_with(stages, "producer-frees", "bench.checks")
+    return None if stage is None else stage.number
 
 
-def pair_leaks(runs: dict[tuple[str, str], list[dict]]) -> list[str]:
-    """Producers from :data:`FREED_FROM_STAGE` on that still hold blocks after
-    the consumer's read (pure)."""
+def pair_leaks(
+    runs: dict[tuple[str, str], list[dict]], freed_from: int | None
+) -> list[str]:
+    """Producers that still hold blocks after the consumer's read, from stage
+    number ``freed_from`` on (the first stage whose ``[bench] checks`` names
+    "producer-frees": from it an idle engine keeps polling its connector while
+    blocks are held, so the producer frees what the consumer read; 0.13.0's
+    producer keeps them while it is idle, the e2e scenario nixl-consume's base
+    bug): reported, not checked, before it (pure)."""
+    if freed_from is None:
+        return []
     return [
         f"{case} {label}: the producer holds {r['producer_blocks_held_after_read']} "
         "blocks after the read"
         for (case, label), rs in runs.items()
         for r in rs
         if "error" not in r
-        and r.get("stage", FREED_FROM_STAGE) >= FREED_FROM_STAGE
+        and r.get("stage", freed_from) >= freed_from
         and r.get("producer_blocks_held_after_read")
     ]
 
@@ -313,8 +339,10 @@ def run(cfg: Config, quick: bool) -> dict:
 
     rounds = ROUNDS["quick" if quick else "full"]
     started = time.monotonic()
-    models, trees = thr.engine_trees(cfg, {k for _, k, _ in TREES}, set(MODELS))
-    specs = {label: (k, hma) for label, k, hma in TREES}
+    stages = series.everything(cfg)
+    runs_of = trees(stages)
+    models, engines = thr.engine_trees(cfg, {k for _, k, _ in runs_of}, set(MODELS))
+    specs = {label: (k, hma) for label, k, hma in runs_of}
     labels = list(specs)
     support = engine_support(cfg)
     work = cfg.build / "bench" / "throughput-nixl"
@@ -323,7 +351,7 @@ def run(cfg: Config, quick: bool) -> dict:
     for i in range(rounds):
         for case in CASES:
             for label in round_order(labels, i):
-                if label == WITNESS and not case.endswith("memory-bound"):
+                if label == witness(labels) and not case.endswith("memory-bound"):
                     continue
                 k, hma = specs[label]
                 slug = re.sub(r"[^a-z0-9]+", "-", f"{case}-{label}".lower())
@@ -332,7 +360,7 @@ def run(cfg: Config, quick: bool) -> dict:
                     f"throughput (NIXL P/D) round {i + 1}/{rounds}: {case}, {label}"
                 ):
                     result = run_pair(
-                        cfg, trees[k], support, models, work, name, case, hma
+                        cfg, engines[k], support, models, work, name, case, hma
                     )
                 result["stage"] = k
                 if "error" in result:
@@ -359,8 +387,9 @@ def run(cfg: Config, quick: bool) -> dict:
         f"{thr.BATCH['max_tokens']} tokens each (greedy, max_num_seqs "
         f"{thr.MAX_NUM_SEQS}) in a pool of blocks of one layer "
         f"({', '.join(f'{c} {n}' for c, n in thr.CASES.items())}); base with HMA "
-        "off, stage 6 with HMA on, stage 6 with HMA off (the witness, memory-bound "
-        f"only); trees alternating, {rounds} rounds; ratio = tree / base completed "
+        f"off, {labels[1]} with HMA on, {labels[1]} with HMA off (the witness, "
+        f"memory-bound only); trees alternating, {rounds} rounds; ratio = tree / "
+        "base completed "
         "requests per CPU second of the consumer, per round",
         "batch": thr.BATCH,
         "cases": CASES,
@@ -371,7 +400,7 @@ def run(cfg: Config, quick: bool) -> dict:
         "predictions": predictions(rows, runs),
         "mismatches": mismatches,
         "prediction_mismatches": prediction_mismatches(runs),
-        "leaks": pair_leaks(runs),
+        "leaks": pair_leaks(runs, producer_frees_from(stages)),
         "errors": errors,
         "runs": {f"{c} / {t}": rs for (c, t), rs in runs.items()},
         "rows": rows,

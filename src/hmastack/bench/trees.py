@@ -2,10 +2,10 @@
 
 Trees (each a :class:`BenchTree`):
 
-* ``stage k``: the base (k = 0) and each stage, clones under
-  ``build/bench/stages/k/`` re-applied from ``patches/`` on every run;
-* ``stage k.j``: the first j commits of a stage with several (the last commit is
-  ``stage k`` itself), under ``build/bench/commits/k.j/``;
+* ``base`` and ``stage KEY``: the base and each stage, clones under
+  ``build/bench/stages/<key>/`` re-applied from ``patches/`` on every run;
+* ``stage KEY.J``: the first J commits of a stage with several (the last commit
+  is ``stage KEY`` itself), under ``build/bench/commits/KEY.J/``;
 * ``v0.14.0``: the peer (``[peers.vllm-0-14]`` in ``hmastack.toml``), unpacked
   into ``build/bench/vllm-0.14.0``;
 * a *slowed* copy of a stage (:func:`slowed_tree`): the witness that the
@@ -35,6 +35,7 @@ from hmastack.core.gitutil import git, set_identity
 from hmastack.core.process import CommandError, run
 from hmastack.stack import base as base_mod
 from hmastack.stack import env as env_mod
+from hmastack.stack import series
 
 MARKER = "HMASTACK_BENCH_JSON "
 PEER_KEY = "vllm-0-14"
@@ -43,9 +44,12 @@ PEER_LABEL = "v0.14.0"
 
 @dataclass(frozen=True)
 class BenchTree:
-    label: str  # "stage 0", "stage 3", "stage 3.1", "v0.14.0", "stage 4 slowed"
+    label: str  # "base", "stage KEY", "stage KEY.J", "v0.14.0", "stage KEY slowed"
     path: Path  # the vLLM source tree
     note: str = ""  # what it is, for the report (a commit subject, a mutation)
+    # The number of the stage it is (or whose commits it holds part of), 0 the
+    # base; None: the peer.
+    stage: int | None = None
 
     @property
     def slug(self) -> str:
@@ -53,63 +57,75 @@ class BenchTree:
 
 
 def parse_stages(text: str | None, cfg: Config, quick: bool = False) -> list[int]:
-    """The stages to compare with the base: all by default, the last with --quick."""
+    """The numbers of the stages to compare with the base: all by default, the
+    last with --quick; ``text`` names them by key, ``A..B`` for a range
+    (``KEY``, ``FIRST..LAST``, ``KEY,KEY``)."""
+    stages = series.everything(cfg)
     if not text:
-        return [cfg.num_stages] if quick else list(range(1, cfg.num_stages + 1))
+        return [len(stages) - 1] if quick else list(range(1, len(stages)))
     out: set[int] = set()
     for part in text.split(","):
-        lo, _, hi = part.strip().partition("-")
-        try:
-            ks = range(int(lo), int(hi or lo) + 1)
-        except ValueError:
-            raise HmastackError(
-                f"--stages {text!r}: {part!r} is not a stage number or range",
-                f"e.g. --stages 3 or --stages 1-{cfg.num_stages}",
-            ) from None
-        for k in ks:
-            if not 0 <= k <= cfg.num_stages:
-                raise HmastackError(f"unknown stage {k}", f"0..{cfg.num_stages}")
-            out.add(k)
+        lo, _, hi = part.strip().partition("..")
+        first = series.find(stages, lo).number
+        out.update(range(first, series.find(stages, hi or lo).number + 1))
     out.discard(0)
     return sorted(out)
 
 
+def stage_label(cfg: Config, k: int) -> str:
+    """``base`` or ``stage KEY``: the label of the tree of stage number ``k``."""
+    return series.everything(cfg)[k].label
+
+
 def stage_tree(cfg: Config, k: int) -> Path:
-    """The vLLM tree at stage ``k`` under ``build/bench/stages/k/`` (apart from the
-    stage matrix's trees, which may be in use), re-applied from ``patches/`` on
-    every run so it is never stale."""
+    """The vLLM tree at stage number ``k`` under ``build/bench/stages/<key>/``
+    (apart from the stage matrix's trees, which may be in use), re-applied from
+    ``patches/`` on every run so it is never stale."""
     from hmastack.matrix import stages as matrix
-    from hmastack.stack import workspace
 
     trees = matrix.stage_trees(
-        cfg, workspace.discover(cfg), k, root=cfg.build / "bench" / "stages"
+        cfg, series.discover(cfg), k, root=cfg.build / "bench" / "stages"
     )
     return trees["vllm"]
 
 
+def is_stage(label: str) -> bool:
+    """A tree of the series: the base, a stage or a commit prefix of one (not
+    the peer, not a slowed copy)."""
+    return label == series.BASE or (
+        label.startswith("stage ") and not label.endswith(" slowed")
+    )
+
+
+def bench_tree(cfg: Config, k: int) -> BenchTree:
+    """The :class:`BenchTree` of stage number ``k``."""
+    return BenchTree(stage_label(cfg, k), stage_tree(cfg, k), stage=k)
+
+
 def commit_trees(cfg: Config, stages: list[int]) -> list[BenchTree]:
-    """For each stage in ``stages`` whose vLLM part has several commits, one tree
-    per proper prefix of them (``stage k.j``: stages before k and the first j
-    commits of k), under ``build/bench/commits/k.j/``. Whatever commits the
-    series has: read from ``patches/`` on every run."""
+    """For each stage number in ``stages`` whose vLLM part has several
+    commits, one tree per proper prefix of them (``stage KEY.J``: the stages
+    before it and its first J commits), under ``build/bench/commits/KEY.J/``.
+    Whatever commits the series has: read from ``patches/`` on every run."""
     from hmastack.stack import workspace
 
-    series = workspace.discover(cfg)
+    found = series.discover(cfg)
     tree = cfg.tree("vllm")
     out = []
     for k in stages:
-        patches = series[k - 1].patches_for("vllm")
+        stage = found[k - 1]
+        patches = stage.patches_for("vllm")
         for j in range(1, len(patches)):
             cut = [
-                *series[: k - 1],
-                dataclasses.replace(series[k - 1], patches={"vllm": patches[:j]}),
+                *found[: k - 1],
+                dataclasses.replace(stage, patches={"vllm": patches[:j]}),
             ]
-            dest = cfg.build / "bench" / "commits" / f"{k}.{j}" / "vllm"
+            dest = cfg.build / "bench" / "commits" / f"{stage.key}.{j}" / "vllm"
             _clone(cfg, tree, dest)
             workspace.apply_to(dest, tree, cut, k)
             git(dest, "clean", "-q", "-fdx")
             subject = git(dest, "log", "-1", "--format=%s").strip()
-            out.append(BenchTree(f"stage {k}.{j}", dest, subject))
+            out.append(BenchTree(f"{stage.label}.{j}", dest, subject, stage=k))
     return out
 
 
@@ -168,9 +184,10 @@ class Slowdown:
 
 
 def slowed_tree(cfg: Config, k: int, slowdown: Slowdown) -> BenchTree:
-    """A copy of the stage-``k`` bench tree with ``slowdown`` inserted, under
-    ``build/bench/slowed/``: the instruction count must show it (ratio above the
-    threshold) and the profile must name ``slowdown.qualname``."""
+    """A copy of the bench tree of stage number ``k`` with ``slowdown``
+    inserted, under ``build/bench/slowed/``: the instruction count must show it
+    (ratio above the threshold) and the profile must name
+    ``slowdown.qualname``."""
     src = stage_tree(cfg, k)
     dest = cfg.build / "bench" / "slowed" / "vllm"
     if not (dest / ".git").exists():
@@ -183,7 +200,7 @@ def slowed_tree(cfg: Config, k: int, slowdown: Slowdown) -> BenchTree:
     path.write_text(
         insert_statement(path.read_text(), slowdown.qualname, slowdown.statement)
     )
-    return BenchTree(f"stage {k} slowed", dest, slowdown.describe)
+    return BenchTree(f"{stage_label(cfg, k)} slowed", dest, slowdown.describe, k)
 
 
 def peer_tree(cfg: Config) -> tuple[Path | None, str]:
@@ -228,12 +245,6 @@ def scenario_script(cfg: Config, name: str) -> Path:
 def parse_output(stdout: str) -> dict | None:
     lines = [ln for ln in stdout.splitlines() if ln.startswith(MARKER)]
     return json.loads(lines[-1][len(MARKER) :]) if lines else None
-
-
-def tree_stage(label: str) -> int | None:
-    """``"stage 5"`` -> 5; the peer -> None."""
-    kind, _, num = label.partition(" ")
-    return int(num) if kind == "stage" and num.isdigit() else None
 
 
 def run_scenario(

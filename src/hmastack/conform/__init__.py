@@ -1,3 +1,3 @@
-"""Conformance: TLC behaviours and random schedules replayed on stage 03 and on
+"""Conformance: TLC behaviours and random schedules replayed on the series and on
 deliberately broken copies. Builds on core, stack, matrix and spec.
 """

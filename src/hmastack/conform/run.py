@@ -1,25 +1,23 @@
 """``hmastack conform``: the model's behaviours and random schedules against the
-patched vLLM (stage 03), and the same checks against deliberately broken copies.
+patched vLLM, and the same checks against deliberately broken copies.
 
-1. TLC simulates ``--traces`` behaviours of stage 03 as coded
-   (``tests/stages/s03_connector_allocate/fixtures/replay-saves.cfg``: stores that
-   outlive the step; a seed other than the committed fixtures') into
+What it runs and breaks is the stages' data (``[conform]`` of each
+``patches/*/stage.toml``, :class:`hmastack.stack.series.ConformTable`):
+
+1. TLC simulates ``--traces`` behaviours of the model the one stage names in
+   ``traces`` (a seed other than the committed fixtures') into
    ``build/reports/conformance/traces/``.
-2. At stage 03 three suites run on them (see ``SUITES``): the replay through the
-   ``KVCacheManager``, the replay through the ``Scheduler`` with a scripted
-   ``SupportsHMA`` connector, and the random state machine on the ``Scheduler``
-   (its fixed CI set, or ``--examples`` schedules with a fresh seed). All must
-   pass. A selected break of a later stage's code (``Break.stage``) adds that
-   stage's suites (``STAGE_SUITES``, e.g. the random MultiConnector hold
-   machine at stage 04), run on that stage's tree.
-3. Each ``--break`` (default: every entry of ``BREAKS``) copies the vLLM tree of
-   its stage under ``build/conformance/broken-<name>/``, removes one protection
-   of the series with a one-line edit and runs that stage's suites with ``-x``
-   (the random suite: only the state machine, without shrinking). A break
-   counts as caught when each kind of suite it names (``Break.caught_by``: a
-   replay suite and the random test, unless the model has no state that shows
-   it) fails; the report gives the first failing test and the seconds until the
-   suite stopped.
+2. At that stage its suites run on them: replays of the behaviours through
+   vLLM's objects and random state machines (their fixed CI set, or
+   ``--examples`` schedules with a fresh seed). All must pass. A selected break
+   of another stage adds that stage's suites, run on that stage's tree.
+3. Each ``--break`` (default: every break of every stage) copies the vLLM tree
+   of its stage under ``build/conformance/broken-<name>/``, replaces its
+   ``find`` with its ``replace`` (one protection of the series removed) and
+   runs that stage's suites with ``-x`` (a random suite: only its
+   ``broken_only`` test, without shrinking). A break counts as caught when
+   each kind of suite it names (``caught_by``) fails; the report gives the
+   first failing test and the seconds until the suite stopped.
 
 Report: ``build/reports/conformance.json`` and a table. Exit status 1 when the
 series fails a suite or a break escapes the replayer or the random test (a
@@ -34,6 +32,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -41,14 +40,6 @@ import msgspec
 from rich.markup import escape
 from rich.table import Table
 
-from hmastack.conform.breaks import (
-    BREAKS,
-    MODEL_CFG,
-    STAGE,
-    STAGE_TESTS,
-    Break,
-    suites_of,
-)
 from hmastack.core import config as config_mod
 from hmastack.core import reports
 from hmastack.core.errors import HmastackError
@@ -58,7 +49,8 @@ from hmastack.core.steps import StepResult
 from hmastack.matrix import pytest_runs
 from hmastack.matrix import stages as matrix
 from hmastack.stack import env as env_mod
-from hmastack.stack.workspace import discover
+from hmastack.stack import series
+from hmastack.stack.series import Break, Stage
 
 # The committed fixtures use spec/tlc.toml's seed; CI draws other behaviours.
 DEFAULT_SEED = 20261130
@@ -110,7 +102,7 @@ class ConformanceReport(msgspec.Struct):
     """build/reports/conformance.json, written by :func:`conform`, read by
     :func:`read_report` (the site's conformance block)."""
 
-    stage: int
+    stage: str  # the key of the stage whose model's behaviours were replayed
     traces: Traces
     examples: int | None  # random examples per test; None: the fixed CI set
     series: list[SuiteRun]
@@ -139,6 +131,33 @@ def _first_failure(ran: pytest_runs.PytestResult) -> str:
     return f"{test}: {message[0] if message else ''}".strip()[:300]
 
 
+def traces_stage(stages: list[Stage]) -> Stage:
+    """The one stage whose ``[conform] traces`` names the model conformance
+    simulates."""
+    named = [s for s in stages if s.info.conform.traces]
+    if len(named) != 1:
+        raise HmastackError(
+            f"{len(named)} stages name the model conformance replays "
+            f"({', '.join(s.name for s in named) or 'none'})",
+            "exactly one stage.toml has `traces` under [conform]",
+        )
+    return named[0]
+
+
+def all_breaks(stages: list[Stage]) -> dict[str, Break]:
+    """Every stage's breaks by name, each with the key of its stage."""
+    out: dict[str, Break] = {}
+    for s in stages:
+        for brk in s.info.conform.breaks:
+            if brk.name in out:
+                raise HmastackError(
+                    f"two breaks are named {brk.name!r}",
+                    f"rename the one in {s.path / series.STAGE_FILE}",
+                )
+            out[brk.name] = msgspec.structs.replace(brk, stage=s.key)
+    return out
+
+
 def run_suites(
     cfg: config_mod.Config,
     pyenv: env_mod.Env,
@@ -147,19 +166,18 @@ def run_suites(
     examples: int | None,
     label: str,
     broken: bool,
-    stage: int = STAGE,
+    stage: Stage,
     live: bool = True,
 ) -> list[SuiteRun]:
     out_dir = cfg.reports / "conformance" / label
     out_dir.mkdir(parents=True, exist_ok=True)
     results = []
-    for suite in suites_of(stage):
-        path = cfg.root / STAGE_TESTS / suite.directory / suite.file
+    for suite in stage.info.conform.suites:
+        path = stage.path / suite.file
         if not path.is_file():
             raise HmastackError(
-                f"conformance suite {suite.file} is missing from "
-                f"{STAGE_TESTS / suite.directory}",
-                "check out the whole repository (tests/stages is part of it)",
+                f"conformance suite {suite.file} of {stage.name} is missing",
+                f"fix `file` in {stage.path / series.STAGE_FILE}",
             )
         summary_file = out_dir / f"{path.stem}.summary.json"
         summary_file.unlink(missing_ok=True)
@@ -183,7 +201,7 @@ def run_suites(
                 pyenv,
                 (["-x"] if broken else []) + matrix.our_test_args(cfg, targets),
                 cfg.root,
-                [*trees, cfg.root / STAGE_TESTS],
+                trees,
                 log,
                 extra_env,
             )
@@ -213,17 +231,18 @@ def broken_tree(cfg: config_mod.Config, source: Path, brk: Break) -> Path:
         shutil.rmtree(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     git(cfg.root, "clone", "-q", "--shared", str(source), str(dest))
-    target = dest / brk.path
+    target = dest / brk.file
     text = target.read_text()
-    count = text.count(brk.old)
+    count = text.count(brk.find)
     if count != 1:
         raise HmastackError(
-            f"break {brk.name!r}: {brk.path} of the stage-{brk.stage} tree contains "
-            f"{count} copies of the line to replace (expected exactly 1):\n  {brk.old}",
-            "the patches changed that code: update BREAKS in "
-            "src/hmastack/conform/breaks.py",
+            f"break {brk.name!r}: {brk.file} of the tree of stage {brk.stage} "
+            f"contains {count} copies of the text to replace (expected exactly "
+            f"1):\n  {brk.find}",
+            "the patches changed that code: update `find` of the break in "
+            f"patches/{brk.stage}-*/stage.toml",
         )
-    target.write_text(text.replace(brk.old, brk.new))
+    target.write_text(text.replace(brk.find, brk.replace))
     return dest
 
 
@@ -233,7 +252,7 @@ VERDICTS = ("Mismatch", " violated: ")
 
 
 def caught(
-    runs: list[SuiteRun], kinds: tuple[str, ...] = ("replay", "random")
+    runs: list[SuiteRun], kinds: Sequence[str] = ("replay", "random")
 ) -> dict[str, bool]:
     return {
         kind: any(
@@ -256,42 +275,45 @@ def conform(
 ) -> ConformanceReport:
     from hmastack.spec import traces as traces_mod
 
+    stages = series.discover(cfg)
+    home = traces_stage(stages)
+    assert home.info.conform.traces is not None
+    model_cfg = home.path / home.info.conform.traces
     pyenv = env_mod.ensure(cfg)
     traces_dir = cfg.reports / "conformance" / "traces"
-    with step(f"TLC: {num_traces} behaviours of the Series (seed {seed})"):
+    with step(f"TLC: {num_traces} behaviours of {model_cfg.stem} (seed {seed})"):
         index = traces_mod.generate(
-            cfg.root / MODEL_CFG,
-            MODEL_CFG.stem,
+            model_cfg,
+            model_cfg.stem,
             num_traces,
             depth,
             traces_dir,
             seed=seed,
             root=cfg.root,
         )
-    with step(f"stage {STAGE}: apply stages 1..{STAGE} with git am"):
-        trees = matrix.stage_trees(cfg, discover(cfg), STAGE)
     traces_run = Traces(
-        model=str(MODEL_CFG),
+        model=str(model_cfg.relative_to(cfg.root)),
         count=len(index["traces"]),
         steps=sum(t["states"] - 1 for t in index["traces"]),
         depth=depth,
         seed=seed,
     )
-    series = run_suites(
-        cfg, pyenv, list(trees.values()), traces_dir, examples, "series", False
-    )
-    # The later stages of the selected breaks: their suites on their trees.
-    trees_at = {STAGE: trees}
-    for stage in sorted({b.stage for b in breaks} - {STAGE}):
-        with step(f"stage {stage}: apply stages 1..{stage} with git am"):
-            trees_at[stage] = matrix.stage_trees(cfg, discover(cfg), stage)
-        series += run_suites(
+    # The traces' stage, then the stages of the selected breaks: their suites
+    # on their trees.
+    by_key = {s.key: s for s in stages}
+    trees_at: dict[str, dict[str, Path]] = {}
+    series_runs: list[SuiteRun] = []
+    for key in dict.fromkeys([home.key, *(b.stage for b in breaks)]):
+        stage = by_key[key]
+        with step(f"{stage.name}: apply the stages up to it with git am"):
+            trees_at[key] = matrix.stage_trees(cfg, stages, stage.number)
+        series_runs += run_suites(
             cfg,
             pyenv,
-            list(trees_at[stage].values()),
+            list(trees_at[key].values()),
             traces_dir,
             examples,
-            f"series-stage{stage}",
+            "series" if stage is home else f"series-{stage.key}",
             False,
             stage,
         )
@@ -308,7 +330,7 @@ def conform(
             examples,
             f"broken-{brk.name}",
             True,
-            brk.stage,
+            by_key[brk.stage],
             live=False,
         )
         return BreakRun(brk=brk, caught=caught(runs, brk.caught_by), runs=runs)
@@ -317,7 +339,7 @@ def conform(
     # ``jobs`` of them at once (the report keeps the order of ``breaks``).
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         broken = list(pool.map(run_break, breaks))
-    report = ConformanceReport(STAGE, traces_run, examples, series, broken)
+    report = ConformanceReport(home.key, traces_run, examples, series_runs, broken)
     reports.write(cfg.reports / REPORT, report)
     return report
 
@@ -372,18 +394,19 @@ def run_step(
 ) -> StepResult:
     """``hmastack conform``: the series and the breaks ``break_names`` (default:
     every break; none with ``no_break``)."""
+    known = all_breaks(series.discover(cfg))
     if no_break:
         breaks = []
     elif break_names:
-        unknown = [name for name in break_names if name not in BREAKS]
+        unknown = [name for name in break_names if name not in known]
         if unknown:
             raise HmastackError(
                 f"unknown break {', '.join(unknown)}",
-                f"choose from: {', '.join(BREAKS)}",
+                f"choose from: {', '.join(known)}",
             )
-        breaks = [BREAKS[name] for name in break_names]
+        breaks = [known[name] for name in break_names]
     else:
-        breaks = list(BREAKS.values())
+        breaks = list(known.values())
     for flag, value in (
         ("--traces", traces),
         ("--depth", depth),

@@ -45,16 +45,14 @@ class Tree(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class SeriesTable(msgspec.Struct, forbid_unknown_fields=True):
-    title_tag: str
-    # The stages of the series proper, the PRs "[<title_tag> K/N]" (N of them);
-    # follow-up stages are numbered after them, "[<title_tag> follow-up J]".
-    stages: int
+    """``[series]``: who writes it. Its stages are the directories under
+    ``patches/`` (``hmastack.stack.series``)."""
+
     # "Name <email>": the author and sign-off of every commit of the series, and
     # the identity of commits made in the workspaces.
     author: str
     base_author: str
     base_date: str
-    followups: int = 0
 
 
 class EnvTable(msgspec.Struct, forbid_unknown_fields=True):
@@ -138,20 +136,6 @@ class Config(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=Tr
     @property
     def deselected(self) -> Path:
         return self.root / self.suite.deselected
-
-    @property
-    def num_stages(self) -> int:
-        """All stages: the series' and its follow-ups (stage 0 is the base)."""
-        return self.series.stages + self.series.followups
-
-    def stage_tag(self, number: int) -> str:
-        """The bracketed tag every commit subject of stage ``number`` carries:
-        ``[<title_tag> K/N]`` for the series' N stages, ``[<title_tag>
-        follow-up J]`` for follow-up J (stage N + J)."""
-        tag, stages = self.series.title_tag, self.series.stages
-        if number <= stages:
-            return f"[{tag} {number}/{stages}]"
-        return f"[{tag} follow-up {number - stages}]"
 
     @property
     def build(self) -> Path:

@@ -7,8 +7,9 @@ Modules, following the data:
 * :mod:`~hmastack.e2e.catalogue`: scenarios, engine settings, expectations;
 * :mod:`~hmastack.e2e.engine`: engine processes under a watchdog, their models;
 * :mod:`~hmastack.e2e.runner`: stage trees, the runs of a stage, the report;
-* :mod:`~hmastack.e2e.compare`: verdicts (outputs, cached tokens, blocks);
-* :mod:`~hmastack.e2e.site`: the "End to end" page.
+* :mod:`~hmastack.e2e.compare`: verdicts (outputs, cached tokens, blocks).
+
+The site's "End to end" page is :mod:`hmastack.site.e2e`.
 
 The engine-side code (models, connector, driver) is the package
 ``hmastack_testkit.e2e`` (``support/testkit``); it runs inside build/e2e-env with
@@ -36,36 +37,44 @@ DEFAULT_JOBS = 2  # engine processes at once
 
 def run(
     cfg: Config,
-    stages: list[int] | None = None,
+    stages: list[str] | None = None,
     quick: bool = False,
     jobs: int = DEFAULT_JOBS,
     only: str | None = None,
 ) -> E2EReport:
-    """Build the environment, run the set at ``stages`` (default: every stage)
+    """Build the environment, run the set at ``stages`` (keys; default: the
+    base and every stage)
     and write ``build/reports/e2e.json``; returns the report.
 
     Raises :class:`hmastack.core.errors.HmastackError` when the environment cannot
     be built (no network with an empty cache, a checksum mismatch, kernels that
     do not load) or a stage's patches do not apply.
     """
-    from hmastack.e2e import environment, runner
+    from hmastack.e2e import catalogue, environment, runner
     from hmastack.matrix import stages as matrix
-    from hmastack.stack import workspace
+    from hmastack.stack import series
 
+    everything = series.everything(cfg)
+    ats = catalogue.stages(cfg)  # the stages' [e2e] data, checked first
+    keys = [s.key for s in everything]
+    chosen = [at for at in ats if stages is None or at.key in stages]
     environment.ensure(cfg)
-    all_stages = workspace.discover(cfg)
-    chosen = list(range(cfg.num_stages + 1)) if stages is None else stages
 
-    def trees_for(k: int) -> dict[str, Path]:
-        return matrix.stage_trees(cfg, all_stages, k, root=cfg.build / "e2e" / "stages")
+    def trees_for(key: str) -> dict[str, Path]:
+        return matrix.stage_trees(
+            cfg,
+            everything[1:],
+            keys.index(key),
+            root=cfg.build / "e2e" / "stages",
+        )
 
-    return runner.run_e2e(cfg, chosen, quick, jobs, trees_for, only)
+    return runner.run_e2e(cfg, chosen, quick, jobs, trees_for, only, keys)
 
 
 def run_step(
     cfg: Config,
     quick: bool = False,
-    stage: int | None = None,
+    stage: str | None = None,
     jobs: int = DEFAULT_JOBS,
     only: str | None = None,
 ) -> StepResult:
@@ -73,9 +82,9 @@ def run_step(
     ``quick`` one; prints the verdicts' table and each failure."""
     from hmastack.core.progress import console
     from hmastack.e2e import runner
-    from hmastack.stack.workspace import check_stage_number
+    from hmastack.stack import series
 
-    stages = None if stage is None else [check_stage_number(cfg, stage)]
+    stages = None if stage is None else [series.find(series.everything(cfg), stage).key]
     report = run(cfg, stages=stages, quick=quick, jobs=jobs, only=only)
     runner.print_table(report)
     bad = runner.failures(report)

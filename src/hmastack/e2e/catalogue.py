@@ -2,33 +2,32 @@
 
 A scenario's engine-side code is the function of the same name in
 ``hmastack_testkit.e2e.scenarios`` (``support/testkit``); this module says where
-it runs (which stages, which engine settings, which model), what counts as
-passing, and whether it is in the CI-sized set (``--quick``).
+it runs (which engine settings, which model), what counts as passing, and
+whether it is in the CI-sized set (``--quick``). Where it runs and which stage
+fixes a base bug is the stages' data (``[e2e]`` and ``hma`` of each
+``patches/*/stage.toml``), read into one :class:`At` per stage.
 
-At every stage the connector matches what the stage supports: stages 0-2 run
-with HMA off and the plain connector (``CPUTestConnector``), stages 3 and 4 with
-HMA on and the HMA connector (``CPUTestHMAConnector``, ``SupportsHMA``).
+At every stage the connector matches what the stage supports: HMA is on for a
+connector from the first stage whose ``hma`` names it ("test": the testkit's
+``CPUTestHMAConnector``, ``SupportsHMA``; before it the plain
+``CPUTestConnector`` with HMA off).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-HMA_FROM_STAGE = 3
-# KV cache events with HMA (the stage whose README is patches/*-kv-events-hma/):
-# its scenarios run there and at the base (HMA off, the control).
-KV_EVENTS_STAGE = 8
-# vLLM's OffloadingConnector with HMA (patches/*-offloading-hma/): its
-# scenarios run there, at the stage after it and at the base (HMA off).
-OFFLOAD_STAGE = 7
-OFFLOAD_HMA_STAGES = (OFFLOAD_STAGE, KV_EVENTS_STAGE)
+from hmastack.core.config import Config
+from hmastack.core.errors import HmastackError
+from hmastack.stack import series
+
 # Scenarios the CPU engine of 0.13.0 cannot run, and why.
 UNSUPPORTED = {
     "asynchronous scheduling": (
         "vLLM 0.13.0's model runner builds AsyncGPUModelRunnerOutput, which calls "
         "torch.cuda.current_stream(): on CPU the first step fails with "
-        "'RuntimeError: Found no NVIDIA driver on your system' (measured at stage 0 "
-        "with async_scheduling=True)"
+        "'RuntimeError: Found no NVIDIA driver on your system' (measured at the "
+        "base with async_scheduling=True)"
     ),
     "OffloadingConnector's CUDA copies": (
         "vLLM's CPUOffloadingSpec refuses platforms that are not CUDA-alike and "
@@ -118,13 +117,15 @@ class Scenario:
     # "caught": a negative control, the checks must fail (see `caught_by`)
     expect: str = "equal"
     caught_by: str | None = None  # "outputs" | "cached tokens" | "window"
-    stages: tuple[int, ...] | None = None  # None: every stage
-    # a known bug of the base that a stage fixes: before `fixed_at` the outputs
-    # must differ (the scenario reproduces it), from `fixed_at` on be equal
+    # True: it runs only at the stages (the base among them) whose stage.toml
+    # names it in [e2e] run; False: at every stage
+    listed: bool = False
+    # a known bug of the base that a stage fixes (the one whose [e2e] fixes
+    # names it): before it the outputs must differ (the scenario reproduces
+    # it), from it on be equal
     base_bug: str | None = None
-    fixed_at: int | None = None
     base_bug_stalls: bool = False  # the base bug shows as an engine stall
-    hma: bool | None = None  # None: on from stage 3 (the stage's connector)
+    hma: bool | None = None  # None: as the stage has it for the connector
     # P/D pair: the producer scenario run first in another process
     producer: str | None = None
     # the producer's HMA setting when it differs from the consumer's (None: the
@@ -138,7 +139,7 @@ class Scenario:
     # what a stall or failure of this scenario means (shown on the page)
     note: str | None = None
     # None: the stage's test connector; "lmcache": vLLM's LMCacheConnectorV1
-    # with the stage's LMCache tree (HMA on only where both support it: stage 4);
+    # with the stage's LMCache tree (HMA on where both support it);
     # "nixl": vLLM's NixlConnector, a P/D pair over NIXL and UCX on 127.0.0.1;
     # "offload": vLLM's OffloadingConnector with the CPU test spec
     connector: str | None = None
@@ -160,7 +161,6 @@ SCENARIOS: tuple[Scenario, ...] = (
             "hit and never computes tokens 200-207 (with a whole-block connector "
             "their KV happens to be right, so the outputs stay equal)"
         ),
-        fixed_at=3,
     ),
     Scenario("whole-prompt", "whole prompt loaded, last token recomputed (P/D)"),
     Scenario(
@@ -189,10 +189,10 @@ SCENARIOS: tuple[Scenario, ...] = (
         isolated=True,
         note=(
             "a request whose asynchronous load failed and left no valid token "
-            "(from stage 3 in a model with sliding-window groups: "
+            "(with HMA on in a model with sliding-window groups: "
             "can_recompute_from says start over) takes no external tokens any "
-            "more (patch 3.9); before that patch the connector that offers "
-            "the same hit and fails again kept it in WAITING_FOR_REMOTE_KVS for ever"
+            "more; without that rule the connector that offers the same hit "
+            "and fails again keeps it in WAITING_FOR_REMOTE_KVS for ever"
         ),
     ),
     Scenario(
@@ -221,7 +221,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         "as admission, HMA off and the plain connector",
         engine="admission",
         hma=False,
-        stages=(3, 4),
+        listed=True,
     ),
     Scenario("sync-load", "all-sliding-window model (one group)", model="mistral-swa"),
     Scenario("sync-load", "1:1 sliding/full alternation", model="gemma-1to1"),
@@ -245,12 +245,11 @@ SCENARIOS: tuple[Scenario, ...] = (
             "holding 94 of 99 blocks, each needs 8 more for its next chunk, none "
             "runs, so none frees: the engine stalls"
         ),
-        fixed_at=3,
         base_bug_stalls=True,
         note=(
-            "stages 0-2 stall (the base bug); from stage 3 the waiting requests give "
-            "their blocks up when nothing else can run (patch 3.7), and the "
-            "sliding-window groups keep ~3 blocks each"
+            "before the stage that fixes it the engine stalls (the base bug); "
+            "from it the waiting requests give their blocks up when nothing "
+            "else can run, and the sliding-window groups keep ~3 blocks each"
         ),
     ),
     Scenario(
@@ -273,12 +272,12 @@ SCENARIOS: tuple[Scenario, ...] = (
         engine="stall-tight",
         ci=True,
         isolated=True,
-        stages=(3, 4),
+        listed=True,
         note=(
-            "stages 3-4: two requests back from their asynchronous loads wait "
+            "with HMA on, two requests back from their asynchronous loads wait "
             "holding 114 of 124 blocks, each needs 48 more (8 per group) for its "
-            "next chunk; without patch 3.7 the engine stalls here as the "
-            "base does, with it they finish"
+            "next chunk; without the fix of the stall the engine stalls here as "
+            "the base does, with it they finish"
         ),
     ),
     Scenario(
@@ -294,7 +293,6 @@ SCENARIOS: tuple[Scenario, ...] = (
             "its connector never takes the consumer's notification and the blocks "
             "the consumer read stay held while the engine is idle"
         ),
-        fixed_at=3,
     ),
     Scenario(
         "nixl-consume",
@@ -304,7 +302,6 @@ SCENARIOS: tuple[Scenario, ...] = (
         model="llama4-chunk",
         checks=("producer freed", "window", "read"),
         base_bug="as for the Gemma-3-like model: the producer keeps the blocks",
-        fixed_at=3,
     ),
     Scenario(
         "nixl-consume",
@@ -315,7 +312,6 @@ SCENARIOS: tuple[Scenario, ...] = (
         model="gemma-1to1",
         checks=("producer freed", "window", "read"),
         base_bug="as for the Gemma-3-like model: the producer keeps the blocks",
-        fixed_at=3,
     ),
     Scenario(
         "server-pd-nixl",
@@ -324,7 +320,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         "logprobs); the decode server reports the tokens it received",
         connector="nixl",
         isolated=True,
-        stages=(0, 6),
+        listed=True,
     ),
     Scenario(
         "nixl-consume-failed-read",
@@ -334,14 +330,14 @@ SCENARIOS: tuple[Scenario, ...] = (
         producer="nixl-produce",
         ci=True,
         checks=("load failed",),
-        stages=(0, 6),
+        listed=True,
     ),
     Scenario(
         "kv-events-router",
         "KV cache events: a subscriber predicts every prefix cache hit (Gemma-3-like)",
         engine="kv-events",
         model="gemma-5to1",
-        stages=(0, KV_EVENTS_STAGE),
+        listed=True,
         checks=("kv events",),
     ),
     Scenario(
@@ -350,7 +346,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         "(gpt-oss-like: 1:1 sliding/full)",
         engine="kv-events",
         model="gemma-1to1",
-        stages=(0, KV_EVENTS_STAGE),
+        listed=True,
         checks=("kv events",),
     ),
     Scenario(
@@ -359,7 +355,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         "(Llama-4-like, chunked local attention)",
         engine="kv-events",
         model="llama4-chunk",
-        stages=(0, KV_EVENTS_STAGE),
+        listed=True,
         checks=("kv events",),
     ),
     Scenario(
@@ -369,7 +365,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         "(Gemma-3-like)",
         connector="offload",
         ci=True,
-        stages=(0, *OFFLOAD_HMA_STAGES),
+        listed=True,
         checks=("window", "stored"),
     ),
     Scenario(
@@ -378,7 +374,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         "(gpt-oss-like: 1:1 sliding/full)",
         connector="offload",
         model="gemma-1to1",
-        stages=(0, *OFFLOAD_HMA_STAGES),
+        listed=True,
         checks=("window", "stored"),
     ),
     Scenario(
@@ -387,7 +383,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         "(Llama-4-like, chunked local attention)",
         connector="offload",
         model="llama4-chunk",
-        stages=(0, *OFFLOAD_HMA_STAGES),
+        listed=True,
         checks=("window", "stored"),
     ),
     Scenario(
@@ -398,7 +394,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         connector="offload",
         engine="offload-race",
         ci=True,
-        stages=OFFLOAD_HMA_STAGES,
+        listed=True,
         checks=("held",),
     ),
     # --- negative controls: each check must bite ----------------------------------
@@ -409,7 +405,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         connector="offload",
         engine="offload-race",
         ci=True,
-        stages=OFFLOAD_HMA_STAGES,
+        listed=True,
         expect="caught",
         caught_by="connector findings",
         checks=("held",),
@@ -420,7 +416,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         "mispredicts (Gemma-3-like)",
         engine="kv-events",
         model="gemma-5to1",
-        stages=(KV_EVENTS_STAGE,),
+        listed=True,
         expect="caught",
         caught_by="cached tokens",
     ),
@@ -430,7 +426,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         "mispredicts (gpt-oss-like)",
         engine="kv-events",
         model="gemma-1to1",
-        stages=(KV_EVENTS_STAGE,),
+        listed=True,
         expect="caught",
         caught_by="cached tokens",
     ),
@@ -440,7 +436,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         "mispredicts (Llama-4-like)",
         engine="kv-events",
         model="llama4-chunk",
-        stages=(KV_EVENTS_STAGE,),
+        listed=True,
         expect="caught",
         caught_by="cached tokens",
     ),
@@ -477,7 +473,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         ci=True,
         expect="caught",
         caught_by="outputs",
-        stages=(0,),
+        listed=True,
     ),
     Scenario(
         "control-nixl-other-layout",
@@ -491,7 +487,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         expect="caught",
         caught_by="read",
         checks=("read",),
-        stages=(6,),
+        listed=True,
     ),
     Scenario(
         "control-nixl-tables-of-another-layout",
@@ -504,7 +500,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         expect="caught",
         caught_by="read",
         checks=("read",),
-        stages=(6,),
+        listed=True,
     ),
     Scenario(
         "control-nixl-group-not-read",
@@ -514,7 +510,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         ci=True,
         expect="caught",
         caught_by="outputs",
-        stages=(6,),
+        listed=True,
     ),
     Scenario(
         "memory-window",
@@ -522,7 +518,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         expect="caught",
         caught_by="window",
         hma=True,
-        stages=(0,),
+        listed=True,
         checks=("window",),
     ),
 )
@@ -552,29 +548,91 @@ def selected(quick: bool, only: str | None = None) -> list[Scenario]:
     ]
 
 
-LMCACHE_HMA_FROM_STAGE = 4
-# The first stage whose NixlConnector supports HMA (stage 06): before it the
-# series turns HMA off for it, as 0.13.0 does.
-NIXL_HMA_FROM_STAGE = 6
+@dataclass(frozen=True)
+class At:
+    """A stage as the end-to-end set sees it: its key, the connectors with HMA
+    on there, the listed scenarios it runs, and the scenarios whose base bug
+    it or a stage before it fixes (with the stage that fixes each)."""
+
+    key: str
+    hma: frozenset[str] = frozenset()
+    runs: frozenset[str] = frozenset()
+    fixed: frozenset[str] = frozenset()
+    fixed_at: dict[str, str] = field(default_factory=dict)
 
 
-def hma_at(s: Scenario, stage: int) -> bool:
+def named(s: Scenario, entries: frozenset[str] | list[str]) -> bool:
+    """Whether ``entries`` (of a stage.toml) name ``s``: by its id, or by its
+    name for every scenario of that name."""
+    return scenario_id(s) in entries or s.name in entries
+
+
+def stages(cfg: Config) -> list[At]:
+    """The base and every stage as :class:`At`, in order; raises
+    :class:`HmastackError` for a stage.toml entry that names no scenario, a
+    listed scenario no stage runs, or a base bug that not exactly one stage
+    fixes."""
+    out, hma, fixed = [], set(), set()
+    fixed_at: dict[str, str] = {}
+    listed = [s for s in SCENARIOS if s.listed]
+    for stage in series.everything(cfg):
+        e2e = stage.info.e2e
+        where = f"{stage.path / series.STAGE_FILE}: [e2e]"
+        for entry in e2e.run:
+            if not any(named(s, [entry]) for s in listed):
+                raise HmastackError(
+                    f"{where} run names no listed scenario: {entry!r}",
+                    "listed: " + ", ".join(sorted({scenario_id(s) for s in listed})),
+                )
+        for entry in e2e.fixes:
+            bugs = [s for s in SCENARIOS if s.base_bug and named(s, [entry])]
+            if not bugs:
+                raise HmastackError(
+                    f"{where} fixes names no scenario with a base bug: {entry!r}",
+                    "with a base bug: "
+                    + ", ".join(scenario_id(s) for s in SCENARIOS if s.base_bug),
+                )
+            for s in bugs:
+                if fixed_at.get(scenario_id(s), stage.key) != stage.key:
+                    raise HmastackError(
+                        f"{where} fixes {scenario_id(s)}, which stage "
+                        f"{fixed_at[scenario_id(s)]} fixes already",
+                        "one stage fixes a base bug",
+                    )
+                fixed_at[scenario_id(s)] = stage.key
+                fixed.add(scenario_id(s))
+        hma.update(stage.info.hma)
+        out.append(At(stage.key, frozenset(hma), frozenset(e2e.run), frozenset(fixed)))
+    for s in SCENARIOS:
+        if s.base_bug and scenario_id(s) not in fixed_at:
+            raise HmastackError(
+                f"no stage fixes the base bug of {scenario_id(s)}",
+                "name it in [e2e] fixes of the stage.toml of the stage that fixes it",
+            )
+        if s.listed and not any(named(s, at.runs) for at in out):
+            raise HmastackError(
+                f"no stage runs the listed scenario {scenario_id(s)}",
+                "name it in [e2e] run of a stage.toml (patches/base/ for the base)",
+            )
+    return [At(at.key, at.hma, at.runs, at.fixed, dict(fixed_at)) for at in out]
+
+
+def hma_at(s: Scenario, at: At) -> bool:
     if s.hma is not None:
         return s.hma
-    if s.connector == "lmcache":
-        return stage >= LMCACHE_HMA_FROM_STAGE
-    if s.connector == "nixl":
-        return stage >= NIXL_HMA_FROM_STAGE
-    if s.connector == "offload":
-        return stage >= OFFLOAD_STAGE
-    return stage >= HMA_FROM_STAGE
+    return (s.connector or "test") in at.hma
 
 
-def connector_at(s: Scenario, stage: int) -> str:
+def connector_at(s: Scenario, at: At) -> str:
     if s.connector is not None:
         return s.connector
-    return "hma" if hma_at(s, stage) else "plain"
+    return "hma" if hma_at(s, at) else "plain"
 
 
-def runs_at(s: Scenario, stage: int) -> bool:
-    return s.stages is None or stage in s.stages
+def runs_at(s: Scenario, at: At) -> bool:
+    return not s.listed or named(s, at.runs)
+
+
+def base_bug_shows(s: Scenario, at: At) -> bool:
+    """The scenario's base bug is not fixed yet at ``at``."""
+    return bool(s.base_bug) and scenario_id(s) not in at.fixed

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import msgspec
 from hmastack_testkit.window import window_min_blocks
 
-from hmastack.e2e.catalogue import BLOCK_SIZE, LOGPROB_TOLERANCE, WINDOW, Scenario
+from hmastack.e2e import catalogue as cat
+from hmastack.e2e.catalogue import BLOCK_SIZE, LOGPROB_TOLERANCE, WINDOW, At, Scenario
 
 
 @dataclass
@@ -92,7 +93,7 @@ class Verdict(msgspec.Struct):
 
     scenario: str
     title: str
-    stage: int
+    stage: str  # its key ("base", "03")
     hma: bool
     connector: str
     outcome: str  # "equal" | "not equal" | "stall" | "error" | "hang" | "not run"
@@ -115,7 +116,7 @@ class Verdict(msgspec.Struct):
 
 def judge(
     s: Scenario,
-    stage: int,
+    at: At,
     hma: bool,
     connector: str,
     run: dict | None,
@@ -123,10 +124,10 @@ def judge(
     scenario_key: str,
     title: str,
 ) -> Verdict:
-    """The verdict of scenario ``s`` at ``stage`` from the driver outputs of the
-    connector run (``run``: the scenario's entry plus ``groups``) and of the
+    """The verdict of scenario ``s`` at stage ``at`` from the driver outputs of
+    the connector run (``run``: the scenario's entry plus ``groups``) and of the
     reference (``reference``: its entry for the same function)."""
-    v = Verdict(scenario_key, title, stage, hma, connector, "not run", expect=s.expect)
+    v = Verdict(scenario_key, title, at.key, hma, connector, "not run", expect=s.expect)
     if run is None:
         v.detail = "no output from the engine process"
         return v
@@ -145,7 +146,8 @@ def judge(
         "external_tokens": conn.get("external_tokens", {}),
     }
     findings = list(conn.get("findings", []))
-    base_bug_shows = bool(s.base_bug and s.fixed_at is not None and stage < s.fixed_at)
+    base_bug_shows = cat.base_bug_shows(s, at)
+    fixed_at = at.fixed_at.get(scenario_key)
     if outcome in ("stall", "error", "hang", "not run"):
         v.outcome = outcome
         v.detail = str(run.get("detail", ""))[-2000:]
@@ -246,13 +248,13 @@ def judge(
         v.passed = all(v.checks.values())
     elif s.base_bug_stalls:
         v.passed = False  # the known stall did not show: the scenario does not bite
-        v.detail = f"known base stall (fixed at stage {s.fixed_at}) did not show"
+        v.detail = f"known base stall (fixed at stage {fixed_at}) did not show"
     else:
         # the known base bug must show: a check fails (with a connector that
         # loads whole blocks the outputs may still be equal; the engine's
         # cached-token count then shows where it resumed)
         v.passed = not all(v.checks.values())
-        v.detail = f"known base bug (fixed at stage {s.fixed_at}): {s.base_bug}"
+        v.detail = f"known base bug (fixed at stage {fixed_at}): {s.base_bug}"
     return v
 
 

@@ -1,7 +1,7 @@
 """Run the end-to-end set: stage trees, engine processes, verdicts, report.
 
-For each stage k: the trees of stage k (``matrix.stage_trees`` under
-``build/e2e/stages/k``, the compiled kernels placed next to vLLM's sources),
+For each stage: its trees (``matrix.stage_trees`` under
+``build/e2e/stages/<key>``, the compiled kernels placed next to vLLM's sources),
 then one engine process per group of scenarios that share engine settings
 (``hmastack_testkit.e2e.driver``), and one reference process per model and HMA
 setting (no connector, no prefix caching). Each process runs under a watchdog: a
@@ -23,6 +23,7 @@ import msgspec
 from hmastack.core import reports
 from hmastack.core.config import Config
 from hmastack.core.errors import HmastackError
+from hmastack.core.markdown import md_table
 from hmastack.core.progress import console, step
 from hmastack.e2e import catalogue as cat
 from hmastack.e2e.compare import Verdict, admission_check, judge
@@ -44,7 +45,7 @@ class Process:
     """One engine process: a plan for ``hmastack_testkit.e2e.driver``."""
 
     name: str
-    stage: int
+    stage: str
     model: str
     hma: bool
     connector: str | None  # None: the reference
@@ -86,14 +87,15 @@ class Process:
         }
 
 
-def plan_stage(stage: int, scenarios: list[cat.Scenario]) -> list[Process]:
+def plan_stage(at: cat.At, scenarios: list[cat.Scenario]) -> list[Process]:
     """The engine processes of one stage for ``scenarios`` (pure)."""
+    stage = at.key
     procs: dict[tuple, Process] = {}
     for s in scenarios:
-        if not cat.runs_at(s, stage):
+        if not cat.runs_at(s, at):
             continue
-        hma = cat.hma_at(s, stage)
-        conn = cat.connector_at(s, stage)
+        hma = cat.hma_at(s, at)
+        conn = cat.connector_at(s, at)
         if s.producer:
             # A NixlConnector producer serves one consumer: one pair each.
             pair = s.name if conn == "nixl" else ""
@@ -221,7 +223,7 @@ def run_process(
 class StageRun(msgspec.Struct):
     """The engine processes of one stage (an entry of the report's ``runs``)."""
 
-    stage: int
+    stage: str
     seconds: float
     processes: list[dict]
 
@@ -232,7 +234,7 @@ class E2EReport(msgspec.Struct):
 
     generated: str
     quick: bool  # the CI-sized set
-    stages: list[int]
+    stages: list[str]  # their keys, in the series' order
     tolerance: float  # of the largest logprob difference
     seconds: float
     runs: list[StageRun]
@@ -245,20 +247,20 @@ def read_report(path: Path) -> E2EReport | None:
 
 def run_stage(
     cfg: Config,
-    stage: int,
+    at: cat.At,
     trees: dict[str, Path],
     scenarios: list[cat.Scenario],
     jobs: int,
     models: Path,
 ) -> tuple[StageRun, list[Verdict]]:
-    """Every process of ``stage``, then the verdicts."""
+    """Every process of stage ``at``, then the verdicts."""
     start = time.monotonic()
     place_kernels(cfg, trees["vllm"])
     support = engine_support(cfg)
-    workdir = cfg.build / "e2e" / "runs" / str(stage)
+    workdir = cfg.build / "e2e" / "runs" / at.key
     if workdir.exists():
         rmtree(workdir)
-    procs = plan_stage(stage, scenarios)
+    procs = plan_stage(at, scenarios)
     for wave in (0, 1):
         batch = [p for p in procs if p.wave == wave]
         if not batch:
@@ -281,9 +283,9 @@ def run_stage(
             ]
             for f in futures:
                 f.result()
-    verdicts = judge_stage(stage, scenarios, procs)
+    verdicts = judge_stage(at, scenarios, procs)
     run = StageRun(
-        stage,
+        at.key,
         round(time.monotonic() - start, 1),
         [
             {
@@ -322,16 +324,16 @@ def free_port() -> int:
 
 
 def judge_stage(
-    stage: int, scenarios: list[cat.Scenario], procs: list[Process]
+    at: cat.At, scenarios: list[cat.Scenario], procs: list[Process]
 ) -> list[Verdict]:
     """The verdicts of one stage from its finished processes (pure)."""
 
     verdicts = []
     for s in scenarios:
-        if not cat.runs_at(s, stage):
+        if not cat.runs_at(s, at):
             continue
-        hma = cat.hma_at(s, stage)
-        conn = cat.connector_at(s, stage)
+        hma = cat.hma_at(s, at)
+        conn = cat.connector_at(s, at)
         proc = next((p for p in procs if _runs(p, s, hma, conn)), None)
         ref = next(
             (
@@ -352,7 +354,7 @@ def judge_stage(
         verdicts.append(
             judge(
                 s,
-                stage,
+                at,
                 hma,
                 conn,
                 run_entry,
@@ -406,15 +408,17 @@ def _admission(verdicts: list[Verdict]) -> None:
 
 def run_e2e(
     cfg: Config,
-    stages: list[int],
+    stages: list[cat.At],
     quick: bool,
     jobs: int,
-    trees_for: Callable[[int], dict[str, Path]],
+    trees_for: Callable[[str], dict[str, Path]],
     only: str | None = None,
+    order: list[str] | None = None,
 ) -> E2EReport:
     """Run the set (``quick``: the CI-sized one; ``only``: the scenarios whose
     id contains it) at ``stages``; returns the report written to
-    ``build/reports/e2e.json``."""
+    ``build/reports/e2e.json`` (merged with the last one's other stages, in
+    ``order``: the keys of the series)."""
     scenarios = cat.selected(quick, only)
     models = ensure_models(
         cfg, cfg.build / "e2e" / "models", {s.model for s in scenarios}
@@ -422,19 +426,21 @@ def run_e2e(
     start = time.monotonic()
     runs: list[StageRun] = []
     verdicts: list[Verdict] = []
-    for k in stages:
-        with step(f"stage {k}: trees (git am) and compiled kernels"):
-            trees = trees_for(k)
-        n = sum(1 for s in scenarios if cat.runs_at(s, k))
-        with step(f"stage {k}: {n} scenarios in engine processes ({jobs} at once)"):
-            run, judged = run_stage(cfg, k, trees, scenarios, jobs, models)
+    for at in stages:
+        with step(f"stage {at.key}: trees (git am) and compiled kernels"):
+            trees = trees_for(at.key)
+        n = sum(1 for s in scenarios if cat.runs_at(s, at))
+        with step(
+            f"stage {at.key}: {n} scenarios in engine processes ({jobs} at once)"
+        ):
+            run, judged = run_stage(cfg, at, trees, scenarios, jobs, models)
         runs.append(run)
         verdicts += judged
     path = cfg.reports / REPORT
     new = E2EReport(
         generated=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         quick=quick,
-        stages=stages,
+        stages=[at.key for at in stages],
         tolerance=cat.LOGPROB_TOLERANCE,
         seconds=round(time.monotonic() - start, 1),
         runs=runs,
@@ -444,27 +450,32 @@ def run_e2e(
         previous = read_report(path)
     except HmastackError:
         previous = None  # another version's report: this run writes it anew
-    report = merge_report(previous, new)
+    report = merge_report(previous, new, order or new.stages)
     reports.write(path, report)
     return report
 
 
-def merge_report(previous: E2EReport | None, new: E2EReport) -> E2EReport:
+def merge_report(
+    previous: E2EReport | None, new: E2EReport, order: list[str]
+) -> E2EReport:
     """``new`` plus the stages of ``previous`` it did not run (same set only:
-    a quick report never mixes with a full one). ``seconds`` stays this run's."""
+    a quick report never mixes with a full one), in ``order`` (the keys of the
+    series; a stage it no longer has is dropped). ``seconds`` stays this
+    run's."""
     if previous is None or previous.quick != new.quick:
         return new
-    kept = [k for k in previous.stages if k not in new.stages]
+    kept = [k for k in previous.stages if k not in new.stages and k in order]
+    place = {k: i for i, k in enumerate(order)}
     return msgspec.structs.replace(
         new,
-        stages=sorted(kept + new.stages),
+        stages=sorted(kept + new.stages, key=place.__getitem__),
         runs=sorted(
             [r for r in previous.runs if r.stage in kept] + new.runs,
-            key=lambda r: r.stage,
+            key=lambda r: place[r.stage],
         ),
         verdicts=sorted(
             [v for v in previous.verdicts if v.stage in kept] + new.verdicts,
-            key=lambda v: v.stage,
+            key=lambda v: place[v.stage],
         ),
     )
 
@@ -478,7 +489,37 @@ def failures(report: E2EReport) -> list[str]:
     ]
 
 
-def print_table(report: E2EReport) -> None:
-    from hmastack.e2e.site import result_table
+def _cell(v: Verdict) -> str:
+    mark = "✓" if v.passed else "✗"
+    out = v.outcome
+    diff = v.max_logprob_diff
+    parts = [f"{mark} {out}"]
+    if diff is not None:
+        parts.append(diff if isinstance(diff, str) else f"{diff:.1e}")
+    hits = [c for c in v.cached if c[1]]
+    if hits:
+        parts.append(f"{hits[0][2]}/{hits[0][1]}")
+    return " · ".join(parts)
 
+
+def result_table(report: E2EReport) -> str:
+    """Scenario x stage, one cell per verdict (markdown)."""
+    judged = {v.stage for v in report.verdicts}
+    stages = [k for k in dict.fromkeys([*report.stages, *judged]) if k in judged]
+    rows: dict[str, dict[str, Verdict]] = {}
+    titles: dict[str, str] = {}
+    for v in report.verdicts:
+        rows.setdefault(v.scenario, {})[v.stage] = v
+        titles[v.scenario] = v.title
+    table = []
+    for name, by_stage in rows.items():
+        table.append(
+            [f"`{name}`", titles[name]]
+            + [_cell(by_stage[k]) if k in by_stage else "-" for k in stages]
+        )
+    heads = [k if k == "base" else f"stage {k}" for k in stages]
+    return md_table(["scenario", "what", *heads], table)
+
+
+def print_table(report: E2EReport) -> None:
     console.print(result_table(report))

@@ -21,13 +21,14 @@ from hmastack.core.errors import HmastackError
 from hmastack.core.markdown import md_table
 from hmastack.core.progress import console
 from hmastack.matrix.pytest_runs import PytestResult
+from hmastack.stack import series
 
 
 class StageResult(msgspec.Struct):
     """One stage's entry of build/reports/stages.json."""
 
-    stage: int
-    name: str
+    stage: str  # its key (or "base")
+    name: str  # its directory (or "base")
     patches: dict[str, int]
     heads: dict[str, str]
     vllm: PytestResult | None = None
@@ -57,7 +58,7 @@ class CommitResult(msgspec.Struct):
 
     tree: str
     index: int  # 1-based position among the tree's commits
-    stage: int
+    stage: str  # the key of its stage
     patch: str
     subject: str
     head: str
@@ -81,8 +82,8 @@ class StageReport(msgspec.Struct):
     machine: str
     stages: list[StageResult]
 
-    def stage(self, number: int) -> StageResult | None:
-        return next((s for s in self.stages if s.stage == number), None)
+    def stage(self, key: str) -> StageResult | None:
+        return next((s for s in self.stages if s.stage == key), None)
 
 
 class CommitReport(msgspec.Struct):
@@ -122,15 +123,17 @@ def _write(path: Path, key: str, entries: Sequence[StageResult | CommitResult]) 
 
 
 def write_stage_report(cfg: Config, results: Sequence[StageResult]) -> Path:
-    """Merge ``results`` into build/reports/stages.json (keyed by stage)."""
+    """Merge ``results`` into build/reports/stages.json (keyed by stage, in the
+    series' order; an entry of a stage the series no longer has is dropped)."""
     try:
         previous = read_stage_report(cfg)
     except HmastackError:
         previous = None  # another version's report: this run writes it anew
     merged = {s.stage: s for s in (previous.stages if previous else [])}
     merged.update((r.stage, r) for r in results)
+    order = [s.key for s in series.everything(cfg)]
     path = cfg.reports / STAGE_REPORT
-    _write(path, "stages", [merged[k] for k in sorted(merged)])
+    _write(path, "stages", [merged[k] for k in order if k in merged])
     return path
 
 
@@ -140,7 +143,7 @@ def stage_table_rows(results: Sequence[StageResult]) -> list[list[str]]:
         patches = ", ".join(f"{n} {t}" for t, n in r.patches.items() if n) or "-"
         rows.append(
             [
-                f"{r.stage} {r.name}",
+                r.name,
                 patches,
                 (r.vllm.summary() if r.vllm else "skipped")
                 + (" (the stage's own tests)" if r.scope == "own" else ""),
@@ -200,7 +203,7 @@ def commit_table_rows(results: Sequence[CommitResult]) -> list[list[str]]:
         [
             r.tree,
             str(r.index),
-            str(r.stage),
+            r.stage,
             r.subject,
             r.vllm.summary() if r.vllm else "-",
             r.ruff,

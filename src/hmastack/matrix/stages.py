@@ -1,13 +1,15 @@
-"""The stage matrix: for k = 0..N, apply stages 1..k and run every check.
+"""The stage matrix: for the base and each stage, apply the stages up to it and
+run every check.
 
-Each stage k gets its own clones of the trees under ``build/stages/k/`` (the
+Each stage gets its own clones of the trees under ``build/stages/<key>/`` (the
 workspaces in ``build/<tree>`` are never touched), and runs:
 
 * the selected vLLM suite of the patched vLLM tree (``[suite] vllm`` in
   ``hmastack.toml``) minus the entries of ``env/deselected.toml``;
 * at the stages that patch LMCache, LMCache's own tests (``[suite] lmcache``)
   from the patched LMCache tree, with LMCache's own pytest configuration;
-* our own stage tests ``tests/stages/sNN_*`` for every NN <= k;
+* our own tests: ``patches/base/tests`` and the ``tests/`` of every stage up
+  to it (``patches/KEY-slug/tests``);
 * ``ruff check`` and ``ruff format --check`` with each tree's own configuration and
   pinned ruff, on the Python files the stages touch.
 
@@ -17,7 +19,7 @@ Results go to ``build/reports/stages.json`` and a table on the terminal.
 last stage (whose trees hold every commit of the series). At each other stage
 it runs the
 vLLM test files that the stage's own patches add or change and the stage's own
-tests ``tests/stages/sKK_*`` (``StageResult.scope`` "own"); ruff and the
+tests (``StageResult.scope`` "own"); ruff and the
 LMCache suite as above. What that leaves out (a stage that breaks a test a
 later stage mends) is the per-commit run's to find, in ``hmastack run --full``.
 
@@ -52,14 +54,9 @@ from hmastack.matrix.pytest_runs import (
 from hmastack.matrix.reports import CommitResult, StageResult
 from hmastack.stack import base as base_mod
 from hmastack.stack import env as env_mod
-from hmastack.stack.workspace import (
-    Stage,
-    apply_patches,
-    apply_to,
-    check_stage_number,
-    discover,
-    series_patches,
-)
+from hmastack.stack import series
+from hmastack.stack.series import Stage, discover
+from hmastack.stack.workspace import apply_patches, apply_to, series_patches
 
 DEFAULT_JOBS = 2  # stages (or commits) tested at once
 
@@ -67,12 +64,13 @@ DEFAULT_JOBS = 2  # stages (or commits) tested at once
 def stage_trees(
     cfg: Config, stages: list[Stage], k: int, root: Path | None = None
 ) -> dict[str, Path]:
-    """Clones of every tree at stage ``k`` under ``root/k/`` (``build/stages``),
-    reset to the base and brought to stage ``k`` with ``git am`` on every call."""
+    """Clones of every tree at stage number ``k`` under ``root/<key>/``
+    (``build/stages``), reset to the base and brought to stage ``k`` with
+    ``git am`` on every call."""
     trees = {}
     for tree in cfg.trees.values():
         base_mod.materialize(cfg, tree)
-        dest = (root or cfg.build / "stages") / str(k) / tree.name
+        dest = (root or cfg.build / "stages") / series.key_of(stages, k) / tree.name
         if not is_repo(dest):
             dest.parent.mkdir(parents=True, exist_ok=True)
             git(
@@ -124,20 +122,21 @@ def vllm_suite_args(cfg: Config, deselected: list[Deselected]) -> list[str]:
 
 def our_test_args(cfg: Config, targets: list[str]) -> list[str]:
     """pytest arguments that run our stage tests ``targets`` with their own
-    pytest.ini (not vLLM's) and ``tests/stages`` as the rootdir."""
-    stage_tests = cfg.root / "tests" / "stages"
-    return ["-c", str(stage_tests / "pytest.ini"), "--rootdir", str(stage_tests)] + [
+    ``patches/pytest.ini`` (not vLLM's) and ``patches/`` as the rootdir."""
+    return ["-c", str(cfg.patches / "pytest.ini"), "--rootdir", str(cfg.patches)] + [
         str(t) for t in targets
     ]
 
 
-def our_stage_tests(cfg: Config, k: int) -> list[Path]:
-    root = cfg.root / "tests" / "stages"
-    dirs = []
-    for path in sorted(root.glob("s[0-9][0-9]_*")):
-        if path.is_dir() and int(path.name[1:3]) <= k and any(path.glob("test_*.py")):
-            dirs.append(path)
-    return dirs
+def our_stage_tests(cfg: Config, k: int, own: bool = False) -> list[Path]:
+    """The test directories of the base and the stages up to number ``k``
+    (with ``own``: of stage ``k`` alone) that hold a test file."""
+    chosen = series.everything(cfg)[: k + 1]
+    return [
+        s.tests
+        for s in (chosen[-1:] if own else chosen)
+        if any(s.tests.glob("test_*.py"))
+    ]
 
 
 def own_vllm_tests(
@@ -175,7 +174,7 @@ def own_vllm_tests(
 def full_stages(cfg: Config) -> set[int]:
     """The stages that ``--quick`` still tests in full: the base and the last
     stage."""
-    return {0, cfg.num_stages}
+    return {0, len(discover(cfg))}
 
 
 def run_stage(
@@ -196,9 +195,10 @@ def run_stage(
     start = time.monotonic()
     logs = cfg.reports / "logs"
     heads = {t: git(p, "rev-parse", "HEAD") for t, p in trees.items()}
-    result = StageResult(stage, name, patches, heads, scope="full" if full else "own")
+    key = series.everything(cfg)[stage].key
+    result = StageResult(key, name, patches, heads, scope="full" if full else "own")
     vllm_tree = trees["vllm"]
-    with step(f"stage {stage} ({name}): tests", live=False):
+    with step(f"{name}: tests", live=False):
         vllm_args = (
             vllm_suite_args(cfg, deselected)
             if full
@@ -211,7 +211,7 @@ def run_stage(
                 vllm_args,
                 vllm_tree,
                 [vllm_tree],
-                logs / f"stage-{stage}-vllm.log",
+                logs / f"stage-{key}-vllm.log",
             )
         if patches.get("lmcache") and cfg.suite.lmcache:
             # From the LMCache tree: pytest finds LMCache's tests/pytest.ini
@@ -223,19 +223,17 @@ def run_stage(
                 list(cfg.suite.lmcache),
                 trees["lmcache"],
                 [vllm_tree, trees["lmcache"]],
-                logs / f"stage-{stage}-lmcache.log",
+                logs / f"stage-{key}-lmcache.log",
             )
-        ours = our_stage_tests(cfg, stage)
-        if not full:
-            ours = [p for p in ours if int(p.name[1:3]) == stage]
+        ours = our_stage_tests(cfg, stage, own=not full)
         if ours:
             result.ours = run_pytest(
                 cfg,
                 pyenv,
                 our_test_args(cfg, [str(p) for p in ours]),
                 cfg.root,
-                [*trees.values(), cfg.root / "tests" / "stages"],
-                logs / f"stage-{stage}-ours.log",
+                list(trees.values()),
+                logs / f"stage-{key}-ours.log",
             )
         for tree_name, repo in trees.items():
             result.ruff[tree_name] = run_ruff(cfg, tree_name, repo)
@@ -253,10 +251,10 @@ def run_matrix(
     stages = discover(cfg)
     pyenv = env_mod.ensure(cfg)
     deselected = load_deselected(cfg.deselected)
-    names = {0: "base"} | {s.number: s.name for s in stages}
+    names = {s.number: s.name for s in series.everything(cfg)}
     prepared = []
     for k in selected:
-        with step(f"stage {k} ({names[k]}): apply stages 1..{k} with git am"):
+        with step(f"{names[k]}: apply the stages up to it with git am"):
             trees = stage_trees(cfg, stages, k)
         patches = {t: sum(len(s.patches_for(t)) for s in stages[:k]) for t in cfg.trees}
         own = len(stages[k - 1].patches_for("vllm")) if k else 0
@@ -322,7 +320,7 @@ def run_commit(
     result = CommitResult(
         tree_name,
         index,
-        stage.number,
+        stage.key,
         patch.name,
         git(repo, "log", "-1", "--format=%s"),
         git(repo, "rev-parse", "HEAD"),
@@ -373,7 +371,7 @@ def run_per_commit(cfg: Config, jobs: int = DEFAULT_JOBS) -> list[CommitResult]:
 
 def run_step(
     cfg: Config,
-    stage: int | None = None,
+    stage: str | None = None,
     per_commit: bool = False,
     jobs: int = DEFAULT_JOBS,
     ours_only: bool = False,
@@ -395,9 +393,9 @@ def run_step(
             return StepResult(False, f"commits {', '.join(red_commits)} are red")
         return StepResult(True, f"{len(commits)} commits green")
     if stage is not None:
-        selected = [check_stage_number(cfg, stage)]
+        selected = [series.number(cfg, stage)]
     else:
-        selected = list(range(cfg.num_stages + 1))
+        selected = list(range(len(discover(cfg)) + 1))
     results = run_matrix(
         cfg, selected, jobs=jobs, vllm_suite=not ours_only, quick=quick
     )
@@ -407,10 +405,10 @@ def run_step(
     for r in results:
         for part in (r.vllm, r.lmcache, r.ours):
             if part is not None and not part.ok:
-                console.print(f"stage {r.stage}: see {part.log}", highlight=False)
+                console.print(f"{r.name}: see {part.log}", highlight=False)
                 for failure in part.failures[:20]:
                     console.print(f"  {failure}", highlight=False)
-    red = [str(r.stage) for r in results if not r.ok]
+    red = [r.stage for r in results if not r.ok]
     if red:
         return StepResult(False, f"stages {', '.join(red)} are red")
-    return StepResult(True, f"stages {', '.join(map(str, selected))} green")
+    return StepResult(True, f"stages {', '.join(r.stage for r in results)} green")

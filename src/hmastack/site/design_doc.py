@@ -1,7 +1,7 @@
 """The page of vLLM's own design document of the hybrid KV cache manager as the
 series changes it: ``docs/design/hybrid_kv_cache_manager.md`` of the base release
-with the hunks of every vLLM patch that touches it applied in series order (3.15
-adds the KV connector sections; later patches of stage 03 amend them).
+with the hunks of every vLLM patch that touches it applied in series order (one
+commit adds the KV connector sections, later ones amend them).
 
 The base file and its images come from the base commit of the vLLM workspace
 (``hmastack base``); without that commit (or without a vLLM tree) the page says
@@ -24,7 +24,7 @@ from hmastack.core.config import Config
 from hmastack.core.errors import HmastackError
 from hmastack.core.gitutil import git, git_proc, is_repo
 from hmastack.core.process import CommandError, run
-from hmastack.site.pages import StageInfo, file_number, patch_id
+from hmastack.site.pages import StageInfo, patch_id
 
 DOC = "docs/design/hybrid_kv_cache_manager.md"
 IMAGES = "docs/assets/design/hybrid_kv_cache_manager"
@@ -55,11 +55,11 @@ class _Base:
 
 
 def doc_patches(cfg: Config, stages: list[StageInfo]) -> list[tuple[str, Path]]:
-    """``(S.N, patch file)`` of every vLLM patch that changes the document."""
+    """``(id, patch file)`` of every vLLM patch that changes the document."""
     return [
-        (patch_id(cfg, s.stage.number, "vllm", file_number(p.path)), p.path)
+        (patch_id(cfg, s.stage, "vllm", n), p.path)
         for s in stages
-        for p in s.trees().get("vllm", [])
+        for n, p in enumerate(s.trees().get("vllm", []), 1)
         if any(f.path == DOC for f in p.files)
     ]
 

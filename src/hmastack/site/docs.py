@@ -14,6 +14,7 @@ generated file is written into the source tree.
 from __future__ import annotations
 
 import os
+import posixpath
 import re
 import sys
 import time
@@ -28,17 +29,20 @@ from hmastack.core.steps import StepResult
 from hmastack.matrix import reports as matrix_reports
 from hmastack.site import bench as site_bench
 from hmastack.site import design_doc
+from hmastack.site import e2e as e2e_site
 from hmastack.site import model as site_model
 from hmastack.site import svg as site_svg
 from hmastack.site.overview import (
     base_row,
     checklist_block,
     conformance_block,
+    patch_checks,
     problem_numbers,
     regions_block,
     series_table,
 )
-from hmastack.site.pages import apply_page_block, load_stages, stage_page
+from hmastack.site.pages import apply_page_block, load_stages, patch_anchor, stage_page
+from hmastack.stack import refs, series
 
 MARKER = re.compile(r"<!--\s*hmastack:([\w-]+)\s*-->")
 
@@ -51,10 +55,38 @@ class Site:
     assets: dict[str, bytes] = field(default_factory=dict)
     blocks: dict[str, str] = field(default_factory=dict)
     nav: list = field(default_factory=list)
+    # commit id -> (its stage page, the anchor of its heading there, its subject)
+    links: dict[str, tuple[str, str, str]] = field(default_factory=dict)
 
 
 def model_page(cfg: Config) -> str:
-    return site_model.model_page(cfg.root, cfg.reports)
+    """The model-results page, with the counterexamples and models each
+    stage's ``[spec]`` names."""
+    stages = series.everything(cfg)
+    return site_model.model_page(
+        cfg.root,
+        cfg.reports,
+        [c for s in stages for c in s.info.spec.counterexamples],
+        {m: s.key for s in stages for m in s.info.spec.models} | mutation_stages(cfg),
+    )
+
+
+def mutation_stages(cfg: Config) -> dict[str, str]:
+    """Each mutation of the manifest -> the key of the stage of the commit its
+    ``patch`` names (``base`` for vLLM's own code)."""
+    from hmastack.spec import manifest as spec_manifest
+
+    if not (cfg.root / "spec" / "manifest.toml").is_file():
+        return {}
+    settings = spec_manifest.load_settings(cfg.root)
+    commits = series.commits(cfg)
+    out = {}
+    for name, m in spec_manifest.load_manifest(settings).items():
+        if m.patch == "base":
+            out[name] = series.BASE
+        elif m.patch is not None and (named := refs.named_by_ref(commits, m.patch)):
+            out[name] = named.stage.key
+    return out
 
 
 def bench_page(cfg: Config, site: Site) -> str:
@@ -68,8 +100,6 @@ def bench_page(cfg: Config, site: Site) -> str:
 
 def generate(cfg: Config, docs_dir: Path | None = None) -> Site:
     """Every generated page, asset and marker block, and the nav."""
-    from hmastack.e2e import site as e2e_site  # it uses md_table from here
-
     docs_dir = docs_dir or cfg.root / "docs"
     stages = load_stages(cfg)
     report = matrix_reports.read_stage_report(cfg)
@@ -77,13 +107,16 @@ def generate(cfg: Config, docs_dir: Path | None = None) -> Site:
     site = Site()
     for s in stages:
         site.pages[s.page] = stage_page(cfg, s, stages, report, commits)
+    for c in series.commits(cfg):
+        page = f"stages/{c.stage.name}.md"
+        site.links[c.id] = (page, patch_anchor(c.id), c.subject)
     vllm_doc = design_doc.design_doc(cfg, stages)
     site.pages[design_doc.PAGE] = design_doc.page(vllm_doc)
     if vllm_doc is not None:
         site.assets.update(design_doc.assets(vllm_doc))
     site.pages["model-results.md"] = model_page(cfg)
     site.pages["benchmarks.md"] = bench_page(cfg, site)
-    site.pages[e2e_site.PAGE] = e2e_site.page(cfg.reports / "e2e.json")
+    site.pages[e2e_site.PAGE] = e2e_site.page(cfg, cfg.reports / "e2e.json")
     site.assets["assets/regions.svg"] = site_svg.regions_svg().encode()
     site.blocks = {
         "series-table": series_table(stages, report),
@@ -94,6 +127,7 @@ def generate(cfg: Config, docs_dir: Path | None = None) -> Site:
         "checklist-status": checklist_block(cfg, stages, report),
         "conformance-results": conformance_block(cfg),
         "model-manifest": site_model.manifest_table(cfg.root),
+        "patch-checks": patch_checks(cfg),
         "generated-from": (
             f"Generated from `patches/` ({len(stages)} stages, "
             f"{sum(len(s.patches) for s in stages)} patches), `spec/` and "
@@ -112,9 +146,7 @@ def generate(cfg: Config, docs_dir: Path | None = None) -> Site:
         if (docs_dir / page).is_file():
             nav.append({title: page})
     nav.append({"vLLM's design document": design_doc.PAGE})
-    nav.append(
-        {"Stages": [{f"{s.stage.number:02d} {s.stage.slug}": s.page} for s in stages]}
-    )
+    nav.append({"Stages": [{f"{s.stage.key} {s.stage.slug}": s.page} for s in stages]})
     evidence: list = []
     if (docs_dir / "model.md").is_file():
         evidence.append({"The model": "model.md"})
@@ -135,8 +167,16 @@ def generate(cfg: Config, docs_dir: Path | None = None) -> Site:
     return site
 
 
-def fill_markers(markdown: str, blocks: dict[str, str], where: str) -> str:
-    """Replace ``<!-- hmastack:NAME -->`` markers; an unknown name is an error."""
+def fill_markers(
+    markdown: str,
+    blocks: dict[str, str],
+    where: str,
+    links: dict[str, tuple[str, str, str]] | None = None,
+) -> str:
+    """Replace ``<!-- hmastack:NAME -->`` markers (an unknown name is an error)
+    and render each reference to a commit (``[<id> <title>]``) as a link
+    ``<id>`` to its heading on its stage page (``links``, of :class:`Site`),
+    its subject the link's title; ``where`` is the page's path in the site."""
 
     def repl(m: re.Match) -> str:
         if m.group(1) not in blocks:
@@ -146,7 +186,15 @@ def fill_markers(markdown: str, blocks: dict[str, str], where: str) -> str:
             )
         return blocks[m.group(1)]
 
-    return MARKER.sub(repl, markdown)
+    def link(m: re.Match) -> str:
+        if links is None or m["id"] not in links:
+            return m[0]
+        page, anchor, subject = links[m["id"]]
+        target = posixpath.relpath(page, posixpath.dirname(where) or ".")
+        title = subject.replace('"', "'")
+        return f'[{m["id"]}]({target}#{anchor} "{title}")'
+
+    return refs.REF.sub(link, MARKER.sub(repl, markdown))
 
 
 def build(cfg: Config, site_dir: Path | None = None) -> tuple[Path, int]:
@@ -158,6 +206,8 @@ def build(cfg: Config, site_dir: Path | None = None) -> tuple[Path, int]:
         raise HmastackError(
             f"no {config_file}", "the site's configuration is mkdocs.yml"
         )
+    # A reference to a commit the series does not have fails the build.
+    refs.require(cfg)
     # Generate once up front so a broken patch or report is reported with its
     # hint, not as a mkdocs traceback.
     generate(cfg)

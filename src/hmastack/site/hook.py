@@ -45,6 +45,6 @@ def on_files(files, config):
 def on_page_markdown(markdown, page, config, files):
     assert _site is not None
     try:
-        return docs.fill_markers(markdown, _site.blocks, page.file.src_uri)
+        return docs.fill_markers(markdown, _site.blocks, page.file.src_uri, _site.links)
     except HmastackError as exc:
         raise PluginError(str(exc)) from None

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from hmastack.spec.manifest import Model
     from hmastack.spec.models import ModelReport
+    from hmastack.stack.series import Counterexample
 
 from hmastack.core.markdown import fence, md_table
 from hmastack.spec.cfg import read_cfg
@@ -210,96 +211,6 @@ def trace_table(trace: list[dict], violated: str | None = None) -> str:
 
 # --- the model-results page ---------------------------------------------------
 
-# Counterexamples shown step by step: (model, title, what it means).
-COUNTEREXAMPLES = [
-    (
-        "series-save-race",
-        "The save race of stage 03's allocation alone (before patch 3.14)",
-        "A connector whose store of a running request's blocks outlives the step "
-        '(`SaveMode = "async"`): the next `allocate_slots` calls '
-        "`remove_skipped_blocks`, which puts a sliding-window block the store still "
-        "reads (`↑`) back in the free queue. Stage 03's allocation alone has no "
-        "hold for it; "
-        "`tests/stages/s00_base/test_legacy_counterexample.py::"
-        "test_series_race_absent` "
-        "replays this scenario through vLLM with the hold: patch 3.14 "
-        "(`request_blocks_freed`, `series-saves`) keeps such blocks until the "
-        "store is done.",
-    ),
-    (
-        "series-stall",
-        "The stall (deadlock) of stage 03's allocation alone (before patch 3.7)",
-        "Two requests back from asynchronous loads wait holding their blocks, no "
-        "block is free, neither's next chunk fits, and the scheduler preempts only "
-        "running requests: nothing can happen any more (TLC: deadlock). With aborts "
-        "a client eventually gives up; without, the engine hangs. Patch 3.7 removes "
-        "it (`series-stall-fixed`, nightly; `series-liveness-2`).",
-    ),
-    (
-        "series-stall-small-pool",
-        "Stage 03's commits on a pool below vLLM's start-up check",
-        "A request preempted after its prefill loads one token asynchronously; its "
-        "next chunk needs more blocks than the pool has left, and patch 3.7 frees the "
-        "blocks of the other waiting requests, never those of the request it cannot "
-        "allocate. Only on pools smaller than `check_enough_kv_cache_memory` "
-        "allows (`PoolChecked`).",
-    ),
-    (
-        "series-stale-read-abort",
-        "A load failure whose block stays in the prefix cache (before patch 3.5)",
-        "A synchronous load fails; the request will recompute the block in place "
-        '(policy "recompute"), so `_handle_invalid_blocks` keeps the published '
-        "invalid block in the prefix cache. The request is aborted before it "
-        "recomputes, and the next request hits the invalid block (`NoStaleRead`). "
-        "Patch 3.5 evicts it (`series-faults`).",
-    ),
-    (
-        "mutations/range-by-cached",
-        "A load failure lost after a preemption (before patch 3.8)",
-        "`Request.num_cached_tokens` is set when a request is first scheduled and "
-        "never reset. A request first scheduled with a 2-token hit is preempted, "
-        "comes back with external tokens loaded synchronously, and the load fails "
-        "after token 2: a scan of only the first `num_cached_tokens` of a running "
-        "request ignores the failure, and the request reads KV that was never "
-        "loaded (`NoStaleRead`). Patch 3.8 scans the tokens computed before the "
-        "step (`series-stale-read-preempt` passes).",
-    ),
-    (
-        "series-loads-fail-alloc-only",
-        "A connector whose loads all fail: the request loads again (before patch 3.9)",
-        "An asynchronous load fails at its first block; no token is valid, the "
-        "request starts over, the connector offers the same tokens again and the "
-        "load fails again, for ever (`Liveness`; the real engine showed it as the "
-        "`load-failure-persistent` stall). Patch 3.9 takes no external tokens for "
-        "such a request (`series-loads-fail` passes).",
-    ),
-    (
-        "series-liveness-2-alloc-only",
-        "Liveness fails for two requests (stage 03's allocation alone)",
-        "Under the fairness assumptions, the behaviour ends in the stall above and "
-        "stutters there: neither request finishes. `series-liveness-2` (stage 03's "
-        "commits, patch 3.7) passes.",
-    ),
-    (
-        "mutations/eagle-base",
-        "vLLM 0.13.0's prefix cache lookup with EAGLE",
-        "Each attention type drops EAGLE's block on its own: a 5-token request "
-        "whose blocks 0 and 1 are cached in both groups hits nothing, where the "
-        "rule of stage 05 serves 2 tokens (`LongestServableHit`).",
-    ),
-    (
-        "legacy",
-        "vLLM 0.13.0: the window bound",
-        "5 external tokens loaded asynchronously get a sliding-window block each, "
-        "where the window needs 2 (`WindowBound`).",
-    ),
-    (
-        "legacy-race",
-        "vLLM 0.13.0: the save race",
-        "The same race as stage 03's above, on 0.13.0.",
-    ),
-]
-
 
 def _witness_rows(
     models: dict[str, Model], reports: dict[str, ModelReport | None]
@@ -341,9 +252,17 @@ def extended_spec(spec_dir: Path, module: str) -> str:
     return module
 
 
-def model_page(root: Path, reports_dir: Path) -> str:
-    """The model-results page: what the spec says, and every manifest model
-    with the verdict of the last ``hmastack spec check`` (its own ``ok``)."""
+def model_page(
+    root: Path,
+    reports_dir: Path,
+    counterexamples: list[Counterexample],
+    stage_of: dict[str, str] | None = None,
+) -> str:
+    """The model-results page: what the spec says, every manifest model with
+    the stage that names it (``stage_of``: model -> stage key) and the verdict
+    of the last ``hmastack spec check`` (its own ``ok``), and the
+    ``counterexamples`` the stages name, step by step."""
+    stage_of = stage_of or {}
     from hmastack.spec import manifest as spec_manifest
     from hmastack.spec import models as spec_mod
 
@@ -390,8 +309,8 @@ def model_page(root: Path, reports_dir: Path) -> str:
     out += section("## Constants\n", "", ["constant", "meaning"], info.constants)
     out += section("## State\n", "", ["variable", "stands for"], info.variables)
     out += section(
-        "## Stage 03: allocation alone and as coded\n",
-        '`Policy = "SeriesAsCoded"` models the commits of stage 03, '
+        "## The series: allocation alone and as coded\n",
+        '`Policy = "SeriesAsCoded"` models the commits of the series, '
         '`"SeriesAllocOnly"` its per-group allocation alone (none of the '
         "mechanisms below). Each mechanism, with the patch that brings it:\n\n",
         ["switch", "mechanism"],
@@ -427,7 +346,8 @@ def model_page(root: Path, reports_dir: Path) -> str:
                 size = f"{r.generated_states or 0:,} states generated"
             verdict = "yes" if r.ok else "**no**"
         rows.append([
-            f"`{name}`", (mc.policy if mc else ""), (mc.mutation if mc else ""),
+            f"`{name}`", stage_of.get(name, ""),
+            (mc.policy if mc else ""), (mc.mutation if mc else ""),
             (mc.constants.get("SaveMode", "").strip('"') if mc else ""),
             m.mode + (" (nightly)" if m.size == "nightly" else ""),
             "on" if m.deadlock else "off", want, got, size,
@@ -438,7 +358,7 @@ def model_page(root: Path, reports_dir: Path) -> str:
         "Sizes are distinct / generated states and the depth of the search "
         "(exhaustive successes) or the length of the counterexample (failures). "
         "The last column is the check's own verdict against the manifest.\n\n",
-        md_table(["model", "policy", "mutation", "saves", "mode", "deadlock",
+        md_table(["model", "stage", "policy", "mutation", "saves", "mode", "deadlock",
                   "expected", "TLC", "size", "seconds", "as the manifest says"],
                  rows),
     ]  # fmt: skip
@@ -467,7 +387,8 @@ def model_page(root: Path, reports_dir: Path) -> str:
         "`↓` marks a block a connector load is writing into, `↑` one a connector "
         "store is reading.\n"
     )
-    for name, title, meaning in COUNTEREXAMPLES:
+    for example in counterexamples:
+        name, title, meaning = example.model, example.title, example.meaning
         r = reports.get(name)
         out.append(f"### {title} (`{name}`) {{#{name}}}\n")
         out.append(meaning + "\n")

@@ -13,7 +13,7 @@ from hmastack.site import reports as site_reports
 from hmastack.site import svg as site_svg
 from hmastack.site.pages import StageInfo, missing_sections, stage_tests, tree_title
 from hmastack.site.patches import combined_files
-from hmastack.stack.workspace import subject_stage
+from hmastack.stack import refs, series
 
 
 def series_table(
@@ -23,11 +23,11 @@ def series_table(
     for s in stages:
         files = combined_files(s.patches)
         tests = sum(len(v) for p in s.patches for v in p.added_tests.values())
-        entry = report.stage(s.stage.number) if report else None
+        entry = report.stage(s.stage.key) if report else None
         result = "not run yet" if entry is None else ("green" if entry.ok else "red")
         rows.append(
             [
-                f"[{s.stage.number}]({prefix}{s.page})",
+                f"[{s.stage.key}]({prefix}{s.page})",
                 f"[{s.title}]({prefix}{s.page})",
                 ", ".join(f"{len(v)} {tree_title(t)}" for t, v in s.trees().items())
                 or "none yet",
@@ -44,14 +44,14 @@ def series_table(
 
 
 def base_row(report: StageReport | None) -> str:
-    base = report.stage(0) if report else None
+    base = report.stage(series.BASE) if report else None
     if report is None or base is None:
         return (
             "The stage matrix has not run yet (`hmastack test`), so the base has "
             "no results here.\n"
         )
     return (
-        "The unpatched base (stage 0), from the last stage table "
+        "The unpatched base, from the last stage table "
         f"({report.generated}):\n\n" + md_table(HEADERS, [site_reports.stage_row(base)])
     )
 
@@ -60,6 +60,7 @@ def checklist_block(
     cfg: Config, stages: list[StageInfo], report: StageReport | None
 ) -> str:
     rows = []
+    found = [s.stage for s in stages]
 
     def mark(ok: bool | None) -> str:
         # Words, not emoji: they read where no emoji font is installed.
@@ -68,12 +69,12 @@ def checklist_block(
     for s in stages:
         missing = missing_sections(s.readme)
         subjects_ok = (
-            all(subject_stage(cfg, p.subject) == s.stage.number for p in s.patches)
+            all(series.subject_stage(found, p.subject) is s.stage for p in s.patches)
             if s.patches
             else None
         )
         tests = bool(stage_tests(cfg, s)) or any(p.added_tests for p in s.patches)
-        entry = report.stage(s.stage.number) if report else None
+        entry = report.stage(s.stage.key) if report else None
         ruff = (
             None
             if entry is None
@@ -96,18 +97,48 @@ def checklist_block(
             "stage",
             "cover letter sections",
             "patches",
-            f"subjects carry `[{cfg.series.title_tag} K/{cfg.series.stages}]`"
-            + (
-                f" or `[{cfg.series.title_tag} follow-up J]`"
-                if cfg.series.followups
-                else ""
-            ),
+            "subjects carry the stage's tag",
             "tests travel with it",
             "suite green",
             "ruff clean",
         ],
         rows,
     )
+
+
+def patch_checks(cfg: Config) -> str:
+    """Each commit a conformance break or a mutation of the model names (and
+    ``base``), in the series' order, with those checks (docs/glossary.md)."""
+    from hmastack.conform.run import all_breaks
+    from hmastack.spec import manifest as spec_manifest
+
+    checks: dict[str, tuple[list[str], list[str]]] = {}
+    for brk in all_breaks(series.discover(cfg)).values():
+        checks.setdefault(brk.patch, ([], []))[0].append(brk.name)
+    if (cfg.root / "spec" / "manifest.toml").is_file():
+        settings = spec_manifest.load_settings(cfg.root)
+        for name, m in spec_manifest.load_manifest(settings).items():
+            if m.patch is not None:
+                checks.setdefault(m.patch, ([], []))[1].append(name)
+    titles = {"base": "vLLM 0.13.0 itself"}
+    commits = series.commits(cfg)
+    for ref in checks.keys() - titles.keys():
+        commit = refs.named_by_ref(commits, ref)
+        titles[ref] = commit.title if commit else "**no such commit**"
+    ids = [c.id for c in commits]
+
+    def place(ref: str) -> int:
+        m = refs.REF.fullmatch(ref)
+        return ids.index(m["id"]) + 1 if m and m["id"] in ids else 0
+
+    def cell(names: list[str]) -> str:
+        return ", ".join(f"`{n}`" for n in sorted(names)) or "-"
+
+    rows = [
+        [ref, titles[ref], cell(brks), cell(muts)]
+        for ref, (brks, muts) in sorted(checks.items(), key=lambda kv: place(kv[0]))
+    ]
+    return md_table(["patch", "commit", "conformance breaks", "mutations"], rows)
 
 
 def summary_cell(summary: dict) -> str:

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hmastack.core.config import Config
-from hmastack.core.errors import HmastackError
 from hmastack.core.markdown import code, fence, indent, md_table
 from hmastack.matrix.reports import HEADERS, CommitReport, StageReport
 from hmastack.site import reports as site_reports
 from hmastack.site.patches import FileChange, Patch, combined_files, parse_patch
-from hmastack.stack.workspace import Stage, discover
+from hmastack.stack import series
+from hmastack.stack.series import Stage, discover
 
 TREE_TITLES = {"vllm": "vLLM", "lmcache": "LMCache"}
 
@@ -75,19 +75,15 @@ def tree_title(name: str) -> str:
     return TREE_TITLES.get(name, name)
 
 
-def file_number(path: Path) -> int:
-    """N of a ``git format-patch`` file ``000N-subject.patch``."""
-    head = path.name.split("-", 1)[0]
-    if not head.isdigit():
-        raise HmastackError(f"{path.name} does not start with a patch number")
-    return int(head)
+def patch_id(cfg: Config, stage: Stage, tree: str, n: int) -> str:
+    """The id of patch file ``n`` of ``stage`` in ``tree``
+    (:meth:`Stage.patch_id`): ``KEY.N``, ``lmcache KEY.N``."""
+    return stage.patch_id(tree, n, next(iter(cfg.trees)))
 
 
-def patch_id(cfg: Config, stage: int, tree: str, n: int) -> str:
-    """The id of patch file ``n`` of ``stage`` in ``tree`` (docs/glossary.md):
-    ``S.N`` in the series' first tree (vLLM), ``<tree> S.N`` in another."""
-    number = f"{stage}.{n}"
-    return number if tree == next(iter(cfg.trees)) else f"{tree} {number}"
+def patch_anchor(patch_id: str) -> str:
+    """The anchor of a patch's heading on its stage page: ``patch-KEY-N``."""
+    return "patch-" + re.sub(r"[^a-z0-9]+", "-", patch_id.lower())
 
 
 def load_stages(cfg: Config) -> list[StageInfo]:
@@ -137,7 +133,8 @@ def diffstat_table(files: list[FileChange], tree: str | None = None) -> str:
 
 
 def apply_commands(cfg: Config, stages: list[StageInfo], tree: str, upto: int) -> str:
-    """The shell commands that apply stages 1..upto of ``tree`` onto its base.
+    """The shell commands that apply the first ``upto`` stages of ``tree``
+    onto its base.
 
     Run in a git repository of the tree at its base tag, with ``HMASTACK`` set to
     this repository (the unit tests run exactly this text). Empty when no stage
@@ -154,7 +151,8 @@ def apply_commands(cfg: Config, stages: list[StageInfo], tree: str, upto: int) -
     lines = [
         f"# in a git repository of {tree_title(tree)} {t.version} at tag {t.tag};",
         "# HMASTACK is a clone of this repository",
-        f"git checkout -b hma-stage-{upto} {t.tag}",
+        f"git checkout -b hma-stage-{series.key_of([s.stage for s in stages], upto)} "
+        f"{t.tag}",
         "git am --keep-non-patch \\",
         *[f"    {f} \\" for f in folders[:-1]],
         f"    {folders[-1]}",
@@ -171,7 +169,8 @@ def apply_block(cfg: Config, stages: list[StageInfo], upto: int) -> str:
         if commands:
             parts.append(f"**{title}**\n\n" + fence(commands, "sh"))
         else:
-            parts.append(f"**{title}**: no patches for this tree up to stage {upto}.\n")
+            key = series.key_of([s.stage for s in stages], upto)
+            parts.append(f"**{title}**: no patches for this tree up to stage {key}.\n")
     return "\n".join(parts)
 
 
@@ -195,7 +194,7 @@ def apply_page_block(cfg: Config, stages: list[StageInfo]) -> str:
             [
                 f"[{s.stage.name}]({s.page})",
                 ", ".join(per_tree) or "no patches yet",
-                code(f"hmastack apply --upto {s.stage.number}"),
+                code(f"hmastack apply --upto {s.stage.key}"),
             ]
         )
     out.append(md_table(["stage", "patches", "workspace at this stage"], rows))
@@ -255,17 +254,13 @@ def rewrite_links(
 
 
 def stage_tests(cfg: Config, info: StageInfo) -> dict[str, list[str]]:
-    """Our stage tests (tests/stages/sNN_*): file -> test functions."""
+    """The stage's own tests (``patches/<stage>/tests/``): file -> test functions."""
     out = {}
-    for folder in sorted(
-        (cfg.root / "tests" / "stages").glob(f"s{info.stage.number:02d}_*")
-    ):
-        for path in sorted(folder.rglob("test_*.py")):
-            names = re.findall(
-                r"^\s*(?:async\s+)?def\s+(test_\w+)", path.read_text(), flags=re.M
-            )
-            if names:
-                out[path.relative_to(cfg.root).as_posix()] = names
+    for path in sorted(info.stage.tests.rglob("test_*.py")):
+        text = path.read_text()
+        names = re.findall(r"^\s*(?:async\s+)?def\s+(test_\w+)", text, flags=re.M)
+        if names:
+            out[path.relative_to(cfg.root).as_posix()] = names
     return out
 
 
@@ -276,18 +271,18 @@ def results_block(info: StageInfo, report: StageReport | None) -> str:
             "`build/reports/stages.json`.\n"
         )
     n = info.stage.number
-    entry = report.stage(n)
-    base = report.stage(0)
+    entry = report.stage(info.stage.key)
+    base = report.stage(series.BASE)
     if entry is None:
         return (
             f'!!! note "Not run yet"\n    The last stage table '
-            f"({report.generated}) has no row for stage {n}.\n"
+            f"({report.generated}) has no row for stage {info.stage.key}.\n"
         )
     rows = [site_reports.stage_row(base)] if n and base else []
     rows.append(site_reports.stage_row(entry))
     text = (
         f"Last stage table: {report.generated} on {report.machine}"
-        + (" (the base, stage 0, for comparison)" if n and base else "")
+        + (" (the base for comparison)" if n and base else "")
         + ".\n\n"
         + md_table(HEADERS, rows)
     )
@@ -356,7 +351,7 @@ def stage_page(
     h1 = lines[0] if lines and lines[0].startswith("# ") else f"# {s.name}"
     body = "\n".join(lines[1:] if lines and lines[0].startswith("# ") else lines)
     files = combined_files(info.patches)
-    entry = report.stage(s.number) if report else None
+    entry = report.stage(s.key) if report else None
     status = (
         "not run yet"
         if report is None or entry is None
@@ -367,13 +362,8 @@ def stage_page(
         ", ".join(f"{len(v)} {tree_title(t)}" for t, v in trees.items()) or "none yet"
     )
     summary = [
-        (
-            f"**Stage {s.number} of {cfg.series.stages}**"
-            if s.number <= cfg.series.stages
-            else f"**Stage {s.number}: follow-up {s.number - cfg.series.stages} "
-            f"to the {cfg.series.stages} stages of the series**"
-        )
-        + f" · `patches/{s.name}/`",
+        f"**Stage {s.key}** ({s.number} of {len(stages)}) · its commits carry "
+        f"`[{s.tag}]` · `patches/{s.name}/`",
         f"**Patches:** {counts}",
         f"**Diffstat:** {len(files)} files changed, +{sum(f.added for f in files)} "
         f"−{sum(f.removed for f in files)}",
@@ -399,9 +389,9 @@ def stage_page(
             out.append(diffstat_table(combined_files(patches), tree))
         out.append("## Patches\n")
         for tree, patches in trees.items():
-            for p in patches:
-                label = patch_id(cfg, s.number, tree, file_number(p.path))
-                out.append(f"### {label}: {p.subject}\n")
+            for n, p in enumerate(patches, 1):
+                label = patch_id(cfg, s, tree, n)
+                out.append(f"### {label}: {p.subject} {{#{patch_anchor(label)}}}\n")
                 out.append(
                     f"`{p.path.name}` · {html.escape(p.author)} · {p.date} · "
                     f"{len(p.files)} files, +{p.added} −{p.removed}\n"
@@ -440,8 +430,8 @@ def stage_page(
         out.append(tests_by_file(added))
     if ours:
         out.append(
-            "\nStage tests (`tests/stages/`, run by the stage matrix from this "
-            "stage on):\n"
+            f"\nStage tests (`patches/{s.name}/tests/`, run by the stage matrix "
+            "from this stage on):\n"
         )
         out.append(tests_by_file(ours))
     if not added and not ours:
@@ -453,7 +443,7 @@ def stage_page(
     out.append(apply_block(cfg, stages, s.number))
     out.append(
         "\nOr, in this repository: "
-        + code(f"hmastack apply --upto {s.number}")
+        + code(f"hmastack apply --upto {s.key}")
         + " (the workspaces under `build/`).\n"
     )
     nav = []

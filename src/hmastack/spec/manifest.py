@@ -4,7 +4,6 @@ which models exist, their sizes and what TLC must find in each.
 
 from __future__ import annotations
 
-import re
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -13,6 +12,7 @@ import msgspec
 
 from hmastack.core import config, tomlfile
 from hmastack.core.errors import HmastackError
+from hmastack.stack import refs
 
 Mode = Literal["exhaustive", "simulate"]
 MODES: tuple[str, ...] = typing.get_args(Mode)
@@ -23,10 +23,6 @@ Result = Literal["success", "safety failure", "deadlock failure", "liveness fail
 
 Size = Literal["ci", "nightly"]
 
-# The id of a patch: "S.N" is patch file N of stage S of the vLLM series
-# (patches/0S-*/vllm/000N-*.patch), "lmcache S.N" LMCache's; "base" is vLLM
-# 0.13.0's own code (a check that switches off a protection the series keeps).
-PATCH_ID = re.compile(r"base|(lmcache )?[1-9]\d*\.[1-9]\d*")
 SIZES: tuple[str, ...] = typing.get_args(Size)
 
 
@@ -97,7 +93,8 @@ class Model(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     comment: str = ""
     extra: list[str] = []
     module: str | None = None  # spec/<module>.tla; None: spec/tlc.toml's module
-    # a mutation's: the patch whose protection it switches off (PATCH_ID)
+    # a mutation's: the commit whose protection it switches off, a reference
+    # (hmastack.stack.refs: "[KEY.N <title>]") or "base" (vLLM's own code)
     patch: str | None = None
     name: str = ""
     path: Path = Path()
@@ -111,8 +108,12 @@ class Model(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise ValueError("a deadlock failure needs deadlock = true")
         if self.mode == "simulate" and self.result != "success":
             raise ValueError("simulation models expect success")
-        if self.patch is not None and not PATCH_ID.fullmatch(self.patch):
-            raise ValueError(f"patch must be an id such as 3.14, not {self.patch!r}")
+        if self.patch is not None and not (
+            self.patch == "base" or refs.REF.fullmatch(self.patch)
+        ):
+            raise ValueError(
+                f"patch must be base or a reference [KEY.N <title>], not {self.patch!r}"
+            )
         if self.module is not None and not self.module.isidentifier():
             raise ValueError(f"module must be a TLA+ module name, not {self.module!r}")
 

@@ -5,9 +5,10 @@
 ``<file>_<worker>_<index>``, each a TLA+ module of ``STATE_k ==`` definitions
 (conjuncts ``/\\ var = value``, TLC's value syntax). They are parsed with
 :mod:`hmastack.spec.tlc`'s value parser into
-``build/reports/spec/traces/<model>/trace-NNNN.json``::
+``build/reports/spec/traces/<model>/trace-NNNN.json`` and its ``index.json``,
+of the one schema the replays read them with (:mod:`hmastack_testkit.traces`)::
 
-    {"model": ..., "cfg": ..., "seed": ..., "index": k,
+    {"model": ..., "module": ..., "cfg": ..., "seed": ..., "depth": ..., "index": k,
      "constants": {"N": 5, "Policy": "Series", ...},
      "states": [{"ref": [...], "table": {...}, "event": {...}, ...}, ...]}
 
@@ -25,6 +26,8 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from hmastack_testkit.traces import Trace, TraceFile, TraceIndex, to_json
 
 from hmastack.core.errors import HmastackError
 from hmastack.spec import tlc
@@ -172,30 +175,32 @@ def generate(
     written = []
     for index, path in enumerate(files):
         states = parse_trace_file(path.read_text())
-        doc = {
-            "model": name,
-            "module": module,
-            "cfg": cfg_name,
-            "seed": seed,
-            "depth": depth,
-            "index": index,
-            "constants": constants,
-            "states": [tlc.to_jsonable(s) for s in states],
-        }
+        doc = Trace(
+            model=name,
+            module=module,
+            cfg=cfg_name,
+            seed=seed,
+            depth=depth,
+            index=index,
+            constants=constants,
+            states=[tlc.to_jsonable(s) for s in states],
+        )
         target = out / f"trace-{index:04d}.json"
-        target.write_text(json.dumps(doc, separators=(",", ":")) + "\n")
-        written.append({"file": target.name, "states": len(states)})
-    summary = {
-        "model": name,
-        "module": module,
-        "cfg": cfg_name,
-        "seed": seed,
-        "num": num,
-        "depth": depth,
-        "seconds": seconds,
-        "states_generated": run.states_generated,
-        "traces": written,
-    }
+        target.write_text(json.dumps(to_json(doc), separators=(",", ":")) + "\n")
+        written.append(TraceFile(target.name, len(states)))
+    summary = to_json(
+        TraceIndex(
+            model=name,
+            module=module,
+            cfg=cfg_name,
+            seed=seed,
+            num=num,
+            depth=depth,
+            seconds=seconds,
+            states_generated=run.states_generated,
+            traces=written,
+        )
+    )
     (out / "index.json").write_text(json.dumps(summary, indent=1) + "\n")
     shutil.rmtree(work, ignore_errors=True)
     return summary
@@ -231,13 +236,15 @@ def counterexample(name: str, out: Path, *, root: Path | None = None) -> dict[st
         for s in report.trace
         if s.get("_step") is not None
     ]
-    doc = {
-        "model": name,
-        "cfg": str(model.path.relative_to(root)),
-        "violated": report.violated,
-        "constants": parse_cfg_constants(model.path.read_text()),
-        "states": states,
-    }
+    doc = to_json(
+        Trace(
+            model=name,
+            cfg=str(model.path.relative_to(root)),
+            violated=report.violated,
+            constants=parse_cfg_constants(model.path.read_text()),
+            states=states,
+        )
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")
     return doc

@@ -25,11 +25,10 @@ from hmastack.core.gitutil import (
 )
 from hmastack.core.progress import console
 from hmastack.stack import base as base_mod
+from hmastack.stack.series import Stage, discover
 from hmastack.stack.workspace import (
-    Stage,
     describe,
     dirty_paths,
-    discover,
     export_tree,
     git_in,
     held,

@@ -1,15 +1,10 @@
-"""The patch stack: stages on disk, ``apply`` into a tree, ``export`` back.
+"""The patch stack: ``apply`` into a tree, ``export`` back.
 
-Layout of ``patches/``::
-
-    patches/NN-slug/README.md            the stage's PR description (required)
-    patches/NN-slug/<tree>/NNNN-*.patch  git format-patch files for tree <tree>
-
-The subdirectory names the tree a patch targets (``vllm`` or ``lmcache``). Stages
-apply in number order, files in name order. Editing a patch means: ``apply``,
-change and commit in ``build/<tree>``, ``export``. A commit's stage is read from
-its subject: ``[<title_tag> K/N]`` for the N stages of the series, ``[<title_tag>
-follow-up J]`` for a follow-up stage beyond them (stage N + J).
+The stages on disk are :mod:`hmastack.stack.series`'s: ``patches/KEY-slug/``
+with its README.md, stage.toml and ``<tree>/NNNN-*.patch`` files; stages apply
+in directory order, files in name order. Editing a patch means: ``apply``,
+change and commit in ``build/<tree>``, ``export``. A commit's stage is read
+from its subject: the stage whose tag it carries (:func:`series.subject_stage`).
 
 ``apply`` is one transaction over every tree: it refuses a workspace whose work
 ``patches/`` does not hold (``--force`` keeps that work as a branch and says
@@ -51,8 +46,9 @@ from hmastack.core.process import CommandError
 from hmastack.core.progress import console
 from hmastack.core.steps import StepResult
 from hmastack.stack import base as base_mod
+from hmastack.stack import series
+from hmastack.stack.series import Stage, discover
 
-STAGE_DIR = re.compile(r"^(?P<num>\d\d)-(?P<slug>[a-z0-9][a-z0-9-]*)$")
 # What the last `apply` (or `export`) left in a workspace: its status ("applying"
 # while git am runs, "failed", "interrupted", "applied"), the stage, the branch it
 # brought to the series, and the sha256 of every patch file of the tree it applied
@@ -70,26 +66,6 @@ DEFAULT_BRANCH = "refs/heads/main"
 AUTOSQUASH = re.compile(r"^(fixup|squash|amend)! ")
 
 
-@dataclass(frozen=True)
-class Stage:
-    number: int
-    slug: str
-    path: Path
-    patches: dict[str, list[Path]] = field(default_factory=dict)
-
-    @property
-    def name(self) -> str:
-        return f"{self.number:02d}-{self.slug}"
-
-    def patches_for(self, tree: str) -> list[Path]:
-        return self.patches.get(tree, [])
-
-    @property
-    def is_empty(self) -> bool:
-        """No patch for any tree."""
-        return not any(self.patches.values())
-
-
 class ApplyError(HmastackError):
     """A patch did not apply; the tree was reset to its base. ``stage``: the
     number of the stage whose patch failed."""
@@ -101,67 +77,17 @@ class LockHeld(ApplyError):
     """A git command of ``apply`` found the index locked by another git process."""
 
 
-def discover(cfg: Config) -> list[Stage]:
-    """The stages under ``patches/``, validated and in order.
-
-    Raises :class:`HmastackError` for a stage without README.md, a patch that
-    does not sit in a tree subdirectory, an unknown tree, or a gap in numbering.
-    """
-    if not cfg.patches.is_dir():
-        raise HmastackError(
-            f"{cfg.patches} does not exist",
-            "the series lives there: restore it from git (`git checkout -- "
-            "patches/`), or run hmastack in the project (HMASTACK_ROOT)",
-        )
-    stages = []
-    for path in sorted(p for p in cfg.patches.iterdir() if p.is_dir()):
-        match = STAGE_DIR.match(path.name)
-        if not match:
-            raise HmastackError(
-                f"{path} is not a stage directory",
-                "stage directories are named NN-slug, e.g. 01-skipped-tokens",
-            )
-        if not (path / "README.md").is_file():
-            raise HmastackError(
-                f"stage {path.name} has no README.md",
-                "every stage carries its PR description in README.md",
-            )
-        stray = sorted(path.glob("*.patch"))
-        if stray:
-            raise HmastackError(
-                f"{stray[0]} does not say which tree it targets",
-                f"move it into a tree subdirectory: {', '.join(sorted(cfg.trees))}",
-            )
-        patches = {}
-        for sub in sorted(p for p in path.iterdir() if p.is_dir()):
-            if sub.name not in cfg.trees:
-                raise HmastackError(
-                    f"{sub} names no known tree",
-                    f"tree subdirectories are: {', '.join(sorted(cfg.trees))}",
-                )
-            patches[sub.name] = sorted(sub.glob("*.patch"))
-        stages.append(Stage(int(match["num"]), match["slug"], path, patches))
-    numbers = [s.number for s in stages]
-    if numbers != list(range(1, cfg.num_stages + 1)):
-        raise HmastackError(
-            f"stages under {cfg.patches} are numbered {numbers}, expected "
-            f"1..{cfg.num_stages}",
-        )
-    return stages
+def upto_text(stages: list[Stage], upto: int) -> str:
+    """``stages FIRST..LAST`` (``the base`` when ``upto`` is 0)."""
+    if upto == 0:
+        return "the base"
+    return f"stages {stages[0].key}..{stages[upto - 1].key}"
 
 
-def check_stage_number(cfg: Config, number: int) -> int:
-    if not 0 <= number <= cfg.num_stages:
-        raise HmastackError(
-            f"unknown stage {number}",
-            f"stages are 0 (the untouched base) to {cfg.num_stages}",
-        )
-    return number
-
-
-def refuse_empty_stages(cfg: Config, stages: list[Stage], upto: int) -> None:
-    """Refuse to apply a stage of 1..``upto`` that holds no patch, in a series
-    where some stage holds one (a series not written yet applies as its base)."""
+def refuse_empty_stages(stages: list[Stage], upto: int) -> None:
+    """Refuse to apply one of the first ``upto`` stages when it holds no patch,
+    in a series where some stage holds one (a series not written yet applies
+    as its base)."""
     if all(stage.is_empty for stage in stages):
         return
     empty = [stage for stage in stages[:upto] if stage.is_empty]
@@ -173,11 +99,10 @@ def refuse_empty_stages(cfg: Config, stages: list[Stage], upto: int) -> None:
     raise HmastackError(
         f"{which} no patch (no NNNN-*.patch in a tree subdirectory of "
         f"{first.path}); the series would have an empty stage",
-        f"to start stage {first.number}, `hmastack apply --upto {first.number - 1}`"
-        f", commit its first change in the workspace with the subject tag "
-        f"'{cfg.stage_tag(first.number)}' and `hmastack export`; or remove the "
-        "directory and lower `stages` or `followups` in hmastack.toml. Nothing "
-        "was changed",
+        f"to start stage {first.key}, `hmastack apply --upto {first.previous}`, "
+        "commit its first change in the workspace with the subject tag "
+        f"'[{first.tag}]' (its stage.toml `tag`) and `hmastack export`; or "
+        "remove the directory. Nothing was changed",
     )
 
 
@@ -400,7 +325,7 @@ def patch_key(stage: Stage, tree_name: str, name: str) -> str:
 def applied_upto(repo: Path, cfg: Config) -> int:
     """The stage ``apply`` last brought ``repo`` to (all stages if never recorded)."""
     state = read_state(repo)
-    return cfg.num_stages if state is None else int(state["upto"])
+    return len(discover(cfg)) if state is None else int(state["upto"])
 
 
 def apply_to(
@@ -410,7 +335,8 @@ def apply_to(
     upto: int,
     between: Callable[[], None] | None = None,
 ) -> int:
-    """Reset ``repo`` to its base and ``git am`` the patches of stages 1..upto.
+    """Reset ``repo`` to its base and ``git am`` the patches of the first
+    ``upto`` stages.
 
     Returns the number of patches applied. On failure runs ``git am --abort``,
     resets to the base and raises :class:`ApplyError` naming stage, patch file and
@@ -502,7 +428,7 @@ def apply_patches(
         else:
             how = (
                 f"{repo} was reset to {tree.tag}; to rebase the patch, run "
-                f"`hmastack apply --upto {stage.number - 1}`, then `git -C {repo} am "
+                f"`hmastack apply --upto {stage.previous}`, then `git -C {repo} am "
                 "-3 --keep-non-patch` this patch and the ones after it, resolve, "
                 "`git am --continue`, and `hmastack export`"
             )
@@ -585,7 +511,7 @@ def held(cfg: Config, tree: Tree, repo: Path, stages: list[Stage], rev: str) -> 
     if git(repo, "rev-parse", rev) == base:
         return True
     try:
-        grouped = commits_by_stage(cfg, tree, repo, rev)
+        grouped = commits_by_stage(stages, tree, repo, rev)
     except HmastackError:
         return False
     with tempfile.TemporaryDirectory() as tmp:
@@ -859,9 +785,10 @@ def apply(cfg: Config, upto: int, force: bool = False) -> dict[str, int]:
     process holds a lock, or a signal arrives, every tree is put back at its
     base (none is left at another stage or half applied) and the error says so.
     """
-    check_stage_number(cfg, upto)
     stages = discover(cfg)
-    refuse_empty_stages(cfg, stages, upto)
+    if not 0 <= upto <= len(stages):
+        raise HmastackError(f"no stage number {upto}", f"the series has {len(stages)}")
+    refuse_empty_stages(stages, upto)
     trees = list(cfg.trees.values())
     for tree in trees:
         check_patch_files(series_patches(stages[:upto], tree.name))
@@ -900,9 +827,10 @@ def apply(cfg: Config, upto: int, force: bool = False) -> dict[str, int]:
                 applied[tree.name] = apply_to(repo, tree, stages, upto, signals.check)
             signals.check()
         except (ApplyError, Interrupted) as exc:
-            raise _rolled_back(cfg, trees, upto, exc, signals) from None
+            raise _rolled_back(cfg, trees, stages, upto, exc, signals) from None
         except CommandError as exc:
-            raise _rolled_back(cfg, trees, upto, _git_failed(exc), signals) from None
+            error = _git_failed(exc)
+            raise _rolled_back(cfg, trees, stages, upto, error, signals) from None
     return applied
 
 
@@ -921,6 +849,7 @@ def _git_failed(exc: CommandError) -> ApplyError:
 def _rolled_back(
     cfg: Config,
     trees: list[Tree],
+    stages: list[Stage],
     upto: int,
     exc: ApplyError | Interrupted,
     signals: _Signals,
@@ -960,7 +889,8 @@ def _rolled_back(
     if isinstance(exc, Interrupted):
         name = signals.name(signals.received) if signals.received else "signal"
         error: HmastackError = Interrupted(
-            f"interrupted ({name}) while applying stages 1..{upto}: {where}. "
+            f"interrupted ({name}) while applying {upto_text(stages, upto)}: "
+            f"{where}. "
             "patches/ was not changed",
             "`hmastack apply` applies the series again",
         )
@@ -976,68 +906,13 @@ def _rolled_back(
 # --- export ----------------------------------------------------------------------
 
 
-def _tag_forms(cfg: Config) -> str:
-    forms = f"'{cfg.stage_tag(1)}' .. '{cfg.stage_tag(cfg.series.stages)}'"
-    if cfg.series.followups:
-        forms += f" or '{cfg.stage_tag(cfg.series.stages + 1)}'"
-        if cfg.series.followups > 1:
-            forms += f" .. '{cfg.stage_tag(cfg.num_stages)}'"
-    return forms
-
-
-_TAG = r"\[{tag} (?:(?P<k>\d+)/(?P<n>\d+)|follow-up (?P<j>\d+))\]"
-
-
-def _tags(cfg: Config, subject: str) -> list[re.Match[str]]:
-    return list(re.finditer(_TAG.format(tag=re.escape(cfg.series.title_tag)), subject))
-
-
-def subject_stage(cfg: Config, subject: str) -> int | None:
-    """The stage a commit subject names (see :meth:`Config.stage_tag`), or None.
-
-    ``"[Core][T 3/4] ..."`` is stage 3 and ``"[Core][T follow-up 1] ..."`` stage 5
-    of a series of 4 with title tag T. A ``K/N`` tag whose N is not the series'
-    number of stages, or whose K is not 1..N, a follow-up J that is not 1..the
-    number of follow-ups, a number written with a leading zero, and a subject
-    with two tags name no stage.
-    """
-    tags = _tags(cfg, subject)
-    if len(tags) != 1:
-        return None
-    (m,) = tags
-    numbers = [v for v in (m["k"], m["n"], m["j"]) if v is not None]
-    if any(len(v) > 1 and v.startswith("0") for v in numbers):
-        return None
-    if m["j"] is not None:
-        j = int(m["j"])
-        return cfg.series.stages + j if 1 <= j <= cfg.series.followups else None
-    k, n = int(m["k"]), int(m["n"])
-    return k if n == cfg.series.stages and 1 <= k <= n else None
-
-
-def _why_no_stage(cfg: Config, subject: str) -> str:
-    tags = _tags(cfg, subject)
-    if not tags:
-        return "it carries no stage tag"
-    if len(tags) > 1:
-        return "it carries " + " and ".join(f"'{t[0]}'" for t in tags)
-    (m,) = tags
-    if m["j"] is not None:
-        count = cfg.series.followups
-        which = f"follow-ups are 1..{count}" if count else "the series has none"
-        return f"'{m[0]}' names no follow-up: {which} (hmastack.toml `followups`)"
-    return (
-        f"'{m[0]}' names no stage: the series' stages are 1/{cfg.series.stages}"
-        f" .. {cfg.series.stages}/{cfg.series.stages}"
-    )
-
-
 def commits_by_stage(
-    cfg: Config, tree: Tree, repo: Path, rev: str = "HEAD"
+    stages: list[Stage], tree: Tree, repo: Path, rev: str = "HEAD"
 ) -> dict[int, list[str]]:
-    """The commits of ``rev`` above the base, grouped by the stage in their
-    subject. Refuses a ``fixup!``/``squash!``/``amend!`` commit (it belongs
-    folded into another), a subject that names no stage, and stages out of order."""
+    """The commits of ``rev`` above the base, grouped by the number of the
+    stage whose tag their subject carries (:func:`series.subject_stage`).
+    Refuses a ``fixup!``/``squash!``/``amend!`` commit (it belongs folded into
+    another), a subject that names no stage, and stages out of order."""
     revs = git(repo, "rev-list", "--reverse", f"refs/tags/{tree.tag}..{rev}").split()
     grouped: dict[int, list[str]] = {}
     last = 0
@@ -1051,22 +926,23 @@ def commits_by_stage(
                 f"rebase -i --autosquash refs/tags/{tree.tag}`, then `hmastack "
                 "export`",
             )
-        stage = subject_stage(cfg, subject)
+        stage = series.subject_stage(stages, subject)
         if stage is None:
             raise HmastackError(
                 f"commit {commit[:12]} in {repo} names no stage: {subject!r} "
-                f"({_why_no_stage(cfg, subject)})",
-                f"subjects carry {_tag_forms(cfg)}; reword it (`git -C {repo} "
-                f"rebase -i refs/tags/{tree.tag}`, `reword`)",
+                f"({series.why_no_stage(stages, subject)})",
+                f"subjects carry {series.tag_forms(stages)}, once (each stage's "
+                f"stage.toml `tag`); reword it (`git -C {repo} rebase -i "
+                f"refs/tags/{tree.tag}`, `reword`)",
             )
-        if stage < last:
+        if stage.number < last:
             raise HmastackError(
-                f"commit {commit[:12]} ({subject!r}) of stage {stage} comes after "
-                f"a commit of stage {last}",
+                f"commit {commit[:12]} ({subject!r}) of stage {stage.key} comes after "
+                f"a commit of stage {stages[last - 1].key}",
                 "reorder the commits so stages stay in order",
             )
-        last = stage
-        grouped.setdefault(stage, []).append(commit)
+        last = stage.number
+        grouped.setdefault(stage.number, []).append(commit)
     return grouped
 
 
@@ -1222,7 +1098,8 @@ def _refuse_unless_applied(
     state = read_state(repo)
     how = (
         "nothing in patches/ was changed; bring the workspace back with "
-        "`hmastack apply` (or `hmastack apply --upto K` for the stages that apply)"
+        "`hmastack apply` (or `hmastack apply --upto KEY` for the stages that "
+        "apply)"
     )
     if state is None:
         has_patches = any(s.patches_for(tree.name) for s in stages)
@@ -1234,12 +1111,13 @@ def _refuse_unless_applied(
                 "and exporting it would delete every patch of the tree",
                 how,
             )
-        return {"status": "applied", "upto": cfg.num_stages}
+        return {"status": "applied", "upto": len(stages)}
     if state["status"] == "failed":
         if state.get("stage"):
             how = (
                 "nothing in patches/ was changed; `hmastack apply --upto "
-                f"{state['stage'] - 1}` brings every tree to the last stage that "
+                f"{series.key_of(stages, state['stage'] - 1)}` brings every tree to "
+                "the last stage that "
                 "applies (then rebase the patch as apply's hint says), or fix "
                 "patches/ and `hmastack apply`"
             )
@@ -1251,7 +1129,7 @@ def _refuse_unless_applied(
     if state["status"] != "applied":
         raise HmastackError(
             f"{repo} is not an applied series: the last `hmastack apply` did not "
-            f"finish (stopped while applying stages 1..{state['upto']})",
+            f"finish (stopped while applying {upto_text(stages, state['upto'])})",
             how,
         )
     return state
@@ -1299,9 +1177,9 @@ def _plan(
                 f"{repo} has uncommitted changes, which export does not see:\n" + dirty,
                 f"commit them in {repo} (then `hmastack export`), or stash them",
             )
-    upto = cfg.num_stages if state is None else int(state["upto"])
+    upto = len(stages) if state is None else int(state["upto"])
     recorded = None if state is None else state.get("patches")
-    grouped = commits_by_stage(cfg, tree, repo)
+    grouped = commits_by_stage(stages, tree, repo)
     if not for_apply:
         check_sign_off(repo, tree.tag, [c for cs in grouped.values() for c in cs])
     beyond = sorted(s for s in grouped if s > upto)
@@ -1314,12 +1192,14 @@ def _plan(
     ]
     if gap:
         raise HmastackError(
-            f"{repo} holds commits of stage {beyond[-1]}, but none of stage "
-            f"{gap[0]} (applied up to stage {upto}); export would delete stage "
-            f"{gap[0]}'s patches",
+            f"{repo} holds commits of stage {series.key_of(stages, beyond[-1])}, "
+            f"but none of stage {series.key_of(stages, gap[0])} (applied up to "
+            f"{series.key_of(stages, upto)}); export would delete stage "
+            f"{series.key_of(stages, gap[0])}'s patches",
             f"save the commits (`git -C {repo} format-patch -o ~/saved-patches "
             f"refs/tags/{tree.tag}..HEAD`), then `hmastack apply --upto "
-            f"{beyond[-1]} --force` and `git am --keep-non-patch` them on top",
+            f"{series.key_of(stages, beyond[-1])} --force` and `git am "
+            "--keep-non-patch` them on top",
         )
     if beyond:
         upto = beyond[-1]
@@ -1347,10 +1227,10 @@ def _plan(
 
 
 def _refuse_overwrites(
-    cfg: Config, plans: list[_Plan], empty_stages: Iterable[int]
+    cfg: Config, plans: list[_Plan], empty_stages: Iterable[str]
 ) -> None:
     """Refuse an export that would overwrite a hand edit of patches/, or delete
-    every patch of a stage for a tree unless ``empty_stages`` names it."""
+    every patch of a stage for a tree unless ``empty_stages`` names it (keys)."""
     edited = [d.path for plan in plans for d in plan.drift if d.patches_edited]
     if edited:
         raise HmastackError(
@@ -1367,21 +1247,20 @@ def _refuse_overwrites(
         (plan, stage, count)
         for plan in plans
         for stage, count in plan.emptied
-        if stage.number not in allowed
+        if stage.key not in allowed
     ]
     if not emptied:
         return
     lines = [
         f"{stage.path.relative_to(cfg.root)}/{plan.repo.name}/: all {count} "
-        f"patches (no commit of {plan.repo} carries '{cfg.stage_tag(stage.number)}')"
+        f"patches (no commit of {plan.repo} carries '[{stage.tag}]')"
         for plan, stage, count in emptied
     ]
-    numbers = " ".join(
-        f"--empty-stage {n}" for n in sorted({s.number for _, s, _ in emptied})
-    )
+    by_number = {s.number: s.key for _, s, _ in emptied}
+    keys = " ".join(f"--empty-stage {by_number[n]}" for n in sorted(by_number))
     raise HmastackError(
         "export would delete every patch of a stage:\n  " + "\n  ".join(lines),
-        f"if the stage's commits are meant to go, `hmastack export {numbers}`; "
+        f"if the stage's commits are meant to go, `hmastack export {keys}`; "
         "if not, the workspace lost them (a rebase that dropped them?): "
         f"`git -C {emptied[0][0].repo} reflog` finds them. Nothing was written",
     )
@@ -1410,13 +1289,13 @@ def export_tree(
     return plan.drift
 
 
-def export(cfg: Config, check: bool, empty_stages: Iterable[int] = ()) -> list[Drift]:
+def export(cfg: Config, check: bool, empty_stages: Iterable[str] = ()) -> list[Drift]:
     """Export (or compare) every tree. Every tree is checked before any file of
-    patches/ is written, so a refusal leaves patches/ as it was."""
+    patches/ is written, so a refusal leaves patches/ as it was.
+    ``empty_stages``: the stages (keys or directory names) whose every patch of
+    a tree export may delete."""
     stages = discover(cfg)
-    for number in empty_stages:
-        if not 1 <= number <= cfg.num_stages:
-            check_stage_number(cfg, -1 if number == 0 else number)
+    empty_stages = [series.find(stages, name).key for name in empty_stages]
     plans = []
     refused: list[HmastackError] = []
     for tree in cfg.trees.values():
@@ -1444,17 +1323,20 @@ def export(cfg: Config, check: bool, empty_stages: Iterable[int] = ()) -> list[D
 
 
 def run_step(cfg: Config, upto: int | None = None, force: bool = False) -> StepResult:
-    """``hmastack apply``: stages 1..``upto`` (default: all)."""
-    upto = cfg.num_stages if upto is None else upto
+    """``hmastack apply``: the stages up to number ``upto`` (default: all)."""
+    stages = discover(cfg)
+    upto = len(stages) if upto is None else upto
     applied = apply(cfg, upto, force=force)
     for name, count in applied.items():
         head = git(cfg.workspace(name), "rev-parse", "HEAD")
-        console.print(f"{name}: {count} patches applied (stages 1..{upto}), {head}")
+        console.print(
+            f"{name}: {count} patches applied ({upto_text(stages, upto)}), {head}"
+        )
     return StepResult(True, ", ".join(f"{n} {t} patches" for t, n in applied.items()))
 
 
 def cmd_export(
-    cfg: Config, check: bool = False, empty_stages: Iterable[int] = ()
+    cfg: Config, check: bool = False, empty_stages: Iterable[str] = ()
 ) -> int:
     drift = export(cfg, check=check, empty_stages=empty_stages)
     if check:
@@ -1466,7 +1348,7 @@ def cmd_export(
         upto = {t: applied_upto(cfg.workspace(t), cfg) for t in cfg.trees}
         console.print(
             "patches/ matches the workspace (compared: "
-            + ", ".join(f"{t} stages 1..{k}" for t, k in upto.items())
+            + ", ".join(f"{t} {upto_text(discover(cfg), k)}" for t, k in upto.items())
             + ")"
         )
         return 0

@@ -1,6 +1,6 @@
 """KV cache specs, KV cache groups and CPU configurations built the way vLLM's
 own tests build them: one copy for the stage tests (``hmastack_testkit.kvtest``,
-``tests/stages/s04_lmcache/layouts.py``) and the benchmark scenarios
+``patches/04-lmcache/tests/layouts.py``) and the benchmark scenarios
 (``bench/scenarios/_common.py``).
 
 Runs inside a vLLM tree's process (the base, every stage, the v0.14.0 peer):

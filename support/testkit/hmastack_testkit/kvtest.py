@@ -1,7 +1,7 @@
 """Shared helpers of our stage tests: KV cache specs and requests built the way
 vLLM's own tests build them, with one hashing setup for every stage.
 
-Imported by ``tests/stages/sNN_*/test_*.py`` (``support/testkit`` is on
+Imported by ``patches/*/tests/test_*.py`` (``support/testkit`` is on
 PYTHONPATH inside the stage matrix); it imports vLLM and Hypothesis, so it runs
 in build/env only. The KV cache specs, groups, the CPU VllmConfig and its
 scheduler are :mod:`hmastack_testkit.kv_layouts`'s (shared with the benchmark
@@ -24,8 +24,10 @@ from hmastack_testkit.kv_layouts import (  # noqa: F401 - the stage tests' names
 )
 
 # The model policies (spec/HybridKVAlloc.tla) that describe this tree's stage
-# 03: "SeriesAllocOnly" (stage 03's allocation alone, patches 3.12-3.13) and
-# "SeriesAsCoded" (stage 03's commits). A replay fixture names the one it was
+# 03: "SeriesAllocOnly" (stage 03's allocation alone, patches
+# [03.12 Connector paths handle every KV cache group] to
+# [03.13 Allocate only the external blocks]) and "SeriesAsCoded" (stage 03's
+# commits). A replay fixture names the one it was
 # generated for (fixtures/replay-small.cfg).
 REPLAY_POLICIES = ("SeriesAllocOnly", "SeriesAsCoded")
 

@@ -452,11 +452,22 @@ def _nixl_folder(s: Session) -> Path:
     return folder
 
 
-def write_json(path: Path, data: dict) -> None:
-    """The file one side of a P/D pair hands to the other."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
-    tmp.rename(path)  # the other process never reads half a file
+HANDOFF = "handoff.json"
+
+
+def write_handoff(folder: Path, params: list[dict]) -> None:
+    """What a P/D producer hands its consumer: ``{"params": [...]}``, the
+    kv_transfer_params of each request it prefilled, in order."""
+    tmp = folder / (HANDOFF + ".tmp")
+    tmp.write_text(json.dumps({"params": params}))
+    tmp.rename(folder / HANDOFF)  # the other process never reads half a file
+
+
+def read_handoff(folder: Path, step=None, seconds: float = NIXL_WAIT_SECONDS) -> list:
+    """The producer's kv_transfer_params (:func:`write_handoff`), once it
+    wrote them."""
+    wait_for(folder / HANDOFF, "kv_transfer_params from the producer", step, seconds)
+    return json.loads((folder / HANDOFF).read_text())["params"]
 
 
 def wait_for(
@@ -491,7 +502,7 @@ def nixl_produce(s: Session, c: bool, obs: Observation):
             "the producer's NixlConnector returned no kv_transfer_params"
         )
     folder = _nixl_folder(s)
-    write_json(folder / "handoff.json", params)
+    write_handoff(folder, [params])
     wait_for(folder / "done", "consumer", step=s.llm.llm_engine.step)
     # The consumer's notification reaches the producer's worker at its next
     # step: a bounded number of steps to release the blocks.
@@ -509,8 +520,7 @@ def _nixl_consume(s: Session, c: bool, obs: Observation, tamper=None):
     if not c:
         return s.run([("nixl-a", tokens, None, None)], observation=obs)
     folder = _nixl_folder(s)
-    wait_for(folder / "handoff.json", "kv_transfer_params from the producer")
-    params = json.loads((folder / "handoff.json").read_text())
+    (params,) = read_handoff(folder)
     if tamper is not None:
         params = tamper(params)
     try:

@@ -54,7 +54,7 @@ import traceback
 from pathlib import Path
 
 from hmastack_testkit.e2e.models import BLOCK_SIZE
-from hmastack_testkit.e2e.scenarios import wait_for, write_json
+from hmastack_testkit.e2e.scenarios import read_handoff, wait_for, write_handoff
 
 
 def prompts(batch: dict) -> list[list[int]]:
@@ -146,7 +146,7 @@ def produce(session, batch: dict, result: dict) -> None:
     params = [r.returned_kv_transfer_params for r in out]
     if not all(params):
         raise RuntimeError("the producer returned no kv_transfer_params")
-    write_json(folder / "handoff.json", {"params": params})
+    write_handoff(folder, params)
     wait_for(
         folder / "done",
         "consumer",
@@ -170,12 +170,7 @@ def requests_of(session, batch: dict, role: str | None, result: dict) -> list:
     reqs = prompts(batch)
     if role == "consumer":
         folder = session.plan.store_dir
-        wait_for(
-            folder / "handoff.json",
-            "kv_transfer_params from the producer",
-            seconds=PAIR_WAIT_SECONDS,
-        )
-        handed = json.loads((folder / "handoff.json").read_text())["params"]
+        handed = read_handoff(folder, seconds=PAIR_WAIT_SECONDS)
         # NixlConnector offers every prompt token but the last.
         return [(f"req-{i}", p, handed[i], len(p) - 1) for i, p in enumerate(reqs)]
     session.namespace = "throughput"
