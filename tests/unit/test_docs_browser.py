@@ -65,7 +65,10 @@ def test_site_renders_in_chromium(built):
         clean(stage)
         assert heading(stage) == first.readme.splitlines()[0].lstrip("# ").strip()
         assert "This stage" in stage.text
-        assert f"Stage {first.stage.number} of {cfg.series.stages}" in stage.text
+        assert (
+            f"Stage {first.stage.key} ({first.stage.number} of {len(stages)})"
+            in stage.text
+        )
         assert "Apply up to this stage" in stage.text
         if first.patches:
             for patch in first.patches:
