@@ -3,15 +3,15 @@
 (* The scheduler's side of one request's KV connector lifecycle under      *)
 (* asynchronous scheduling (AsyncScheduler; pipeline parallelism), as      *)
 (* stage 03's commits code it (patches/03-connector-allocate): steps in    *)
-(* flight, the in-flight fence (patch [03.4 Don't free skipped blocks]),   *)
+(* flight, the in-flight fence (patch [00b.1 Don't free skipped blocks]),   *)
 (* preemption of a request whose load failure is reported after its next   *)
-(* step was scheduled (patch [03.6 Preempt if a KV load failure]), load    *)
+(* step was scheduled (patch [00c.2 Preempt if a KV load failure]), load    *)
 (* failures at any block with the recovery of                              *)
 (* Scheduler._handle_invalid_blocks (patches                               *)
-(* [03.5 All sharers of a failed KV block],                                *)
-(* [03.8 Handle a failed sync KV load],                                    *)
-(* [03.13 Allocate only the external blocks]) and the mark of a request    *)
-(* whose load failed (patch [03.9 No new KV load], or the rule that        *)
+(* [00c.1 All sharers of a failed KV block],                                *)
+(* [00c.3 Handle a failed sync KV load],                                    *)
+(* [03.3 Allocate only the external blocks]) and the mark of a request    *)
+(* whose load failed (patch [00c.4 No new KV load], or the rule that        *)
 (* replaces it).                                                           *)
 (*                                                                         *)
 (* Modelled:                                                               *)
@@ -26,7 +26,7 @@
 (*    SingleTypeKVCacheManager.num_cached_block;                           *)
 (*  - the sliding window group's table as its leading null (skipped)       *)
 (*    slots: null padding of external tokens (patch                        *)
-(*    [03.13 Allocate only the external blocks]), remove_skipped_blocks    *)
+(*    [03.3 Allocate only the external blocks]), remove_skipped_blocks    *)
 (*    with or without the fence, can_recompute_from;                       *)
 (*  - a connector that offers the same external tokens at every lookup     *)
 (*    (the first Ext tokens of the prompt, past the local hit) and loads   *)
@@ -65,7 +65,7 @@ CONSTANTS
     LoadsFail,    \* TRUE: every load fails (at a block the connector chooses), without bound
     MaxFailures,  \* load failures allowed in one behaviour when ~LoadsFail
     MaxPreempts,  \* preemptions for memory allowed in one behaviour
-    MarkRule,     \* which failed loads mark the request (KVConnectorRequest.load_failed): "AnyFailure" (the code) or "NoValidToken" (the code without patch [03.9 No new KV load]'s mark past block 0)
+    MarkRule,     \* which failed loads mark the request (KVConnectorRequest.load_failed): "AnyFailure" (the code) or "NoValidToken" (the code without patch [00c.4 No new KV load]'s mark past block 0)
     Uncache,      \* TRUE (the code): a truncation also truncates num_cached_block (KVCacheManager.uncache_blocks); FALSE: the code without it
     ConnectorHMA  \* TRUE: the connector uses HMA (Scheduler.connector_uses_hma); FALSE: it declines (supports_hma_with_config False, or HMA off): a real block for every external token, as on vLLM 0.13.0
 
@@ -96,7 +96,7 @@ VARIABLES
     computed,  \* Request.num_computed_tokens
     ph,        \* Request.num_output_placeholders (AsyncScheduler): tokens steps in flight will sample
     queue,     \* EngineCore.batch_queue: this request's steps in flight, oldest first
-    discard,   \* KVConnectorRequest.discard_output: the outputs of the request's steps in flight are dropped (patch [03.6 Preempt if a KV load failure])
+    discard,   \* KVConnectorRequest.discard_output: the outputs of the request's steps in flight are dropped (patch [00c.2 Preempt if a KV load failure])
     load,      \* the asynchronous load in flight: [from, e] (local hit tokens, external tokens), or NoLoad
     skip,      \* leading null slots of the sliding window table (null padding, or freed by remove_skipped_blocks)
     cached,    \* leading blocks of the request's tokens in the prefix cache (BlockPool hash chain)
@@ -110,17 +110,17 @@ vars == <<status, len, computed, ph, queue, discard, load, skip, cached, ncached
           mark, failures, preempts, emitted>>
 
 NoLoad == [from |-> 0, e |-> 0]
-\* Patch [03.4 Don't free skipped blocks]: remove_skipped_blocks counts num_computed_tokens -
+\* Patch [00b.1 Don't free skipped blocks]: remove_skipped_blocks counts num_computed_tokens -
 \* num_in_flight_tokens (the fence), not num_computed_tokens.
 Fence == TRUE
-\* Patch [03.6 Preempt if a KV load failure]: a request whose load failure is reported after its next step
+\* Patch [00c.2 Preempt if a KV load failure]: a request whose load failure is reported after its next step
 \* was scheduled is preempted and the outputs of its later steps are
 \* dropped.
 LatePreempt == TRUE
-\* Patch [03.6 Preempt if a KV load failure] resets the output placeholders of a request it preempts (the
+\* Patch [00c.2 Preempt if a KV load failure] resets the output placeholders of a request it preempts (the
 \* outputs that would fill them are dropped).
 ResetPlaceholders == TRUE
-\* Patch [03.13 Allocate only the external blocks] with the one HMA decision (Scheduler.connector_uses_hma, which
+\* Patch [03.3 Allocate only the external blocks] with the one HMA decision (Scheduler.connector_uses_hma, which
 \* configuration, allocation and the finish path read): only a connector
 \* that uses HMA gets the null block for the external tokens its sliding
 \* window skips; one that declines gets a real block for each, as on vLLM
@@ -138,7 +138,7 @@ DropFreedOutput == TRUE
 \* AsyncScheduler (output placeholders) for a queue deeper than one step.
 Async == D > 1
 
-\* Request.num_in_flight_tokens (patch [03.4 Don't free skipped blocks]): the tokens the steps in flight
+\* Request.num_in_flight_tokens (patch [00b.1 Don't free skipped blocks]): the tokens the steps in flight
 \* compute or load synchronously.
 RECURSIVE SumInFlight(_)
 SumInFlight(q) == IF q = <<>> THEN 0 ELSE Head(q).n + Head(q).e + SumInFlight(Tail(q))
@@ -159,7 +159,7 @@ LoadChoices(e) ==
 \* The blocks a load of e tokens after h local tokens may fail at.
 FailBlocks(h, e) == (h \div B)..((h + e) \div B - 1)
 CanFail == LoadsFail \/ failures < MaxFailures
-\* A failed load that affects the request marks it (patch [03.9 No new KV load], the rule
+\* A failed load that affects the request marks it (patch [00c.4 No new KV load], the rule
 \* "AnyFailure": always; the rule "NoValidToken": only when it leaves no
 \* valid computed token, nc = 0).
 \* The mark lasts until the request finishes.
@@ -193,7 +193,7 @@ Issue(from, n, e) ==
 
 \* Scheduler.schedule, running loop: the next step of a running request
 \* (KVCacheManager.allocate_slots: remove_skipped_blocks first, with the
-\* fence of patch [03.4 Don't free skipped blocks] counting num_computed_tokens - num_in_flight_tokens;
+\* fence of patch [00b.1 Don't free skipped blocks] counting num_computed_tokens - num_in_flight_tokens;
 \* cache_blocks of the tokens scheduled). AsyncScheduler skips a request
 \* whose steps in flight already reach max_tokens.
 ScheduleRunning ==
@@ -210,14 +210,14 @@ ScheduleRunning ==
 
 \* Scheduler.schedule, waiting loop: a request with nothing computed looks
 \* up the prefix cache (KVCacheManager.get_computed_blocks) and the
-\* connector (get_num_new_matched_tokens; patch [03.9 No new KV load]: 0 tokens if it is
+\* connector (get_num_new_matched_tokens; patch [00c.4 No new KV load]: 0 tokens if it is
 \* marked), then allocate_slots (a fresh sliding window table is null for
-\* the tokens skipped before its first computed token, patch [03.13 Allocate only the external blocks]) and
+\* the tokens skipped before its first computed token, patch [03.3 Allocate only the external blocks]) and
 \* update_state_after_alloc. A synchronous load runs inside the step; an
 \* asynchronous one makes it WAITING_FOR_REMOTE_KVS, its tokens counted as
 \* computed (KVConnectorRequest.num_computed_tokens_after_recving). A request back from an
 \* asynchronous load resumes after its computed tokens. A request in
-\* discard_output is skipped (patch [03.6 Preempt if a KV load failure]), and one preempted for
+\* discard_output is skipped (patch [00c.2 Preempt if a KV load failure]), and one preempted for
 \* memory waits for its steps in flight (see the header).
 ScheduleWaiting ==
   /\ status = "waiting" /\ queue = <<>> /\ ~discard
@@ -281,7 +281,7 @@ Appended(s, inv, c) ==
 
 \* Scheduler.update_from_output of the oldest step in flight, its
 \* synchronous load (if any) successful. A request in
-\* discard_output drops the output (patch [03.6 Preempt if a KV load failure]) and leaves it
+\* discard_output drops the output (patch [00c.2 Preempt if a KV load failure]) and leaves it
 \* when its last step in flight returned; the output of a finished request
 \* is dropped (the request is gone); otherwise the output is appended
 \* (also for a request preempted for memory meanwhile).
@@ -303,12 +303,12 @@ UpdateFromOutput ==
 \* (Scheduler._handle_invalid_blocks, policy "recompute"). The invalid
 \* blocks and those after them leave the prefix cache. A running request
 \* truncates its computed tokens to block j, the tokens it had before its
-\* steps in flight (patch [03.8 Handle a failed sync KV load]), or to 0 if can_recompute_from says so
-\* (patch [03.13 Allocate only the external blocks]); patch [03.9 No new KV load] (MarkRule) marks it. With later steps
-\* in flight it is preempted: their outputs are dropped (patch [03.6 Preempt if a KV load failure],
+\* steps in flight (patch [00c.3 Handle a failed sync KV load]), or to 0 if can_recompute_from says so
+\* (patch [03.3 Allocate only the external blocks]); patch [00c.4 No new KV load] (MarkRule) marks it. With later steps
+\* in flight it is preempted: their outputs are dropped (patch [00c.2 Preempt if a KV load failure],
 \* KVConnectorRequest.discard_output), its placeholders reset; one that must start
 \* over and cannot recompute from 0 is preempted too; otherwise it is
-\* truncated in place (patch [03.5 All sharers of a failed KV block], Uncache: num_cached_block truncated too, so
+\* truncated in place (patch [00c.1 All sharers of a failed KV block], Uncache: num_cached_block truncated too, so
 \* the blocks it computes again are published again). Either way
 \* its step's output is skipped
 \* (failed_kv_load_req_ids). A request preempted for memory while the step
@@ -372,7 +372,7 @@ FinishLoad ==
 \* asynchronous load failed from block j on. The request resumes from
 \* block j, publishing the valid blocks, or, when that is token 0 or
 \* can_recompute_from says no, its blocks are freed and it starts over;
-\* patch [03.9 No new KV load] (MarkRule) marks it.
+\* patch [00c.4 No new KV load] (MarkRule) marks it.
 LoadFailedAt(j) ==
   /\ status = "loading" /\ CanFail
   /\ j \in FailBlocks(load.from, load.e)
@@ -422,7 +422,7 @@ TypeOK ==
     /\ emitted \in BOOLEAN
     /\ (status = "done" => ~mark)
 
-\* The in-flight fence (patch [03.4 Don't free skipped blocks]): no slot of the sliding window table that
+\* The in-flight fence (patch [00b.1 Don't free skipped blocks]): no slot of the sliding window table that
 \* a step in flight reads (the window of its first token) or writes (its
 \* tokens, the external tokens it loads from its window on) is null or
 \* freed while the request runs.
@@ -431,7 +431,7 @@ NoFreeInFlight ==
         \A i \in 1..Len(queue) : skip <= SkippedBlocks(queue[i].from)
 
 \* No token sampled by a step that computed on KV a failed load left
-\* invalid is appended to the request (patch [03.6 Preempt if a KV load failure]).
+\* invalid is appended to the request (patch [00c.2 Preempt if a KV load failure]).
 NoInvalidOutput == ~emitted
 
 \* Every position a step in flight computes holds a token by the time the

@@ -38,7 +38,7 @@
 (*    flight returned) is spec/AsyncSched.tla's subject; here it is only   *)
 (*    its effect on a failed synchronous load (LateReport: reported after  *)
 (*    the next step was scheduled, so patch                                *)
-(*    [03.6 Preempt if a KV load failure] preempts the request);           *)
+(*    [00c.2 Preempt if a KV load failure] preempts the request);           *)
 (*  - the waiting queue's order (any waiting request may be scheduled),    *)
 (*    except where the stall fix reads it (`order`, `stallHead`);          *)
 (*  - num_computed_tokens of a request waiting for an asynchronous load    *)
@@ -70,7 +70,7 @@ CONSTANTS
     AsyncLoad,   \* TRUE: the connector may load asynchronously (load_kv_async)
     MaxFailures, \* connector load failures allowed in one behaviour
     LoadsFail,   \* TRUE: every load fails (a lost store), synchronous or asynchronous, at a block the connector chooses, without bound
-    LateReport,  \* TRUE: a synchronous load's failure is reported after the request's next step was scheduled (AsyncScheduler): patch [03.6 Preempt if a KV load failure] preempts the request
+    LateReport,  \* TRUE: a synchronous load's failure is reported after the request's next step was scheduled (AsyncScheduler): patch [00c.2 Preempt if a KV load failure] preempts the request
     MaxDraft,    \* draft (speculative) tokens per decode step; 0 = no spec decode
     SaveMode,    \* connector saves: "none", "step" (inside the step), "async" (outlive it)
     CanAbort,    \* TRUE: a client may abort its request
@@ -94,64 +94,64 @@ ASSUME /\ N \in Nat \ {0} /\ B \in Nat \ {0} /\ W \in Nat \ {0, 1}
 (* The two versions of stage 03 the model knows, by the mechanisms of its  *)
 (* failure paths (patches/03-connector-allocate/vllm/00NN):                *)
 (*  - "SeriesAllocOnly": the per-group allocation (patches                 *)
-(*    [03.12 Connector paths handle every KV cache group] to               *)
-(*    [03.13 Allocate only the external blocks]) without the failure-path  *)
+(*    [03.2 Connector paths handle every KV cache group] to               *)
+(*    [03.3 Allocate only the external blocks]) without the failure-path  *)
 (*    fixes: no hold for in-flight stores, no stall fix, the first holder  *)
 (*    of a shared invalid block recomputes it for all, a running request's *)
 (*    load-failure range is num_cached_tokens, a request whose load failed *)
 (*    loads again. Its models are the witnesses that each fix bites;       *)
-(*  - "SeriesAsCoded": the commits of stage 03: patch [03.14 Hold blocks]  *)
+(*  - "SeriesAsCoded": the commits of stage 03: patch [03a.1 Hold blocks]  *)
 (*    holds the blocks a connector's store still reads                     *)
-(*    (request_blocks_freed), patch [03.7 Fix a stall] frees the blocks of *)
+(*    (request_blocks_freed), patch [00a.4 Fix a stall] frees the blocks of *)
 (*    waiting requests back from async loads when the first waiting        *)
 (*    request cannot be allocated and nothing runs, patch                  *)
-(*    [03.5 All sharers of a failed KV block] makes every holder of an     *)
+(*    [00c.1 All sharers of a failed KV block] makes every holder of an     *)
 (*    invalid block compute it again, and publishes the blocks it computes *)
-(*    again (uncache_blocks), patch [03.8 Handle a failed sync KV load]    *)
+(*    again (uncache_blocks), patch [00c.3 Handle a failed sync KV load]    *)
 (*    takes a running request's load-failure range from the tokens it      *)
-(*    computed before its step, patch [03.9 No new KV load] takes no       *)
+(*    computed before its step, patch [00c.4 No new KV load] takes no       *)
 (*    external tokens any more for a request a load failure affected.      *)
-(* Patch [03.4 Don't free skipped blocks] (in-flight fence) only matters   *)
+(* Patch [00b.1 Don't free skipped blocks] (in-flight fence) only matters   *)
 (* with steps of one request in flight together (spec/AsyncSched.tla);     *)
-(* patch [03.6 Preempt if a KV load failure] (a failure reported after the *)
-(* next step preempts) is LateReport; patches [03.1 Don't leak ids] to     *)
-(* [03.3 Resume after loaded tokens] are the async-load paths below        *)
+(* patch [00c.2 Preempt if a KV load failure] (a failure reported after the *)
+(* next step preempts) is LateReport; patches [00a.1 Don't leak ids] to     *)
+(* [00a.3 Resume after loaded tokens] are the async-load paths below        *)
 (* (FinishLoad, Abort while loading, resume point); patch                  *)
-(* [03.11 Keep HMA on]'s HMA decision is the constant ConnectorHMA;        *)
-(* patches [03.10 Set up --kv-offloading-backend] (configuration) and      *)
-(* [03.15 Add KV connectors and token regions] (documentation) have no     *)
+(* [03.1 Keep HMA on]'s HMA decision is the constant ConnectorHMA;        *)
+(* patches [00d.1 Set up --kv-offloading-backend] (configuration) and      *)
+(* [03a.2 Add KV connectors and token regions] (documentation) have no     *)
 (* state. A proposal the code lacks gets a policy of its own.              *)
 (***************************************************************************)
 IsSeries == Policy \in {"SeriesAllocOnly", "SeriesAsCoded"}
 Fixed == Policy = "SeriesAsCoded"
-\* Patch [03.14 Hold blocks]: before the scheduler frees blocks of a request (window slide,
+\* Patch [03a.1 Hold blocks]: before the scheduler frees blocks of a request (window slide,
 \* preemption, stall fix, load-failure restart, abort), the connector names
 \* those its stores still read (request_blocks_freed); they keep one
 \* reference (KVCacheManager.held_blocks, a block at most once per request)
 \* until finished_sending.
 SaveHold == Fixed
-\* Patch [03.7 Fix a stall]: when the first waiting request cannot be allocated and nothing
+\* Patch [00a.4 Fix a stall]: when the first waiting request cannot be allocated and nothing
 \* runs, the other waiting requests back from async loads free their blocks
 \* and start over (FreeWaiting).
 StallFix == Fixed
-\* Patch [03.5 All sharers of a failed KV block]: every request that counts an invalid block as computed truncates
+\* Patch [00c.1 All sharers of a failed KV block]: every request that counts an invalid block as computed truncates
 \* at its own first invalid block, and blocks from there on leave the prefix
 \* cache (FixedScan); before it, the first holder recomputes for all and
 \* policy "recompute" evicts nothing.
 SharedInvalidFix == Fixed
-\* Patch [03.5 All sharers of a failed KV block]: KVCacheManager.uncache_blocks(req_id, num_computed_tokens) after
+\* Patch [00c.1 All sharers of a failed KV block]: KVCacheManager.uncache_blocks(req_id, num_computed_tokens) after
 \* the truncation: num_cached_block becomes min(num_cached_block,
 \* num_computed_tokens // block_size) in every KV cache group, so the blocks
 \* the request computes again are published again (Publish, like
 \* BlockPool.cache_full_blocks, skips blocks that already have a hash: a
 \* sharer cached them again first).
 Uncache == Fixed
-\* Patch [03.8 Handle a failed sync KV load]: a running request's load-failure range is the tokens it computed
+\* Patch [00c.3 Handle a failed sync KV load]: a running request's load-failure range is the tokens it computed
 \* before its step (num_computed_tokens less the tokens in flight that are
 \* not external), not num_cached_tokens (which preemption never resets:
 \* series-stale-read-preempt).
 RangeByComputed == Fixed
-\* Patch [03.9 No new KV load]: Scheduler._update_requests_with_invalid_blocks marks every request
+\* Patch [00c.4 No new KV load]: Scheduler._update_requests_with_invalid_blocks marks every request
 \* a load failure affects (KVConnectorRequest.load_failed); a marked
 \* request takes no external tokens any more (it computes them); the mark
 \* goes when the request finishes (Scheduler._free_request). Without it, a
@@ -161,7 +161,7 @@ NoReload == Fixed
 \* The requests a load failure marks, of those it affected (aff, with their
 \* new num_computed_tokens nc): all of them.
 Marked(aff, nc) == aff
-\* Patches [03.11 Keep HMA on] and [03.13 Allocate only the external blocks]: one HMA decision. VllmConfig leaves the hybrid KV cache
+\* Patches [03.1 Keep HMA on] and [03.3 Allocate only the external blocks]: one HMA decision. VllmConfig leaves the hybrid KV cache
 \* manager on with a connector only if the connector supports it
 \* (connector_supports_hma: a SupportsHMA subclass whose
 \* supports_hma_with_config returns True); the scheduler's allocation and
@@ -260,7 +260,7 @@ VARIABLES
     bad,        \* block slots <<block, offset>> whose KV a failed load left invalid
     cachedTok,  \* Request.num_cached_tokens: set once, when first scheduled (-1 before)
     order,      \* Scheduler.waiting's order, front first (all requests; preemption moves one to the front)
-    stallHead,  \* StallFix: the request patch [03.7 Fix a stall] could not allocate (first in Scheduler.waiting) and those it freed (behind it)
+    stallHead,  \* StallFix: the request patch [00a.4 Fix a stall] could not allocate (first in Scheduler.waiting) and those it freed (behind it)
     noLoad,     \* NoReload: requests a load failure affected (KVConnectorRequest.load_failed)
     event       \* the step just taken: action, request, blocks per group, arguments
 
@@ -435,12 +435,12 @@ RefusalOf(h) ==
                          hit : IF Fresh(h) THEN HitChoices(h, HitLen(h)) ELSE {NoBlocks}] :
                     x.async \in AsyncChoices(x.ext) /\ ~Fits(h, x.ext, x.async, 0, x.hit)} :
         TRUE
-\* Scheduler._free_blocks_of_waiting_requests(h) (patch [03.7 Fix a stall]): the waiting
+\* Scheduler._free_blocks_of_waiting_requests(h) (patch [00a.4 Fix a stall]): the waiting
 \* requests other than h that hold blocks no load writes any more
 \* (num_computed_tokens > 0; the model moves a request back from its load to
 \* "waiting" when the load is reported).
 StallVictims(h) == {q \in Req \ {h} : status[q] = "waiting" /\ computed[q] > 0}
-\* Scheduler.waiting's order, as far as patch [03.7 Fix a stall] needs it: the requests it
+\* Scheduler.waiting's order, as far as patch [00a.4 Fix a stall] needs it: the requests it
 \* freed stay behind the one it could not allocate until that one is
 \* scheduled (any other order of the waiting queue is left open).
 NoHead == [h |-> "none", vs |-> {}]
@@ -539,9 +539,9 @@ NoScan == [nc |-> <<>>, marked |-> {}, first |-> {}, evict |-> {}]
 
 (***************************************************************************)
 (* Scheduler._update_requests_with_invalid_blocks with SharedInvalidFix    *)
-(* (patches [03.5 All sharers of a failed KV block],                       *)
-(* [03.12 Connector paths handle every KV cache group],                    *)
-(* [03.13 Allocate only the external blocks]): every request that counts   *)
+(* (patches [00c.1 All sharers of a failed KV block],                       *)
+(* [03.2 Connector paths handle every KV cache group],                    *)
+(* [03.3 Allocate only the external blocks]): every request that counts   *)
 (* an invalid block as computed truncates at its own first invalid slot    *)
 (* (over all groups), or starts over when can_recompute_from says no; no   *)
 (* request counts on another one. Counted as computed:                     *)
@@ -739,10 +739,10 @@ Execute(r) ==
 \* "recompute"). Affected requests lose their step's output and resume from
 \* their new num_computed_tokens; one that must start over and lacks blocks
 \* for it (can_recompute_from(0) false) is preempted after its invalid blocks
-\* leave the prefix cache. If r is not affected (only without patch [03.8 Handle a failed sync KV load]: its
+\* leave the prefix cache. If r is not affected (only without patch [00c.3 Handle a failed sync KV load]: its
 \* range, num_cached_tokens, does not reach the invalid blocks) its step
 \* returns normally later. With LateReport the failure comes after the
-\* affected running requests' next steps were scheduled: patch [03.6 Preempt if a KV load failure] preempts
+\* affected running requests' next steps were scheduled: patch [00c.2 Preempt if a KV load failure] preempts
 \* them (Scheduler._preempt_request: tables freed, held blocks kept,
 \* num_computed_tokens 0; their place in the waiting queue is left open).
 SyncLoadFailed(r) ==
@@ -762,7 +762,7 @@ SyncLoadFailed(r) ==
         LET sc == scan(lq)
             aff == DOMAIN sc.nc
             \* Running requests that must start over and lack blocks for it;
-            \* waiting ones back from a load start over anyway (patch [03.5 All sharers of a failed KV block]).
+            \* waiting ones back from a load start over anyway (patch [00c.1 All sharers of a failed KV block]).
             restart == {q \in aff :
                           \/ /\ status[q] # "loading" /\ sc.nc[q] = 0
                              /\ (~CanRecomputeFrom(q, 0) \/ status[q] = "waiting")
@@ -826,7 +826,7 @@ Preempt(r) ==
   /\ UNCHANGED <<hash, len, step, loads, saves, failures, bad, cachedTok, stallHead,
                  noLoad>>
 
-\* Scheduler.schedule with StallFix (patch [03.7 Fix a stall]): allocate_slots returned None
+\* Scheduler.schedule with StallFix (patch [00a.4 Fix a stall]): allocate_slots returned None
 \* for h, the first waiting request that could be scheduled, and nothing
 \* runs; Scheduler._free_blocks_of_waiting_requests frees the blocks of the
 \* other waiting requests back from async loads (KVCacheManager.free, so
@@ -870,7 +870,7 @@ FreeFinished(r) ==
 \* its load is freed now; one whose computed tokens a load failure of
 \* another request set to 0 is freed and starts over.
 \* With LoadsFail no load succeeds, but a load whose request has no valid
-\* token left to fail on (a sharer's failure set computed to 0, patch [03.5 All sharers of a failed KV block]) is
+\* token left to fail on (a sharer's failure set computed to 0, patch [00c.1 All sharers of a failed KV block]) is
 \* still reported: the code frees the request and it starts over, failed or
 \* not (series-loads-fail-shared; LoadReported).
 LoadReported(r) ==
@@ -1191,11 +1191,11 @@ Symmetry == Permutations(Req)
 (* Theorems, each under the assumptions it needs (TLC checks them on the  *)
 (* models of spec/manifest.toml; the expected failures are recorded there).*)
 (***************************************************************************)
-\* Stores that outlive the step are held (patch [03.14 Hold blocks]), or there are none.
+\* Stores that outlive the step are held (patch [03a.1 Hold blocks]), or there are none.
 SavesSafe == SaveMode # "async" \/ SaveHold
 \* Load failures cannot leave a shared block unrecomputed: every holder
-\* recomputes (patch [03.5 All sharers of a failed KV block]) and counts what it computed before its step as
-\* computed (patch [03.8 Handle a failed sync KV load]; without it the code counts num_cached_tokens).
+\* recomputes (patch [00c.1 All sharers of a failed KV block]) and counts what it computed before its step as
+\* computed (patch [00c.3 Handle a failed sync KV load]; without it the code counts num_cached_tokens).
 FailuresSafe == MaxFailures = 0 \/ (SharedInvalidFix /\ RangeByComputed)
 \* Blocks vLLM's start-up check demands for one request of MaxLen tokens
 \* (check_enough_kv_cache_memory, KVCacheSpec.max_memory_usage_bytes per
@@ -1205,9 +1205,9 @@ OneRequestBlocks == (IF HasFull THEN CeilDiv(MaxLen, B) ELSE 0)
                     + CeilDiv(Min(W - 1 + Chunk, MaxLen), B) + 1
 PoolChecked == N >= OneRequestBlocks
 \* No request waits for an async load while others hold the blocks it
-\* needs: no async loads, or the stall fix (patch [03.7 Fix a stall]) on a pool that passes
+\* needs: no async loads, or the stall fix (patch [00a.4 Fix a stall]) on a pool that passes
 \* vLLM's start-up check (on a smaller pool a request back from its load
-\* may need more blocks than the pool has, and patch [03.7 Fix a stall] never frees the
+\* may need more blocks than the pool has, and patch [00a.4 Fix a stall] never frees the
 \* blocks of the request it cannot allocate).
 NoStall == ~AsyncLoad \/ (StallFix /\ PoolChecked)
 
@@ -1222,13 +1222,13 @@ THEOREM (IsSeries /\ FailuresSafe) => (Spec => []NoStaleRead)
 THEOREM (IsSeries) => (Spec => []NoPrematurePublish)
 THEOREM (IsSeries) => (Spec => WindowBound)
 THEOREM (IsSeries) => (Spec => ExactAdmission)
-\* The one HMA decision (patches [03.11 Keep HMA on], [03.13 Allocate only the external blocks]): a connector that declines HMA gets
+\* The one HMA decision (patches [03.1 Keep HMA on], [03.3 Allocate only the external blocks]): a connector that declines HMA gets
 \* a real block for every external token (mutations/series-pad-declined).
 THEOREM Spec => RealExternalBlocks
 \* Deadlock freedom (TLC's deadlock check): some action is always enabled
 \* until every request is done.
 THEOREM (IsSeries /\ NoStall /\ ~CanAbort) => (Spec => [](ENABLED Next))
-\* A connector whose loads all fail: only patch [03.9 No new KV load] (NoReload) ends the loop of
+\* A connector whose loads all fail: only patch [00c.4 No new KV load] (NoReload) ends the loop of
 \* failed loads, also for a failure past block 0 that is preempted after it
 \* (series-loads-fail-alloc-only, series-loads-fail, series-loads-fail-late;
 \* mutations/mark-only-no-valid-token).

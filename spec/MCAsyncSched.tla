@@ -27,15 +27,15 @@ ASSUME Mutation \in {"none", "NoFence", "NoLatePreempt", "KeepPlaceholders",
 (* spec/manifest.toml records.                                             *)
 (***************************************************************************)
 \* NoFence (Fence): remove_skipped_blocks counts num_computed_tokens, not
-\* num_computed_tokens - num_in_flight_tokens (patch [03.4 Don't free skipped blocks] off):
+\* num_computed_tokens - num_in_flight_tokens (patch [00b.1 Don't free skipped blocks] off):
 \* NoFreeInFlight.
 MutNoFence == FALSE
 \* NoLatePreempt (LatePreempt): a request whose load failure is reported
 \* after its next step was scheduled is truncated in place, as on vLLM
-\* 0.13.0, and the outputs of its later steps are kept (patch [03.6 Preempt if a KV load failure] off):
+\* 0.13.0, and the outputs of its later steps are kept (patch [00c.2 Preempt if a KV load failure] off):
 \* NoInvalidOutput.
 MutNoLatePreempt == FALSE
-\* KeepPlaceholders (ResetPlaceholders): the request patch [03.6 Preempt if a KV load failure] preempts
+\* KeepPlaceholders (ResetPlaceholders): the request patch [00c.2 Preempt if a KV load failure] preempts
 \* keeps its output placeholders: PlaceholdersInFlight.
 MutKeepPlaceholders == FALSE
 \* PadDeclined (PadExternal): the null padding of skipped external tokens for

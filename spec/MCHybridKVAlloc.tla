@@ -31,12 +31,12 @@ ASSUME Mutation \in {"none", "EarlyPublish", "PublishDraft", "LateClaim",
 (* spec/manifest.toml records.                                             *)
 (***************************************************************************)
 \* FreeInFlight (SaveHold): remove_skipped_blocks, preemption and abort free
-\* blocks a store still reads (patch [03.14 Hold blocks] off): NoTransferRace.
+\* blocks a store still reads (patch [03a.1 Hold blocks] off): NoTransferRace.
 MutFreeInFlight == FALSE
 \* RangeByCached (RangeByComputed): a running request's load-failure range is
-\* num_cached_tokens, which preemption never resets (patch [03.8 Handle a failed sync KV load] off): NoStaleRead.
+\* num_cached_tokens, which preemption never resets (patch [00c.3 Handle a failed sync KV load] off): NoStaleRead.
 MutRangeByCached == FALSE
-\* MarkOnlyNoValidToken (Marked): patch [03.9 No new KV load] marks only a request the failure
+\* MarkOnlyNoValidToken (Marked): patch [00c.4 No new KV load] marks only a request the failure
 \* left with no valid computed token (num_computed_tokens == 0): a load that
 \* fails past block 0 and is preempted after it (LateReport) looks up again
 \* and loads the same tokens again, for ever: Liveness.

@@ -25,8 +25,8 @@ from hmastack_testkit.kv_layouts import (  # noqa: F401 - the stage tests' names
 
 # The model policies (spec/HybridKVAlloc.tla) that describe this tree's stage
 # 03: "SeriesAllocOnly" (stage 03's allocation alone, patches
-# [03.12 Connector paths handle every KV cache group] to
-# [03.13 Allocate only the external blocks]) and "SeriesAsCoded" (stage 03's
+# [03.2 Connector paths handle every KV cache group] to
+# [03.3 Allocate only the external blocks]) and "SeriesAsCoded" (stage 03's
 # commits). A replay fixture names the one it was
 # generated for (fixtures/replay-small.cfg).
 REPLAY_POLICIES = ("SeriesAllocOnly", "SeriesAsCoded")
