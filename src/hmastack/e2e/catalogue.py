@@ -535,6 +535,17 @@ SCENARIOS: tuple[Scenario, ...] = (
         listed=True,
     ),
     Scenario(
+        "control-mamba-nixl-other-layers-state",
+        "control: the NIXL consumer reads each Mamba group's state block from "
+        "the producer's next Mamba group (another layer's state, Bamba-like)",
+        connector="nixl",
+        producer="nixl-produce",
+        model="bamba-like",
+        listed=True,
+        expect="caught",
+        caught_by="outputs",
+    ),
+    Scenario(
         "control-mamba-offload-zero-state",
         "control: the second tier's Mamba state blocks are zeroed before the "
         "reload (Bamba-like)",

@@ -759,21 +759,23 @@ def mamba_nixl_consume(s: Session, c: bool, obs: Observation):
 
 
 @scenario
-def control_mamba_nixl_earlier_state(s: Session, c: bool, obs: Observation):
-    """Negative control: the consumer reads, into its Mamba state blocks, the
-    producer's states after the first block (token 63, not 191), with the
-    right attention blocks."""
+def control_mamba_nixl_other_layers_state(s: Session, c: bool, obs: Observation):
+    """Negative control: the consumer reads, into each Mamba group's state
+    block, the producer's state block of the next Mamba group (another
+    layer's state after the same token), with the right attention blocks."""
 
-    def earlier_state(params: dict) -> dict:
+    def other_layers_state(params: dict) -> dict:
         ids = [list(group) for group in params["remote_block_ids"]]
-        for g in _mamba_groups(s):
-            ids[g] = ids[g][:1] * len(ids[g])
+        mamba = _mamba_groups(s)
+        rotated = mamba[1:] + mamba[:1]
+        for g, other in zip(mamba, rotated, strict=True):
+            ids[g] = list(params["remote_block_ids"][other])
         return {**params, "remote_block_ids": ids}
 
     if not c:
         return _nixl_consume(s, c, obs)
     return _nixl_consume(
-        s, c, obs, tamper=earlier_state, expected=_mamba_hit(_nixl_prompt())
+        s, c, obs, tamper=other_layers_state, expected=_mamba_hit(_nixl_prompt())
     )
 
 
