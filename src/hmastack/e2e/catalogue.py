@@ -397,6 +397,28 @@ SCENARIOS: tuple[Scenario, ...] = (
         listed=True,
         checks=("held",),
     ),
+    Scenario(
+        "mamba-offload-reload",
+        "OffloadingConnector on a Mamba hybrid (Bamba-like, reference Mamba "
+        "kernels at the Triton boundary): a 200-token prompt served again from "
+        "the second tier, 192 tokens (the last 64-token boundary before its last "
+        "token)",
+        connector="offload",
+        model="bamba-like",
+        listed=True,
+        checks=("stored",),
+    ),
+    Scenario(
+        "mamba-nixl-consume",
+        "P/D with NixlConnector on a Mamba hybrid (Bamba-like): the consumer "
+        "reads the attention blocks and the Mamba state block of the last "
+        "boundary before the prompt's last token",
+        connector="nixl",
+        producer="nixl-produce",
+        model="bamba-like",
+        listed=True,
+        checks=("read",),
+    ),
     # --- negative controls: each check must bite ----------------------------------
     Scenario(
         "control-offload-no-hold",
@@ -511,6 +533,27 @@ SCENARIOS: tuple[Scenario, ...] = (
         expect="caught",
         caught_by="outputs",
         listed=True,
+    ),
+    Scenario(
+        "control-mamba-nixl-other-layers-state",
+        "control: the NIXL consumer reads each Mamba group's state block from "
+        "the producer's next Mamba group (another layer's state, Bamba-like)",
+        connector="nixl",
+        producer="nixl-produce",
+        model="bamba-like",
+        listed=True,
+        expect="caught",
+        caught_by="outputs",
+    ),
+    Scenario(
+        "control-mamba-offload-zero-state",
+        "control: the second tier's Mamba state blocks are zeroed before the "
+        "reload (Bamba-like)",
+        connector="offload",
+        model="bamba-like",
+        listed=True,
+        expect="caught",
+        caught_by="outputs",
     ),
     Scenario(
         "memory-window",

@@ -14,7 +14,9 @@ A store reads its GPU blocks when it finishes, ``store_delay_steps`` calls of
 ``get_finished`` after it started (0: at the first), as an asynchronous copy on
 a device would: a block the scheduler freed and reused meanwhile is read with
 its new KV. Loads finish at once. With several KV cache groups a block is copied
-in the KV cache tensors of its group's layers only (``GPULoadStoreSpec.group_ids``).
+in the KV cache tensors of its group's layers only (``GPULoadStoreSpec.group_ids``);
+a model with Mamba layers copies whole pages of each KV cache tensor instead
+(block i of every layer is page i, and the layers of every group share a tensor).
 With ``check_store_reads`` a store keeps a copy of its blocks as they are when
 it starts (after the step that computed them) and compares what it reads when it
 finishes: a block whose KV changed meanwhile was reused by another request while
@@ -69,13 +71,34 @@ def _backend_blocks_dim(spec: CPUOffloadingSpec, backend) -> int:
 
 
 class _Layer:
-    def __init__(self, gpu: torch.Tensor, dim: int, num_cpu_blocks: int, group: int):
+    def __init__(
+        self, gpu: torch.Tensor, dim: int, num_cpu_blocks: int, group: int | None
+    ):
         self.gpu = gpu
         self.dim = dim
         shape = list(gpu.shape)
         shape[dim] = num_cpu_blocks
         self.cpu = torch.zeros(shape, dtype=gpu.dtype)
         self.group = group
+
+
+def _page_layers(kv_caches: dict, num_blocks: int, num_cpu_blocks: int) -> list[_Layer]:
+    """A model with Mamba layers (a layer's entry is a list of its state
+    tensors): block i of every layer is page i of its KV cache tensor, which
+    layers of every KV cache group share. One layer per tensor, its
+    ``(num_blocks, page)`` bytes, copied for a block of any group."""
+    layers = []
+    seen = set()
+    for cache in kv_caches.values():
+        first = cache[0] if isinstance(cache, (list, tuple)) else cache
+        storage = first.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        page = torch.empty(0, dtype=torch.uint8)
+        page.set_(storage, 0, (num_blocks, storage.nbytes() // num_blocks))
+        layers.append(_Layer(page, 0, num_cpu_blocks, group=None))
+    return layers
 
 
 class TorchCopyHandler(OffloadingHandler):
@@ -129,7 +152,7 @@ class TorchCopyHandler(OffloadingHandler):
         groups = None if group_ids is None else torch.from_numpy(group_ids)
         pairs = []
         for layer in self.layers:
-            if groups is None:
+            if groups is None or layer.group is None:
                 s, d = src, dst
             else:
                 mask = groups == layer.group
@@ -181,17 +204,22 @@ class CPUTestOffloadingSpec(CPUOffloadingSpec):
             )
             kv_cache_config = getattr(self, "kv_cache_config", None)
             groups = self.layer_group_ids() if kv_cache_config is not None else {}
-            layers = [
-                _Layer(
-                    tensor,
-                    _num_blocks_dim(tensor, kv_cache_config.num_blocks)
-                    if kv_cache_config is not None
-                    else _backend_blocks_dim(self, attn_backends[name]),
-                    self.num_cpu_blocks,
-                    groups.get(name, 0),
-                )
-                for name, tensor in kv_caches.items()
-            ]
+            mamba = any(isinstance(c, (list, tuple)) for c in kv_caches.values())
+            layers = (
+                _page_layers(kv_caches, kv_cache_config.num_blocks, self.num_cpu_blocks)
+                if mamba
+                else [
+                    _Layer(
+                        tensor,
+                        _num_blocks_dim(tensor, kv_cache_config.num_blocks)
+                        if kv_cache_config is not None
+                        else _backend_blocks_dim(self, attn_backends[name]),
+                        self.num_cpu_blocks,
+                        groups.get(name, 0),
+                    )
+                    for name, tensor in kv_caches.items()
+                ]
+            )
             delay = int(self.extra_config.get("store_delay_steps", 0))
             check = bool(self.extra_config.get("check_store_reads", False))
             self._torch_handlers = (

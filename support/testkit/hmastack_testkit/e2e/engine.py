@@ -199,6 +199,11 @@ class Session:
                 publisher="zmq",
                 endpoint=self.kv_events.endpoint,
             )
+        if MODELS[plan.model].architecture == "BambaForCausalLM":
+            # Mamba layers: the CPU platform runs no Triton kernel.
+            from hmastack_testkit import mamba_reference_kernels
+
+            mamba_reference_kernels.install()
         start = time.monotonic()
         self.llm = LLM(**kwargs)
         self.init_seconds = time.monotonic() - start

@@ -17,7 +17,15 @@ gemma-5to1     5 sliding (W=32) + 1 full            6 (5 sliding window, 1 full)
 gemma-1to1     sliding/full alternating, 6 layers   2 (3 layers each)
 mistral-swa    4 sliding (W=32)                     1 (sliding window)
 llama4-chunk   3 chunked local (chunk 32) + 1 full  see :data:`MODELS`
+bamba-like     3 Mamba-2 + 1 full (layer 1)         2 (1 full attention, 1 Mamba)
 =============  ==================================  ==============================
+
+The Mamba hybrid (Bamba-like) runs its Mamba layers with the reference kernels
+of :mod:`hmastack_testkit.mamba_reference_kernels` (the CPU platform has no
+Triton). Its attention block and ``mamba_block_size`` are 64 tokens, which vLLM
+0.13.0 sets for it (the Mamba state of a layer, 9.9 KiB, needs the KV of 40
+tokens, rounded up to a multiple of its chunk of 32): a larger block than
+``BLOCK_SIZE``.
 
 Usage: ``python -m hmastack_testkit.e2e.models OUT_DIR [NAME ...]``.
 """
@@ -79,6 +87,14 @@ MODELS: dict[str, ModelSpec] = {
             4,
         ),
         ModelSpec(
+            "bamba-like",
+            "BambaForCausalLM",
+            "Bamba-like: 3 Mamba-2 layers and 1 full-attention layer (layer 1)",
+            4,
+            0,
+            1,
+        ),
+        ModelSpec(
             "llama4-chunk",
             "Llama4ForCausalLM",
             "Llama-4-like: 3 chunked-local layers (chunk 32) and 1 full layer (NoPE)",
@@ -123,6 +139,26 @@ def _config(spec: ModelSpec):
             query_pre_attn_scalar=2,
             rope_theta=10000.0,
             rope_local_base_freq=10000.0,
+        )
+    if spec.architecture == "BambaForCausalLM":
+        from transformers import BambaConfig
+
+        for key in ("num_key_value_heads", "head_dim"):
+            common.pop(key)
+        return BambaConfig(
+            **common,
+            num_key_value_heads=1,
+            attn_layer_indices=[1],
+            # vLLM's Bamba rotates attn_rotary_emb dimensions of each head;
+            # transformers' half of them (partial_rotary_factor 0.5).
+            attn_rotary_emb=16,
+            mamba_n_heads=4,
+            mamba_d_head=32,
+            mamba_n_groups=1,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_chunk_size=32,
         )
     if spec.architecture == "MistralForCausalLM":
         from transformers import MistralConfig

@@ -515,7 +515,9 @@ def nixl_produce(s: Session, c: bool, obs: Observation):
     return out
 
 
-def _nixl_consume(s: Session, c: bool, obs: Observation, tamper=None):
+def _nixl_consume(
+    s: Session, c: bool, obs: Observation, tamper=None, expected: int | None = None
+):
     tokens = _nixl_prompt()
     if not c:
         return s.run([("nixl-a", tokens, None, None)], observation=obs)
@@ -523,9 +525,11 @@ def _nixl_consume(s: Session, c: bool, obs: Observation, tamper=None):
     (params,) = read_handoff(folder)
     if tamper is not None:
         params = tamper(params)
-    try:
+    if expected is None:
         # NixlConnector offers every prompt token but the last.
-        return s.run([("nixl-a", tokens, params, len(tokens) - 1)], observation=obs)
+        expected = len(tokens) - 1
+    try:
+        return s.run([("nixl-a", tokens, params, expected)], observation=obs)
     finally:
         (folder / "done").write_text("done")
 
@@ -724,3 +728,99 @@ def control_offload_no_hold(s: Session, c: bool, obs: Observation):
         return _store_race(s, c, obs, seed=750)
     finally:
         restore()
+
+
+# --- a Mamba hybrid (models: bamba-like). A Mamba layer reads only its state
+# after the last computed token; a Mamba block (64 tokens, the attention
+# block size vLLM sets for the model) holds the state after its last token.
+# External tokens end on the last block boundary before the prompt's last
+# token, which is computed from the state before it: 192 of 200 tokens.
+
+MAMBA_BLOCK = 64
+
+
+def _mamba_hit(tokens: list[int]) -> int:
+    return (len(tokens) - 1) // MAMBA_BLOCK * MAMBA_BLOCK
+
+
+def _mamba_groups(s: Session) -> list[int]:
+    """The Mamba KV cache groups (bamba-like: one per Mamba layer, as its one
+    attention layer is a group of its own)."""
+    return [g for g, kind in enumerate(s.group_kinds()) if kind == "MambaSpec"]
+
+
+@scenario
+def mamba_nixl_consume(s: Session, c: bool, obs: Observation):
+    """P/D with NixlConnector on the Mamba hybrid, the consumer: reads the
+    producer's attention blocks and its Mamba state block up to the last
+    boundary before the prompt's last token (192 of 200 tokens), computes the
+    rest and decodes."""
+    return _nixl_consume(s, c, obs, expected=_mamba_hit(_nixl_prompt()))
+
+
+@scenario
+def control_mamba_nixl_other_layers_state(s: Session, c: bool, obs: Observation):
+    """Negative control: the consumer reads, into each Mamba group's state
+    block, the producer's state block of the next Mamba group (another
+    layer's state after the same token), with the right attention blocks."""
+
+    def other_layers_state(params: dict) -> dict:
+        ids = [list(group) for group in params["remote_block_ids"]]
+        mamba = _mamba_groups(s)
+        rotated = mamba[1:] + mamba[:1]
+        for g, other in zip(mamba, rotated, strict=True):
+            ids[g] = list(params["remote_block_ids"][other])
+        return {**params, "remote_block_ids": ids}
+
+    if not c:
+        return _nixl_consume(s, c, obs)
+    return _nixl_consume(
+        s, c, obs, tamper=other_layers_state, expected=_mamba_hit(_nixl_prompt())
+    )
+
+
+def _mamba_offload(s: Session, c: bool, obs: Observation, seed: int, tamper=None):
+    """A 200-token prompt is served; once its stores finished the local prefix
+    cache is emptied and the same prompt is served again: 192 tokens come
+    back from the second tier (the attention blocks and the Mamba state block
+    after token 191). ``tamper(s)`` runs before the second request."""
+    a = _p(seed, 200)
+    out = s.run([("store", a, None, 0)])
+    _offload_reset(s)
+    if tamper is not None and c:
+        tamper(s)
+    out += s.run([("reload", a, None, _mamba_hit(a) if c else None)], observation=obs)
+    _settle(s)
+    return out
+
+
+@scenario
+def mamba_offload_reload(s: Session, c: bool, obs: Observation):
+    """OffloadingConnector on the Mamba hybrid: stored, emptied, reloaded."""
+    return _mamba_offload(s, c, obs, seed=900)
+
+
+def _zero_offloaded_mamba_states(s: Session) -> None:
+    """Zero the second tier's copy of every Mamba state block."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
+    from vllm.v1.core.kv_cache_utils import get_group_id
+
+    mamba = _mamba_groups(s)
+    manager = s.scheduler.connector.connector_scheduler.manager
+    slots = [
+        status.block_id
+        for key, status in manager.blocks.items()
+        if get_group_id(key) in mamba
+    ]
+    if not slots:
+        raise RuntimeError("no offloaded Mamba state block to corrupt")
+    store, _ = get_kv_transfer_group().connector_worker.spec._torch_handlers
+    for layer in store.layers:
+        layer.cpu[slots] = 0
+
+
+@scenario
+def control_mamba_offload_zero_state(s: Session, c: bool, obs: Observation):
+    """Negative control: the second tier's Mamba state blocks are zeroed
+    before the reload (the attention blocks are intact)."""
+    return _mamba_offload(s, c, obs, seed=950, tamper=_zero_offloaded_mamba_states)
