@@ -3,15 +3,19 @@
 (* Block allocation of vLLM's hybrid KV cache manager (HMA) with a KV      *)
 (* connector: as on vLLM 0.13.0 ("Legacy"), as stage 03's per-group      *)
 (* allocation alone ("SeriesAllocOnly"), and as stage 03's commits do it *)
-(* ("SeriesAsCoded"; see the policies below).                             *)
+(* ("SeriesAsCoded"; see the policies below), with a sliding window or   *)
+(* a Mamba group beside full attention (Kind; the Mamba stage,           *)
+(* patches/09-mamba-hma).                                                 *)
 (*                                                                         *)
 (* Modelled:                                                               *)
 (*  - one BlockPool of N physical blocks (ids 1..N) plus the null block   *)
 (*    (id 0); per block its ref_cnt and its prefix-cache key; a key may   *)
 (*    name several blocks (BlockHashToBlockMap), a hit takes any of them; *)
 (*  - two KV cache groups drawing from that pool: "full" (full attention) *)
-(*    and "swa" (sliding window of W tokens); both use block size B; with *)
-(*    a connector that declines HMA, "swa" alone (ConnectorHMA);          *)
+(*    and "swa" (sliding window of W tokens) or "mamba" (a Mamba group:   *)
+(*    with prefix caching each block holds the layers' state after its   *)
+(*    last token, mamba_block_size = B; Kind); both use block size B;    *)
+(*    with a connector that declines HMA, "swa" alone (ConnectorHMA);     *)
 (*  - per request: prefix-cache lookup, connector hits loaded             *)
 (*    synchronously (inside the step) or asynchronously                  *)
 (*    (WAITING_FOR_REMOTE_KVS), load completion, load failure from any    *)
@@ -21,7 +25,9 @@
 (*    step, or an asynchronous store that outlives it), preemption, abort,*)
 (*    finish with a delayed free, eviction of cached blocks;              *)
 (*  - the KV content of each block slot only as far as a failed load     *)
-(*    leaves it invalid (`bad`), to state which tokens are read.         *)
+(*    leaves it invalid (`bad`), to state which tokens are read; a Mamba *)
+(*    block's slot at a token's offset stands for the state after that  *)
+(*    token.                                                              *)
 (*                                                                         *)
 (* Abstracted away:                                                        *)
 (*  - token ids -> block hashes: every request has the same first Shared   *)
@@ -76,7 +82,8 @@ CONSTANTS
     CanAbort,    \* TRUE: a client may abort its request
     Refusals,    \* TRUE: a refused allocation of a waiting request is a step (replays)
     Policy,      \* "Legacy" (0.13.0), "SeriesAllocOnly", "SeriesAsCoded" (below)
-    ConnectorHMA  \* TRUE: the connector uses HMA (two KV cache groups); FALSE: it declines it, on a model whose only group is a sliding window (below)
+    ConnectorHMA, \* TRUE: the connector uses HMA (two KV cache groups); FALSE: it declines it, on a model whose only group is a sliding window (below)
+    Kind         \* the second KV cache group: "swa" (a sliding window of W tokens) or "mamba" (a Mamba group, the Mamba stage; below)
 
 ASSUME /\ N \in Nat \ {0} /\ B \in Nat \ {0} /\ W \in Nat \ {0, 1}
        /\ PromptLen \in Nat \ {0} /\ MaxLen > PromptLen /\ Shared <= PromptLen
@@ -88,6 +95,8 @@ ASSUME /\ N \in Nat \ {0} /\ B \in Nat \ {0} /\ W \in Nat \ {0, 1}
        /\ CanAbort \in BOOLEAN /\ Refusals \in BOOLEAN
        /\ Policy \in {"Legacy", "SeriesAllocOnly", "SeriesAsCoded"}
        /\ ConnectorHMA \in BOOLEAN
+       /\ Kind \in {"swa", "mamba"}
+       /\ (Kind = "mamba" => Policy = "SeriesAsCoded" /\ ConnectorHMA /\ MaxDraft = 0)
 
 -----------------------------------------------------------------------------
 (***************************************************************************)
@@ -187,13 +196,32 @@ HasFull == ConnectorHMA
 \* The connector method a finish (or abort) calls (Scheduler._connector_finished).
 FinishCall == IF ConnectorHMA THEN "request_finished_all_groups"
               ELSE "request_finished"
+\* The Mamba stage ([09.1 Mamba groups with KV connectors]): a connector
+\* that moves the state of Mamba layers
+\* (SupportsHMA.supports_mamba_with_config) is used with a model whose
+\* second KV cache group is a Mamba group (Kind = "mamba"): the commits of
+\* stage 03 and the series after them, HMA on and prefix caching on (each
+\* Mamba block holds the layers' state after its last token,
+\* mamba_block_size = B; KVConnectorFactory.create_connector refuses a
+\* Mamba group with either off) and no speculative decoding (vLLM 0.13.0
+\* refuses it with the Mamba layers that have prefix caching). A Mamba layer reads
+\* only the state after the last computed token (StateRead), so a Mamba
+\* group skips every token before it (SkippedTokens); the computed tokens
+\* that end with external ones end on a block boundary (ExtToLoad); a
+\* running request keeps every block it holds (RemovedBlocks); a prefix
+\* cache hit needs the state block of its last token (HitTail). A failed
+\* load needs nothing of its own: Scheduler._update_requests_with_invalid_
+\* blocks truncates at the first invalid block of every group and
+\* can_recompute_from (CanRecomputeFrom) asks the Mamba group too.
+IsMamba == Kind = "mamba"
 
 -----------------------------------------------------------------------------
 Null == 0                                 \* the null block (BlockPool.null_block)
 Blocks == 1..N                            \* the physical blocks
-\* kv_cache_group_id, by attention type: full attention and a sliding window,
-\* or with HMA off the sliding window alone (ConnectorHMA).
-Groups == IF HasFull THEN {"full", "swa"} ELSE {"swa"}
+\* kv_cache_group_id, by attention type: full attention and a sliding window
+\* or a Mamba group (Kind), or with HMA off the sliding window alone
+\* (ConnectorHMA).
+Groups == IF HasFull THEN {"full", Kind} ELSE {Kind}
 NoHash == <<>>                            \* block_hash of a block not in the cache
 NoStep == [on |-> FALSE, from |-> 0, n |-> 0, d |-> 0, e |-> 0]  \* no step in flight
 EmptyTables == [g \in Groups |-> <<>>]
@@ -222,12 +250,24 @@ ChoiceSeqs(ss) == IF ss = <<>> THEN {<<>>}
 
 \* Trailing blocks a sliding-window hit needs (sliding_window_contiguous_blocks).
 Contig == CeilDiv(W - 1, B)
+\* Trailing blocks a hit of the second group needs: a sliding window's
+\* Contig, a Mamba group's state block of the hit's last token
+\* (MambaManager.find_longest_cache_hit; the null block before it).
+HitTail == IF IsMamba THEN 1 ELSE Contig
 \* SingleTypeKVCacheManager.get_num_skipped_tokens(n): tokens no layer of
 \* group g reads again once n tokens are computed (the next token, n, reads
-\* n-W+1..n in the window).
-SkippedTokens(g, n) == IF g = "swa" THEN Max(0, n - W + 1) ELSE 0
+\* n-W+1..n in the window; a Mamba layer reads the state after token n-1).
+SkippedTokens(g, n) ==
+    CASE g = "swa" -> Max(0, n - W + 1)
+      [] g = "mamba" -> Max(0, n - 1)
+      [] OTHER -> 0
 \* Blocks holding only skipped tokens (num_skipped_tokens // block_size).
 SkippedBlocks(g, n) == SkippedTokens(g, n) \div B
+\* The leading blocks of a request's table of group g that
+\* remove_skipped_blocks frees once n tokens are computed: the skipped ones,
+\* none in a Mamba group (MambaManager.remove_skipped_blocks keeps every
+\* block of a request until the request is freed).
+RemovedBlocks(g, n) == IF g = "mamba" THEN 0 ELSE SkippedBlocks(g, n)
 \* The hash of block i (1-based) of request r in group g (token ids -> hashes).
 Hash(g, r, i) == IF i * B <= Shared THEN <<g, i>> ELSE <<g, i, r>>
 MaxBlocks == CeilDiv(MaxLen + MaxDraft, B)  \* longest block table
@@ -238,9 +278,17 @@ Slot(p) == p \div B + 1
 (* Attention, written from its definition (not from the skip rule): token *)
 (* t of a full-attention layer reads every token 0..t; a sliding-window   *)
 (* layer of window W reads the W tokens t-W+1..t (vLLM's sliding_window   *)
-(* counts the token itself).                                              *)
+(* counts the token itself). A Mamba layer attends to no token: it        *)
+(* computes token t from the state after token t-1, so a step of tokens   *)
+(* from.. reads the state after token from-1 only (it computes the       *)
+(* others), none from token 0; the state after token p is in the block of *)
+(* token p (StateRead).                                                   *)
 (***************************************************************************)
-Attends(g, t) == IF g = "full" THEN 0..t ELSE {p \in 0..t : t - p < W}
+Attends(g, t) ==
+    CASE g = "full" -> 0..t
+      [] g = "swa" -> {p \in 0..t : t - p < W}
+      [] OTHER -> {}
+StateRead(t) == IF t = 0 THEN {} ELSE {t - 1}
 
 VARIABLES
     ref,        \* BlockPool: ref_cnt of each physical block
@@ -279,30 +327,40 @@ View == <<ref, hash, freeQ, status, len, computed, table, ncached, step, loads,
           IF StallFix /\ AsyncLoad THEN WaitingOrder ELSE <<>>, stallHead, noLoad>>
 
 Ev(act, r, blks, args) == [act |-> act, req |-> r, blocks |-> blks, args |-> args]
+\* The arguments of an allocation's event (args) for plan p: with a Mamba
+\* group also the external tokens the connector offered (offeredTokens),
+\* of which extTokens are loaded (ExtToLoad).
+WithOffer(args, p) ==
+    IF IsMamba
+    THEN [k \in DOMAIN args \cup {"offeredTokens"} |->
+            IF k = "offeredTokens" THEN p.offered ELSE args[k]]
+    ELSE args
 
 -----------------------------------------------------------------------------
 (* Prefix cache (BlockPool.get_cached_block, find_longest_cache_hit). *)
 Lookup(h) == {b \in Blocks : hash[b] = h}
 FullHit(r, h) == ~HasFull \/ \A i \in 1..h : Lookup(Hash("full", r, i)) # {}
-SwaHit(r, h) ==
-    \A i \in (Max(h - Contig, 0) + 1)..h : Lookup(Hash("swa", r, i)) # {}
+OtherHit(r, h) ==
+    \A i \in (Max(h - HitTail, 0) + 1)..h : Lookup(Hash(Kind, r, i)) # {}
 \* HybridKVCacheCoordinator.find_longest_cache_hit, in blocks: the longest
-\* full-attention prefix hit whose last Contig blocks also hit in "swa";
-\* at most num_tokens - 1 tokens (one token is always computed).
+\* full-attention prefix hit whose last HitTail blocks also hit in the
+\* second group (a sliding window's last Contig blocks, a Mamba group's
+\* state block); at most num_tokens - 1 tokens (one token is always
+\* computed).
 HitLen(r) ==
-    LET ok == {h \in 0..((len[r] - 1) \div B) : FullHit(r, h) /\ SwaHit(r, h)}
+    LET ok == {h \in 0..((len[r] - 1) \div B) : FullHit(r, h) /\ OtherHit(r, h)}
     IN  CHOOSE h \in ok : \A h2 \in ok : h2 <= h
 \* The hit blocks per group (get_one_block: any block of the key); the
-\* sliding window's hit is null-padded before its last Contig blocks.
+\* second group's hit is null-padded before its last HitTail blocks.
 HitChoices(r, h) ==
     {[g \in Groups |-> IF g = "full" THEN f ELSE s] :
         f \in IF HasFull THEN ChoiceSeqs([i \in 1..h |-> Lookup(Hash("full", r, i))])
               ELSE {<<>>},
-        s \in ChoiceSeqs([i \in 1..h |-> IF i <= h - Contig THEN {Null}
-                                          ELSE Lookup(Hash("swa", r, i))])}
+        s \in ChoiceSeqs([i \in 1..h |-> IF i <= h - HitTail THEN {Null}
+                                          ELSE Lookup(Hash(Kind, r, i))])}
 
 Entries(r) == UNION {Real(table[r][g]) : g \in Groups}
-AllOf(r) == IF HasFull THEN table[r]["full"] \o table[r]["swa"] ELSE table[r]["swa"]
+AllOf(r) == IF HasFull THEN table[r]["full"] \o table[r][Kind] ELSE table[r][Kind]
 \* The real blocks at slots lo..hi of tables tbls (all groups).
 BlocksAt(tbls, lo, hi) ==
     {tbls[x[1]][x[2]] : x \in {x \in Groups \X (lo..hi) : x[2] <= Len(tbls[x[1]])}}
@@ -332,7 +390,25 @@ ReadFrom(r) == IF step[r].on THEN step[r].from ELSE computed[r]
 ExtChoices(r) ==
     IF Fresh(r) /\ r \notin noLoad THEN 0..Min(MaxExt, len[r] - 1 - HitLen(r) * B)
     ELSE {0}
-AsyncChoices(e) == IF e > 0 /\ AsyncLoad THEN {FALSE, TRUE} ELSE {FALSE}
+\* KVCacheManager.get_num_external_computed_tokens
+\* ([09.1 Mamba groups with KV connectors]): with a Mamba group
+\* (KVCacheCoordinator.get_external_computed_tokens_alignment: the least
+\* common multiple of the groups' alignments, the Mamba block size B here),
+\* the computed tokens (request r's hit and the e external tokens the
+\* connector offers after it) end on a block boundary before the request's
+\* last token, as a hit does: the external tokens are shortened to it and
+\* the request computes the rest; without one, all are loaded. In tokens: a
+\* hit of hit tokens, a request of num tokens.
+ExtToLoad(hit, e, num) ==
+    IF IsMamba /\ e > 0
+    THEN Max(0, (Min(hit + e, num - 1) \div B) * B - hit)
+    ELSE e
+\* The external tokens request r loads of the e its connector offers.
+Loaded(r, e) == IF IsMamba THEN ExtToLoad(HitLen(r) * B, e, len[r]) ELSE e
+\* A load is asynchronous only if tokens are loaded (the scheduler makes it
+\* synchronous when the shortened count is 0).
+AsyncChoices(r, e) ==
+    IF Loaded(r, e) > 0 /\ AsyncLoad THEN {FALSE, TRUE} ELSE {FALSE}
 \* Draft tokens proposed for a decode step (num_spec_tokens).
 DraftChoices(r) ==
     IF computed[r] > 0 /\ computed[r] + 1 = len[r]
@@ -342,7 +418,8 @@ DraftChoices(r) ==
 (***************************************************************************)
 (* KVCacheManager.allocate_slots, planned for all groups. A fresh request *)
 (* (waiting, nothing computed) starts its tables from the hit `hit` (h    *)
-(* blocks) and e external tokens; a request holding blocks first runs     *)
+(* blocks) and the external tokens it loads of the e its connector offers *)
+(* (ExtToLoad); a request holding blocks first runs                       *)
 (* remove_skipped_blocks. Returns the tables' prefix (`base`), the hits to *)
 (* claim, the new blocks per group, the blocks leaving the tables, and     *)
 (* get_num_blocks_to_allocate's count (`predicted`), computed as the code  *)
@@ -369,21 +446,22 @@ EvictableHits(hit, g, sk, h) ==
 Plan(r, e, async, d, hit) ==
   LET fresh == Fresh(r)
       h == IF fresh THEN HitLen(r) ELSE 0
-      c == IF fresh THEN h * B + e ELSE computed[r]
+      x == IF fresh /\ IsMamba THEN ExtToLoad(h * B, e, len[r]) ELSE e
+      c == IF fresh THEN h * B + x ELSE computed[r]
       n == IF async THEN 0 ELSE Min(Chunk, len[r] - c)
       nb == CeilDiv(c + n + d, B)
-      s == SkippedBlocks("swa", c)
+      s == RemovedBlocks(Kind, c)
       pad == [g \in Groups |-> FreshPad(g, c, h)]
       base == SeqFcn([g \in Groups |->
                 IF fresh
                 THEN [i \in 1..Max(pad[g], h) |->
                         IF i <= pad[g] THEN Null ELSE hit[g][i]]
                 ELSE [i \in DOMAIN table[r][g] |->
-                        IF i <= SkippedBlocks(g, c) THEN Null
+                        IF i <= RemovedBlocks(g, c) THEN Null
                         ELSE table[r][g][i]]])
       removed == IF fresh THEN {}
-                 ELSE {table[r]["swa"][i] :
-                         i \in 1..Min(s, Len(table[r]["swa"]))} \ {Null}
+                 ELSE {table[r][Kind][i] :
+                         i \in 1..Min(s, Len(table[r][Kind]))} \ {Null}
       claimed == [g \in Groups |-> IF fresh THEN Real(base[g]) ELSE {}]
       newCount == [g \in Groups |-> Max(nb - Len(base[g]), 0)]
       toHeld == IF SaveHold THEN (removed \cap Transfers(r)) \ held[r] ELSE {}
@@ -396,17 +474,17 @@ Plan(r, e, async, d, hit) ==
              IN  Max(0, nb - Max(sk, h))
                  + EvictableHits(hit, g, sk, h)
         ELSE Max(0, nb - Len(table[r][g]))
-  IN [fresh |-> fresh, h |-> h, c |-> c, n |-> n, d |-> d, e |-> e,
+  IN [fresh |-> fresh, h |-> h, c |-> c, n |-> n, d |-> d, e |-> x, offered |-> e,
       async |-> async, nb |-> nb, base |-> base, claimed |-> claimed,
       newCount |-> newCount, removed |-> removed, toHeld |-> toHeld,
       toFree |-> removed \ toHeld,
-      predicted |-> (IF HasFull THEN count("full") ELSE 0) + count("swa")]
+      predicted |-> (IF HasFull THEN count("full") ELSE 0) + count(Kind)]
 
 \* Free queue after remove_skipped_blocks returned the plan's blocks.
 FreeAfterRemove(p) == freeQ \cup {b \in p.toFree : ref[b] = 1}
 \* Hits claimed (touched) before any group allocates, and after.
 ClaimedIn(p, g) == IF g \in Groups THEN p.claimed[g] ELSE {}
-ClaimFirst(p) == ClaimedIn(p, "full") \cup ClaimedIn(p, "swa")
+ClaimFirst(p) == ClaimedIn(p, "full") \cup ClaimedIn(p, Kind)
 ClaimLate(p) == {}
 \* BlockPool.touch: every hit claimed gets one more reference.
 Touched(p) == ClaimFirst(p) \cup ClaimLate(p)
@@ -427,13 +505,13 @@ NextStepFits(r) == Fits(r, 0, FALSE, 0, NoBlocks)
 Refused(h) ==
     \E e \in ExtChoices(h),
        hit \in (IF Fresh(h) THEN HitChoices(h, HitLen(h)) ELSE {NoBlocks}) :
-       \E async \in AsyncChoices(e) : ~Fits(h, e, async, 0, hit)
+       \E async \in AsyncChoices(h, e) : ~Fits(h, e, async, 0, hit)
 \* One answer of the connector for which h is refused, and its plan
 \* (recorded in FreeWaiting's event for the replays; CHOOSE: one successor).
 RefusalOf(h) ==
     CHOOSE x \in {x \in [ext : ExtChoices(h), async : BOOLEAN,
                          hit : IF Fresh(h) THEN HitChoices(h, HitLen(h)) ELSE {NoBlocks}] :
-                    x.async \in AsyncChoices(x.ext) /\ ~Fits(h, x.ext, x.async, 0, x.hit)} :
+                    x.async \in AsyncChoices(h, x.ext) /\ ~Fits(h, x.ext, x.async, 0, x.hit)} :
         TRUE
 \* Scheduler._free_blocks_of_waiting_requests(h) (patch [00a.4 Fix a stall]): the waiting
 \* requests other than h that hold blocks no load writes any more
@@ -496,8 +574,8 @@ SlotsIn(r, lo, hi, S) ==
 \* The 1-based slots of r's tables (any group) naming a block of S, up to rng.
 SlotsOf(q, S, rng) ==
     {i \in 1..rng : \E g \in Groups : i <= Len(table[q][g]) /\ table[q][g][i] \in S}
-LongestTable(q) == IF HasFull THEN Max(Len(table[q]["full"]), Len(table[q]["swa"]))
-                   ELSE Len(table[q]["swa"])
+LongestTable(q) == IF HasFull THEN Max(Len(table[q]["full"]), Len(table[q][Kind]))
+                   ELSE Len(table[q][Kind])
 SetMin(S) == CHOOSE x \in S : \A y \in S : x <= y
 
 (***************************************************************************)
@@ -603,7 +681,7 @@ AllocateSlots(r) ==
   /\ stallHead' = IF stallHead # NoHead /\ stallHead.h = r THEN NoHead ELSE stallHead
   /\ \E e \in ExtChoices(r), d \in DraftChoices(r),
         hit \in (IF Fresh(r) THEN HitChoices(r, HitLen(r)) ELSE {NoBlocks}) :
-     \E async \in AsyncChoices(e) :
+     \E async \in AsyncChoices(r, e) :
      \* (\E x \in {v} binds a value once: TLC evaluates a LET-bound function
      \* again at every application.)
      \E p \in {Plan(r, e, async, d, hit)} :
@@ -612,7 +690,7 @@ AllocateSlots(r) ==
      /\ \E nf \in NewBlockChoices(q1 \ ClaimFirst(p),
                                  IF HasFull THEN p.newCount["full"] ELSE 0) :
         \E ns \in NewBlockChoices(q1 \ (ClaimFirst(p) \cup nf \cup ClaimLate(p)),
-                                  p.newCount["swa"]) :
+                                  p.newCount[Kind]) :
         \E tbl \in {[g \in Groups |-> p.base[g] \o SeqOf(IF g = "full" THEN nf ELSE ns)]} :
         LET q3 == q1 \ (ClaimFirst(p) \cup nf \cup ClaimLate(p) \cup ns)
             touched == Touched(p)
@@ -649,10 +727,10 @@ AllocateSlots(r) ==
         /\ bad' = {x \in bad : x[1] \notin nf \cup ns}
         /\ event' = Ev("AllocateSlots", r,
                        [g \in Groups |-> SeqOf(IF g = "full" THEN nf ELSE ns)],
-                       [hitBlocks |-> p.h, extTokens |-> p.e, async |-> p.async,
-                        newTokens |-> p.n, draftTokens |-> p.d,
-                        predictedBlocks |-> p.predicted,
-                        takenBlocks |-> Cardinality(q1) - Cardinality(q3)])
+                       WithOffer([hitBlocks |-> p.h, extTokens |-> p.e, async |-> p.async,
+                                  newTokens |-> p.n, draftTokens |-> p.d,
+                                  predictedBlocks |-> p.predicted,
+                                  takenBlocks |-> Cardinality(q1) - Cardinality(q3)], p))
         /\ UNCHANGED <<len, failures, order, noLoad>>
 
 \* Scheduler.schedule, waiting loop: allocate_slots returned None for a
@@ -661,14 +739,14 @@ Refuse(r) ==
   /\ Refusals /\ status[r] = "waiting"
   /\ \E e \in ExtChoices(r),
         hit \in (IF Fresh(r) THEN HitChoices(r, HitLen(r)) ELSE {NoBlocks}) :
-     \E async \in AsyncChoices(e) :
+     \E async \in AsyncChoices(r, e) :
        \E p \in {Plan(r, e, async, 0, hit)} :
        /\ p.predicted > Cardinality(FreeAfterRemove(p))
        /\ event' = Ev("Refused", r, NoBlocks,
-                      [hitBlocks |-> p.h, extTokens |-> e, async |-> async,
-                       newTokens |-> p.n, draftTokens |-> 0,
-                       predictedBlocks |-> p.predicted,
-                       freeBlocks |-> Cardinality(FreeAfterRemove(p))])
+                      WithOffer([hitBlocks |-> p.h, extTokens |-> p.e, async |-> async,
+                                 newTokens |-> p.n, draftTokens |-> 0,
+                                 predictedBlocks |-> p.predicted,
+                                 freeBlocks |-> Cardinality(FreeAfterRemove(p))], p))
   /\ UNCHANGED <<ref, hash, freeQ, status, len, computed, table, ncached, step,
                  loads, saves, held, running, failures, bad, cachedTok, order,
                  stallHead, noLoad>>
@@ -849,9 +927,9 @@ FreeWaiting(h) ==
      /\ computed' = [q \in Req |-> IF q \in vs THEN 0 ELSE computed[q]]
      /\ stallHead' = [h |-> h, vs |-> vs]
      /\ event' = Ev("FreeWaiting", h, NoBlocks,
-                    [freed |-> vs, hitBlocks |-> p.h, extTokens |-> ans.ext,
-                     async |-> ans.async, newTokens |-> p.n,
-                     predictedBlocks |-> p.predicted])
+                    WithOffer([freed |-> vs, hitBlocks |-> p.h, extTokens |-> p.e,
+                               async |-> ans.async, newTokens |-> p.n,
+                               predictedBlocks |-> p.predicted], p))
   /\ UNCHANGED <<hash, status, len, step, loads, saves, running, failures, bad,
                  cachedTok, order, noLoad>>
 
@@ -1075,7 +1153,7 @@ ExclusiveOwnership ==
     /\ \A r \in Req, g \in Groups :          \* once per table
           \A b \in Real(table[r][g]) : Cardinality(At(table[r][g], b)) = 1
     /\ \A r \in Req :                        \* never in two groups of a request
-          /\ HasFull => Real(table[r]["full"]) \cap Real(table[r]["swa"]) = {}
+          /\ HasFull => Real(table[r]["full"]) \cap Real(table[r][Kind]) = {}
           /\ \A b \in held[r] \cap Entries(r) : WasHit(b)
     /\ \A r1, r2 \in Req : r1 # r2 =>        \* shared only as the same hit
           /\ \A g1, g2 \in Groups :
@@ -1103,12 +1181,12 @@ RefCount ==
                  + Cardinality(Holders(b))
 
 \* SingleTypeKVCacheManager: null blocks only form a prefix of a
-\* sliding-window table; a full-attention table never holds one.
+\* sliding-window (or Mamba) table; a full-attention table never holds one.
 NullPrefix ==
     \A r \in Req :
       /\ HasFull => Null \notin Range(table[r]["full"])
-      /\ \A i, j \in DOMAIN table[r]["swa"] :
-            i < j /\ table[r]["swa"][j] = Null => table[r]["swa"][i] = Null
+      /\ \A i, j \in DOMAIN table[r][Kind] :
+            i < j /\ table[r][Kind][j] = Null => table[r][Kind][i] = Null
 
 \* The tokens a request reads: those of its step in flight, or its next
 \* token (which reads the tokens before it).
@@ -1143,6 +1221,24 @@ NoStaleRead ==
           => LET b == table[r][g][Slot(p)] IN
              <<b, p % B>> \notin bad \/ \E q \in Req \ {r} : Recomputes(q, g, p, b)
 
+\* The recompute rule of a Mamba group (Scheduler._update_requests_with_
+\* invalid_blocks, KVCacheManager.can_recompute_from): a waiting or running
+\* request's step in flight, or its next step, reads in the Mamba group the
+\* state after its last computed token (StateRead), and that state is
+\* valid: its block is real and no failed load left it invalid (unless
+\* another holder of the block computes it first, as in NoStaleRead). So
+\* after a failed load, of a state block or of an attention block, the
+\* request computes again from a state it holds that is valid, or from the
+\* start (which reads none); its one num_computed_tokens is that point in
+\* every group (NoStaleRead and WindowCovered check the attention groups).
+MambaGroups == Groups \cap {"mamba"}
+ValidStateRead ==
+    \A r \in Req : status[r] \in {"waiting", "running"} =>
+      \A g \in MambaGroups : \A p \in StateRead(ReadFrom(r)) :
+        /\ Slot(p) <= Len(table[r][g]) /\ table[r][g][Slot(p)] # Null
+        /\ LET b == table[r][g][Slot(p)] IN
+           <<b, p % B>> \notin bad \/ \E q \in Req \ {r} : Recomputes(q, g, p, b)
+
 \* BlockPool.cache_full_blocks: a block an asynchronous load writes is not
 \* in the prefix cache (delay_cache_blocks until the load finished), and a
 \* block holding a token past num_tokens (an unverified draft or an empty
@@ -1160,8 +1256,39 @@ WindowMax(args) ==
     Contig + 1 + CeilDiv(args.newTokens + args.draftTokens
                          + (IF ConnectorHMA THEN 0 ELSE args.extTokens), B)
 WindowBound ==
-    [][event'.act = "AllocateSlots" =>
+    [][(event'.act = "AllocateSlots" /\ Kind = "swa") =>
          Cardinality(Real(table'[event'.req]["swa"])) <= WindowMax(event'.args)]_vars
+
+\* A Mamba group ([09.1 Mamba groups with KV connectors] with the skip rule
+\* of [01.1 Count blocks to allocate] and the null padding of
+\* [03.13 Allocate only the external blocks]), an action property:
+\* right after allocate_slots gave a request c tokens computed before the
+\* step (a prefix cache hit and external tokens), c ends on a block
+\* boundary and the request's Mamba table holds the state after token c-1
+\* only: the null block before the block of that token, which is real. The
+\* blocks after it (the tokens of the step) are real (NullPrefix), and
+\* ExactAdmission counts exactly those.
+MambaTableShape ==
+    [][(event'.act = "AllocateSlots" /\ IsMamba) =>
+         LET c == event'.args.hitBlocks * B + event'.args.extTokens
+             t == table'[event'.req]["mamba"]
+         IN  c > 0 => /\ c % B = 0
+                      /\ c \div B <= Len(t) /\ t[c \div B] # Null
+                      /\ \A i \in 1..(c \div B - 1) : t[i] = Null]_vars
+
+\* What the code does with a Mamba group, an action property (not a
+\* requirement: ValidStateRead is the rule): a failed load leaves every
+\* request it affects with no computed token, so each computes again from
+\* the start. A Mamba table's first real block is the state block of its
+\* hit or load, after the null block, and a load writes up to that state
+\* block: the block before the first invalid one is the null block. A
+\* change that kept a valid state before the failed block would make the
+\* request resume there, and this property fail.
+FailureStartsOver ==
+    [][IsMamba =>
+         /\ event'.act = "LoadFailed" => event'.args.computedTokens <= 0
+         /\ event'.act = "SyncLoadFailed" =>
+              \A q \in event'.args.affected : computed'[q] = 0]_vars
 
 \* A connector that declines HMA (ConnectorHMA FALSE) gets what vLLM 0.13.0
 \* gave it, an action property: right after allocate_slots every slot of
@@ -1172,7 +1299,7 @@ ExternalSlots(args) ==
 RealExternalBlocks ==
     [][(event'.act = "AllocateSlots" /\ ~ConnectorHMA) =>
          \A i \in ExternalSlots(event'.args) :
-            i <= Len(table'[event'.req]["swa"]) /\ table'[event'.req]["swa"][i] # Null]_vars
+            i <= Len(table'[event'.req][Kind]) /\ table'[event'.req][Kind][i] # Null]_vars
 
 \* KVCacheManager.allocate_slots, an action property:
 \* get_num_blocks_to_allocate (computed as the code does) equals the blocks
@@ -1200,9 +1327,11 @@ FailuresSafe == MaxFailures = 0 \/ (SharedInvalidFix /\ RangeByComputed)
 \* Blocks vLLM's start-up check demands for one request of MaxLen tokens
 \* (check_enough_kv_cache_memory, KVCacheSpec.max_memory_usage_bytes per
 \* group: full attention ceil(max_model_len/B), a sliding window
-\* ceil(min(W-1+max_num_batched_tokens, max_model_len)/B)+1).
+\* ceil(min(W-1+max_num_batched_tokens, max_model_len)/B)+1, a Mamba group
+\* ceil(max_model_len/mamba_block_size)).
 OneRequestBlocks == (IF HasFull THEN CeilDiv(MaxLen, B) ELSE 0)
-                    + CeilDiv(Min(W - 1 + Chunk, MaxLen), B) + 1
+                    + (IF IsMamba THEN CeilDiv(MaxLen, B)
+                       ELSE CeilDiv(Min(W - 1 + Chunk, MaxLen), B) + 1)
 PoolChecked == N >= OneRequestBlocks
 \* No request waits for an async load while others hold the blocks it
 \* needs: no async loads, or the stall fix (patch [00a.4 Fix a stall]) on a pool that passes
@@ -1225,6 +1354,16 @@ THEOREM (IsSeries) => (Spec => ExactAdmission)
 \* The one HMA decision (patches [03.1 Keep HMA on], [03.3 Allocate only the external blocks]): a connector that declines HMA gets
 \* a real block for every external token (mutations/series-pad-declined).
 THEOREM Spec => RealExternalBlocks
+\* A Mamba group (the Mamba stage on the series: Kind = "mamba" needs
+\* SeriesAsCoded; without one these hold trivially): the state block after
+\* the computed tokens, null before it (mutations/mamba-unaligned,
+\* mutations/mamba-no-skip), and the recompute rule after a failed load
+\* (mutations/mamba-recompute-unchecked); ownership of state blocks is
+\* ExclusiveOwnership, Conservation and RefCount above
+\* (mutations/mamba-late-claim).
+THEOREM Spec => MambaTableShape
+THEOREM Spec => []ValidStateRead
+THEOREM Spec => FailureStartsOver
 \* Deadlock freedom (TLC's deadlock check): some action is always enabled
 \* until every request is done.
 THEOREM (IsSeries /\ NoStall /\ ~CanAbort) => (Spec => [](ENABLED Next))

@@ -22,7 +22,8 @@ ASSUME Mutation \in {"none", "EarlyPublish", "PublishDraft", "LateClaim",
                      "UnderCount", "SkipTouch", "LeakSkipped", "SkipCeil",
                      "RangeByCached", "IgnoreZeroedLoad",
                      "KeepLoadFailedMark", "MarkOnlyNoValidToken",
-                     "PadDeclined"}
+                     "PadDeclined", "MambaUnaligned", "MambaNoSkip",
+                     "MambaRecomputeUnchecked"}
 
 -----------------------------------------------------------------------------
 (***************************************************************************)
@@ -62,10 +63,11 @@ MutUnderCount(hit, g, sk, h) == 0
 \* LeakSkipped (FreeAfterRemove): skipped blocks do not return to the free
 \* queue: Conservation.
 MutLeakSkipped(p) == freeQ
-\* LateClaim (ClaimFirst, ClaimLate): the sliding-window group's hits are
-\* claimed after the full-attention group allocated: ExclusiveOwnership.
+\* LateClaim (ClaimFirst, ClaimLate): the hits of the second group (sliding
+\* window or Mamba) are claimed after the full-attention group allocated:
+\* ExclusiveOwnership.
 MutLateClaimFirst(p) == ClaimedIn(p, "full")
-MutLateClaimLate(p) == ClaimedIn(p, "swa")
+MutLateClaimLate(p) == ClaimedIn(p, Kind)
 \* SkipTouch (Touched): hit blocks saved in the table without touching them:
 \* RefCount.
 MutSkipTouch(p) == {}
@@ -84,6 +86,25 @@ MutKeepLoadFailedMark(marks, r) == marks
 \* IgnoreZeroedLoad (LoadReported): the load of a request that a sharer's
 \* failure left with no valid token is never reported: deadlock.
 MutIgnoreZeroedLoad(r) == ~LoadsFail
+\* MambaUnaligned (ExtToLoad): with a Mamba group every external token the
+\* connector offers is loaded (KVCacheManager.get_num_external_computed_
+\* tokens off, [09.1 Mamba groups with KV connectors]): the computed tokens
+\* may end inside a block, whose state is not after its last token:
+\* MambaTableShape.
+MutMambaUnaligned(hit, e, num) == e
+\* MambaNoSkip (SkippedBlocks): a Mamba group skips no token, as vLLM
+\* 0.13.0's MambaManager (the skip rule of [01.1 Count blocks to allocate]
+\* off): every external token gets a real Mamba block: MambaTableShape.
+MutMambaNoSkip(g, n) == IF g = "mamba" THEN 0 ELSE SkippedTokens(g, n) \div B
+\* MambaRecomputeUnchecked (CanRecomputeFrom): can_recompute_from asks only
+\* the attention groups (a Mamba manager that answers True: "its state can be
+\* recomputed"): after a failed load the request resumes at its first
+\* invalid block, where the Mamba group holds the null block, not a state:
+\* ValidStateRead.
+MutMambaRecomputeUnchecked(r, t) ==
+    \A g \in Groups \ {"mamba"} :
+        LET fb == SkippedBlocks(g, t) + 1
+        IN  fb > Len(table[r][g]) \/ table[r][g][fb] # Null
 
 -----------------------------------------------------------------------------
 (***************************************************************************)
@@ -102,8 +123,8 @@ ReachWindowAtBound ==
 ReachSwaBeyondTwo == \E r \in Req : Cardinality(Real(table'[r]["swa"])) > 2
 ReachNullPadExternal ==
     AllocNow /\ event'.args.extTokens > 0
-    /\ \E i \in (event'.args.hitBlocks + 1)..Len(table'[event'.req]["swa"]) :
-          table'[event'.req]["swa"][i] = Null
+    /\ \E i \in (event'.args.hitBlocks + 1)..Len(table'[event'.req][Kind]) :
+          table'[event'.req][Kind][i] = Null
 \* External tokens past the window, each with a real block (a declining connector).
 ReachRealPastWindow ==
     AllocNow /\ event'.args.extTokens > 0
@@ -124,6 +145,15 @@ ReachSharedInvalid ==
 ReachFailAfterAbort == event'.act = "LoadFailed" /\ event'.args.computedTokens = -1
 ReachRefused == event'.act = "Refused"
 ReachFreeWaiting == event'.act = "FreeWaiting"
+\* A Mamba group: external tokens shortened to a block boundary, some of
+\* them loaded (the connector offered more than the request loads).
+ReachMambaShortened ==
+    AllocNow /\ IsMamba /\ event'.args.extTokens > 0
+    /\ event'.args.offeredTokens > event'.args.extTokens
+\* A Mamba state block in the tables of two requests (a prefix cache hit).
+ReachMambaStateShared ==
+    IsMamba /\ \E r1, r2 \in Req :
+        r1 # r2 /\ Real(table'[r1]["mamba"]) \cap Real(table'[r2]["mamba"]) # {}
 WitnessHeld == [][~ReachHeld]_vars
 WitnessPreemptOther == [][~ReachPreemptOther]_vars
 WitnessEviction == [][~ReachEviction]_vars
@@ -142,4 +172,6 @@ WitnessSharedInvalid == [][~ReachSharedInvalid]_vars
 WitnessFailAfterAbort == [][~ReachFailAfterAbort]_vars
 WitnessRefused == [][~ReachRefused]_vars
 WitnessFreeWaiting == [][~ReachFreeWaiting]_vars
+WitnessMambaShortened == [][~ReachMambaShortened]_vars
+WitnessMambaStateShared == [][~ReachMambaStateShared]_vars
 =============================================================================

@@ -159,6 +159,7 @@ def test_exhaustive_series_models_are_big_enough():
         "FreeWaiting", "EagleHit", "EagleSwaRun", "EagleChunkBack",
         "LatePreempt", "Discard", "FailRestart", "InPlace",
         "SlideInFlight", "MemoryPreempt", "Republish", "Marked", "RealPastWindow",
+        "MambaShortened", "MambaStateShared",
     }  # fmt: skip
 
 
@@ -167,6 +168,39 @@ def test_passing_series_models_check_every_safety_property_they_claim():
         cfg = spec_cfg.read_cfg(MODELS[name].path)
         assert set(cfg.invariants) == set(SAFETY), name
         assert set(cfg.properties) == {"WindowBound", "ExactAdmission"}, name
+
+
+def test_mamba_properties_each_have_a_mutation():
+    """A Mamba group (Kind = "mamba"): its passing models check every safety
+    property with the recompute rule (ValidStateRead) and the table shape
+    (MambaTableShape), reach a shortened load, a shared state block, a
+    failure past block 0 that starts over and a sharer of a failed block, and
+    a mutation of one of them breaks each property: ownership, the table
+    shape and the recompute rule."""
+    mamba = {n: m for n, m in MODELS.items() if constants(m).get("Kind") == '"mamba"'}
+    passing = [n for n, m in mamba.items() if m.result == "success"]
+    assert passing
+    for name in passing:
+        cfg = spec_cfg.read_cfg(MODELS[name].path)
+        assert "ValidStateRead" in cfg.invariants, name
+        assert "MambaTableShape" in cfg.properties, name
+        if "Liveness" not in cfg.properties:
+            assert set(cfg.invariants) == {*SAFETY, "ValidStateRead"}, name
+            assert set(cfg.properties) == {
+                "MambaTableShape",
+                "FailureStartsOver",
+                "ExactAdmission",
+            }, name
+    reached = {w for n in passing for w in MODELS[n].witnesses}
+    assert reached >= {
+        "MambaShortened", "MambaStateShared", "AsyncFailRestart",
+        "SyncFailRestart", "SharedInvalid",
+    }  # fmt: skip
+    caught = {
+        m.prop for n, m in mamba.items()
+        if n.startswith("mutations/") and m.result == "safety failure"
+    }  # fmt: skip
+    assert caught >= {"ExclusiveOwnership", "MambaTableShape", "ValidStateRead"}
 
 
 def test_each_fix_of_stage_03_bites():

@@ -268,6 +268,9 @@ class Replay:
         # A connector that uses HMA, with two KV cache groups (the model's
         # ConnectorHMA, TRUE where a behaviour does not name it).
         assert c.get("ConnectorHMA", True), "the replay drives two KV cache groups"
+        # A sliding window beside full attention (the model's Kind, "swa"
+        # where a behaviour does not name it): stage 03 has no Mamba group.
+        assert c.get("Kind", "swa") == "swa", "the replay drives a sliding window"
         self.B, self.N = c["B"], c["N"]
         groups = [
             KVCacheGroupSpec(["full"], FullAttentionSpec(self.B, 1, 1, torch.float32)),
