@@ -1261,7 +1261,7 @@ WindowBound ==
 
 \* A Mamba group ([09.1 Mamba groups with KV connectors] with the skip rule
 \* of [01.1 Count blocks to allocate] and the null padding of
-\* [03.13 Allocate only the external blocks]), an action property:
+\* [03.3 Allocate only the external blocks]), an action property:
 \* right after allocate_slots gave a request c tokens computed before the
 \* step (a prefix cache hit and external tokens), c ends on a block
 \* boundary and the request's Mamba table holds the state after token c-1
