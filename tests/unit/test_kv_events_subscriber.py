@@ -13,6 +13,7 @@ from hmastack_testkit.kv_events import (
     BlockStored,
     Index,
     KVEventBatch,
+    decode_batch,
     needed_blocks,
 )
 
@@ -243,3 +244,10 @@ def test_a_tier_hit_of_the_whole_prompt_reports_all_but_the_last_token():
     index = index_of(events + [cpu(events[0])] + [AllBlocksCleared()])
     assert index.predict(tokens) == 0
     assert index.predict_tier(tokens) == 19
+
+
+def test_decode_batch_takes_the_encoding_or_the_batch():
+    batch = KVEventBatch(ts=1.0, events=[sliding(0, 1)])
+    payload = msgspec.msgpack.encode(batch)
+    assert decode_batch(payload) == batch
+    assert decode_batch(batch) == batch

@@ -34,6 +34,11 @@ call:
 - :meth:`Index.predict_tier`: the hit of a request that a KV connector's tier
   (``CPU``) extends beyond the local hit, as the scheduler reports it.
 
+Both take the prompt's tokens, and optionally its block hashes per block size
+in the events' format (vLLM's ``maybe_convert_block_hash`` of
+``Request.block_hashes``); :func:`decode_batch` turns a batch the scheduler
+publishes into the events an :class:`Index` applies.
+
 ``by_group=False`` and ``eagle_aware=False`` are the negative controls: a
 subscriber that ignores the group, or ``use_eagle``.
 
@@ -91,6 +96,16 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+
+
+def decode_batch(batch) -> KVEventBatch:
+    """A batch as a subscriber receives it: ``batch`` (vLLM's ``KVEventBatch``,
+    as a scheduler hands it to its publisher, or its msgpack bytes) encoded as
+    the publisher encodes it and decoded into this module's structs. A check
+    that collects the scheduler's batches in-process feeds an :class:`Index`
+    with ``decode_batch(batch).events``."""
+    payload = batch if isinstance(batch, bytes) else msgspec.msgpack.encode(batch)
+    return DECODER.decode(payload)
 
 
 def needed_blocks(
