@@ -96,8 +96,16 @@ ENGINES = {
         # KV cache events; a pool of ~4 requests of the stream (up to 16
         # blocks each with HMA off), so that it evicts
         Engine("kv-events", pool_layer_blocks=6 * 64, kv_events=True),
-        # the same with OffloadingConnector: its CPU tier publishes events too
-        Engine("kv-events-offload", pool_layer_blocks=6 * 64, kv_events=True),
+        # the same with OffloadingConnector, whose CPU tier publishes events
+        # too: a pool and a CPU tier of a few requests each (up to ~30 blocks
+        # of all groups on Gemma-3-like), so that both evict between the
+        # resets of the local prefix cache
+        Engine(
+            "kv-events-offload",
+            pool_layer_blocks=6 * 20,
+            kv_events=True,
+            num_cpu_blocks=64,
+        ),
         # OffloadingConnector's store race (Gemma-3-like, HMA on: six KV cache
         # groups of one layer): a 1064-token prefill takes 67 blocks per group,
         # 402 of the 411 the pool has; its stores read their blocks two steps

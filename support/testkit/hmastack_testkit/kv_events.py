@@ -212,6 +212,7 @@ class Index:
         self.children: dict[int, dict[tuple, ExternalBlockHash]] = {}
         self.num_events = 0
         self.num_removed = 0  # blocks removed (evicted), every medium
+        self.removed_by_medium: dict[str, int] = {}
 
     def _group(self, event: BlockStored | BlockRemoved, block_size: int | None):
         key = event.group_idx if self.by_group and event.group_idx is not None else 0
@@ -254,6 +255,9 @@ class Index:
             group = self._group(event, None)
             group.holds(medium).difference_update(event.block_hashes)
             self.num_removed += len(event.block_hashes)
+            self.removed_by_medium[medium] = self.removed_by_medium.get(
+                medium, 0
+            ) + len(event.block_hashes)
 
     def block_hashes(self, tokens: list[int], block_size: int) -> list:
         """The hashes of the prompt's full blocks the index has seen, from the

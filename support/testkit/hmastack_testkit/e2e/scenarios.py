@@ -445,6 +445,8 @@ KV_EVENTS_OFFLOAD_REQUESTS = 36
 def _kv_events_offload_stream(s: Session, c: bool, obs: Observation):
     import random
 
+    from hmastack_testkit.kv_events import MEDIUM_CPU
+
     rng = random.Random(33)
     families = [_p(330 + i, 96 + 16 * i) for i in range(6)]
     sub = s.kv_events if c else None
@@ -457,6 +459,7 @@ def _kv_events_offload_stream(s: Session, c: bool, obs: Observation):
         _drain_events(s)
         counts["events"] -= sub.indexes[True].num_events
         counts["removed"] = -sub.indexes[True].num_removed
+        counts["cpu_removed"] = -sub.indexes[True].removed_by_medium.get(MEDIUM_CPU, 0)
     for i in range(KV_EVENTS_OFFLOAD_REQUESTS):
         if i % 6 == 5:
             _offload_reset(s)
@@ -482,6 +485,7 @@ def _kv_events_offload_stream(s: Session, c: bool, obs: Observation):
         _drain_events(s)
         counts["events"] += sub.indexes[True].num_events
         counts["removed"] += sub.indexes[True].num_removed
+        counts["cpu_removed"] += sub.indexes[True].removed_by_medium.get(MEDIUM_CPU, 0)
         counts["batches"] = sub.num_batches
         counts["sequence_gaps"] = sub.gaps
         obs.kv_events = counts
