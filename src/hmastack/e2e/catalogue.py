@@ -97,14 +97,15 @@ ENGINES = {
         # blocks each with HMA off), so that it evicts
         Engine("kv-events", pool_layer_blocks=6 * 64, kv_events=True),
         # the same with OffloadingConnector, whose CPU tier publishes events
-        # too: a pool and a CPU tier of a few requests each (up to ~30 blocks
-        # of all groups on Gemma-3-like), so that both evict between the
-        # resets of the local prefix cache
+        # too: a pool of a few requests (up to ~30 blocks of all groups each
+        # on Gemma-3-like) that evicts between the resets of the local prefix
+        # cache, and a CPU tier of about six, which serves the requests after
+        # a reset and evicts over the stream
         Engine(
             "kv-events-offload",
             pool_layer_blocks=6 * 20,
             kv_events=True,
-            num_cpu_blocks=64,
+            num_cpu_blocks=160,
         ),
         # OffloadingConnector's store race (Gemma-3-like, HMA on: six KV cache
         # groups of one layer): a 1064-token prefill takes 67 blocks per group,
