@@ -47,6 +47,7 @@ from hmastack_testkit.kvtest import (
     make_scheduler,
 )
 from vllm.config import KVEventsConfig, KVTransferConfig, SpeculativeConfig
+from vllm.distributed.kv_events import KVEventBatch
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
@@ -128,17 +129,36 @@ class Router:
             )
         self.next_id = 0
         self.records: list[tuple[int, dict]] = []  # (reported, predictions)
+        self.published = 0  # batches the publisher numbered (0, 1, ...)
+        publisher = self.scheduler.kv_event_publisher
+        publish = publisher.publish
+
+        def counted(batch) -> None:
+            self.published += 1
+            publish(batch)
+
+        publisher.publish = counted
+        # A PUB socket drops what it sends before its connection is up: empty
+        # batches until the subscriber receives one.
+        deadline = time.monotonic() + 30.0
+        while self.subscriber.next_seq is None:
+            assert time.monotonic() < deadline, "the subscriber receives nothing"
+            publisher.publish(KVEventBatch(ts=time.time(), events=[]))
+            self.subscriber.drain(quiet_ms=50)
 
     def close(self) -> None:
         self.scheduler.shutdown()
         self.subscriber.close()
 
     def drain(self) -> None:
-        publisher = self.scheduler.kv_event_publisher
+        """Receive every batch published so far (the sequence numbers say
+        which the subscriber has)."""
         deadline = time.monotonic() + 30.0
-        while not publisher._event_queue.empty() and time.monotonic() < deadline:
-            time.sleep(0.005)
-        self.subscriber.drain(quiet_ms=50)
+        while self.subscriber.next_seq != self.published:
+            assert time.monotonic() < deadline, (
+                f"received up to {self.subscriber.next_seq} of {self.published}"
+            )
+            self.subscriber.drain(quiet_ms=20)
 
     def step(self) -> None:
         scheduler = self.scheduler
