@@ -246,6 +246,20 @@ def test_a_tier_hit_of_the_whole_prompt_reports_all_but_the_last_token():
     assert index.predict_tier(tokens) == 19
 
 
+@pytest.mark.parametrize(("use_eagle", "control"), [(False, 20), (True, 16)])
+def test_a_tier_hit_with_eagle_needs_no_block_after_it(use_eagle, control):
+    """The CPU tier holds blocks 0..4 of the 22-token prompt, the local prefix
+    cache nothing: the connector loads 20 tokens, with eagle too (its table
+    starts earlier, at block 0 either way). The engine's own eagle rule
+    applied to the tier (``engine_rule``) needs block 5 after a hit of 20 and
+    claims 16, a block less; without eagle it is the same rule."""
+    gpu_full = stored(FULL, 0, 4, "full_attention", use_eagle=use_eagle)
+    index = index_of([gpu_full, cpu(gpu_full), AllBlocksCleared()])
+    assert index.groups[FULL].use_eagle is use_eagle
+    assert index.predict_tier(TOKENS) == 20
+    assert index.predict_tier(TOKENS, engine_rule=True) == control
+
+
 def test_decode_batch_takes_the_encoding_or_the_batch():
     batch = KVEventBatch(ts=1.0, events=[sliding(0, 1)])
     payload = msgspec.msgpack.encode(batch)

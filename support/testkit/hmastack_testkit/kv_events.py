@@ -142,7 +142,9 @@ class Group:
     block_size: int
     window: int | None = None  # sliding window, in tokens
     chunk: int | None = None  # chunked local attention, in tokens
-    use_eagle: bool = False  # a hit needs the block after it
+    # the engine runs eagle: its own hit needs the block after it (the hit
+    # of a KV connector's tier does not: Index.predict_tier)
+    use_eagle: bool = False
     # medium -> hashes stored and not removed
     resident: dict[str, set] = field(default_factory=dict)
 
@@ -304,6 +306,7 @@ class Index:
         tokens: list[int],
         tier: str = MEDIUM_CPU,
         hashes: dict[int, list] | None = None,
+        engine_rule: bool = False,
     ) -> int:
         """The computed tokens the scheduler reports for a prompt when a KV
         connector loads from ``tier`` what it holds after the local prefix
@@ -319,7 +322,12 @@ class Index:
         ``min(L, len - 1)``; with eagle, of the last block boundary before
         them), and offers at least one block. The scheduler computes the
         last token again when L is the whole prompt: it reports
-        ``min(L, len - 1)``, or L0 with no tier hit."""
+        ``min(L, len - 1)``, or L0 with no tier hit.
+
+        ``engine_rule=True`` is the negative control with eagle: the rule of
+        the engine's own hit (:func:`needed_blocks` with the block after the
+        hit, below the last token) applied to the tier, which claims a block
+        less than the connector loads."""
         groups, hashes = self._hashes(tokens, hashes)
         local = longest_hit(
             groups,
@@ -330,16 +338,16 @@ class Index:
             return local
         step = math.lcm(*(g.block_size for g in groups))
         eagle = any(g.use_eagle for g in groups)
+        control = engine_rule and eagle
 
         def loadable(num_tokens: int) -> bool:
             table_start = min(num_tokens, len(tokens) - 1)
-            if eagle:
+            if eagle and not control:
                 table_start = (table_start - 1) // step * step
             for g in groups:
-                first = g.needed_blocks(table_start, use_eagle=False).start
-                blocks = range(
-                    max(local // g.block_size, first), num_tokens // g.block_size
-                )
+                needed = g.needed_blocks(table_start, use_eagle=control)
+                stop = needed.stop if control else num_tokens // g.block_size
+                blocks = range(max(local // g.block_size, needed.start), stop)
                 group_hashes = hashes[g.block_size]
                 if blocks.stop > len(group_hashes):
                     return False
@@ -348,7 +356,11 @@ class Index:
                     return False
             return True
 
-        for num_tokens in range(len(tokens) // step * step, local, -step):
+        last = len(tokens) // step * step
+        if control:
+            # the block after the hit ends at or before the last token
+            last = (len(tokens) - 1) // step * step - step
+        for num_tokens in range(last, local, -step):
             if num_tokens - local >= step and loadable(num_tokens):
                 return min(num_tokens, len(tokens) - 1)
         return local
