@@ -65,6 +65,9 @@ LAYOUTS = {
 # Shared prompt prefixes: a request takes one, cut, plus tokens of its own.
 PREFIXES = [[1000 + 7 * i + p for i in range(n)] for p, n in enumerate((70, 165, 300))]
 EAGLE_CONTROL = "without_eagle"
+# The control of the CPU tier with eagle: the engine's own eagle rule (a hit
+# needs the block after it) applied to the tier's events.
+TIER_CONTROL = "tier_engine_rule"
 
 
 class Router:
@@ -216,6 +219,10 @@ class Router:
             for key, index in self.subscriber.indexes.items()
         }
         predictions["local"] = self.subscriber.indexes[True].predict(tokens)
+        if tier:
+            predictions[TIER_CONTROL] = self.subscriber.indexes[True].predict_tier(
+                tokens, engine_rule=True
+            )
         request = make_request(f"r{self.next_id}", tokens, BLOCK_SIZE, max_tokens=3)
         self.next_id += 1
         self.scheduler.add_request(request)
@@ -295,21 +302,27 @@ def test_router_predicts_every_hit(router_factory, layout: str, use_eagle: bool)
         assert control == counts
 
 
-@pytest.mark.parametrize("layout", ["gemma3_like", "gpt_oss_like"])
+@pytest.mark.parametrize("use_eagle", [False, True])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_router_predicts_every_hit_with_offloading_connector(
-    router_factory, layout: str
+    router_factory, layout: str, use_eagle: bool
 ):
-    """OffloadingConnector's CPU tier: its events name block hashes the
-    engine published in the same group; the index of the GPU and CPU events
-    predicts every hit, the local prefix cache emptied every sixth request."""
+    """OffloadingConnector's CPU tier, with and without eagle, every layout:
+    its events name block hashes the engine published in the same group and
+    say ``use_eagle`` as the engine's do; the index of the GPU and CPU events
+    predicts every hit, the local prefix cache emptied every sixth request.
+    With eagle, the engine's own rule (the block after the hit) applied to
+    the CPU tier mispredicts: a hit the connector loads needs no such
+    block."""
     kinds = LAYOUTS[layout]
-    router = router_factory(kinds, 1 + 30 * len(kinds), False, offloading=True)
+    router = router_factory(kinds, 1 + 30 * len(kinds), use_eagle, offloading=True)
     published: dict[tuple[str, int | None], set] = {}
 
     def check(event) -> None:
         if isinstance(event, (BlockStored, BlockRemoved)):
             assert event.group_idx is not None
             assert event.kv_cache_spec_kind is not None
+            assert event.use_eagle is use_eagle
             key = (event.medium, event.group_idx)
             if isinstance(event, BlockStored):
                 if event.medium == MEDIUM_CPU:
@@ -331,6 +344,7 @@ def test_router_predicts_every_hit_with_offloading_connector(
     print(layout, counts, {k: len(v) for k, v in published.items()})
     cpu_groups = {g for medium, g in published if medium == MEDIUM_CPU}
     assert cpu_groups == set(range(len(kinds)))
+    assert router.subscriber.gaps == 0
     assert counts["hits"] >= 8, counts
     assert counts["tier hits"] >= 4, counts
     assert counts["mispredicted"] == 0, [
@@ -338,3 +352,8 @@ def test_router_predicts_every_hit_with_offloading_connector(
         for i, (reported, p) in enumerate(router.records)
         if reported != p[True]
     ]
+    control = router.count(TIER_CONTROL)
+    if use_eagle:
+        assert control["mispredicted"] > 0, control
+    else:
+        assert control == counts
