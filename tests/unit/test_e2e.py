@@ -608,6 +608,35 @@ def test_kv_events_check_needs_the_stream_and_the_groups():
     assert s.listed and cat.runs_at(s, BASE)
 
 
+def test_kv_events_check_with_the_cpu_tier_needs_its_evictions_and_hits():
+    """kv-events-offload-router also needs the CPU tier to have evicted (its
+    BlockRemoved events) and served hits the local prefix cache did not."""
+    s = next(x for x in cat.SCENARIOS if x.name == "kv-events-offload-router")
+    ref = _run([_req("r0", [5, 7], LP)])
+    events = {
+        "requests": 36,
+        "mispredictions": 0,
+        "tier_hits": 21,
+        "events": 609,
+        "removed": 300,
+        "cpu_removed": 120,
+        "sequence_gaps": 0,
+    }
+
+    def judge(**changed):
+        obs = {"kv_events": {**events, **changed}}
+        run = _run([_req("r0", [5, 7], LP, 32, 32)], observation=obs)
+        run["groups"] = ["SlidingWindowSpec(32)", "FullAttentionSpec"]
+        return compare.judge(s, ATS[-1], True, "offload", run, ref, s.name, s.title)
+
+    assert judge().passed
+    assert not judge(cpu_removed=0).passed
+    assert not judge(tier_hits=0).passed
+    # Only the stages that list it run it: not the base, whose CPU tier's
+    # events carry the manager's keys.
+    assert s.listed and not cat.runs_at(s, BASE) and cat.runs_at(s, ATS[-1])
+
+
 def test_offloading_checks_and_plans():
     """OffloadingConnector: the first run stored every group's blocks, the
     served-again request is window-bounded, the hold kept blocks; a store that

@@ -1,6 +1,6 @@
 """The reference subscriber's index (support/testkit: hmastack_testkit.kv_events):
-the subscriber's rule on the README's example, decoded from msgpack as the
-publisher encodes it."""
+the subscriber's rule on the README's example, with eagle, and a KV connector's
+CPU tier, decoded from msgpack as the publisher encodes it."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from hmastack_testkit.kv_events import (
     BlockStored,
     Index,
     KVEventBatch,
+    decode_batch,
+    needed_blocks,
 )
 
 B = 4
@@ -123,3 +125,143 @@ def test_events_without_the_group_fields_are_one_full_attention_group():
 def test_all_blocks_cleared_empties_every_group():
     events = [stored(FULL, 0, 4, "full_attention"), sliding(0, 4), AllBlocksCleared()]
     assert index_of(events).predict(TOKENS) == 0
+
+
+# --- eagle: a hit needs the block after it in every group ---------------------
+
+
+def eagle(event):
+    return msgspec.structs.replace(event, use_eagle=True)
+
+
+def test_with_eagle_a_hit_needs_the_block_after_it():
+    """The README's layout with eagle: the sliding group holds blocks 2, 3, 4.
+    A hit of 20 tokens would need block 5 (tokens 20..23, past the last token
+    21); one of 16 needs blocks 0..4 in the full group and the window of token
+    16 (blocks 2, 3) and block 4 in the sliding group: 16. A subscriber that
+    ignores use_eagle claims 20."""
+    events = [eagle(stored(FULL, 0, 4, "full_attention")), eagle(sliding(2, 4))]
+    assert index_of(events).predict(TOKENS) == 16
+    unaware = Index(eagle_aware=False)
+    for event in DECODER.decode(
+        msgspec.msgpack.encode(KVEventBatch(ts=0.0, events=events))
+    ).events:
+        unaware.apply(event)
+    assert unaware.predict(TOKENS) == 20
+    # Without eagle the same blocks serve 20 tokens (window of 20: 3, 4).
+    assert (
+        index_of([stored(FULL, 0, 4, "full_attention"), sliding(2, 4)]).predict(TOKENS)
+        == 20
+    )
+
+
+def test_with_eagle_the_block_after_the_hit_must_be_held():
+    """Full attention with eagle, a 30-token prompt (7 full blocks, the last
+    token in block 7): with blocks 0..4 held the hit is 16 (block 4 after
+    it); with blocks 0..6 held, 24 (block 6 after it, ending at token 27)."""
+    tokens = list(range(100, 130))
+    hashes = [1000 + i for i in range(7)]
+
+    def full_blocks(last: int) -> BlockStored:
+        return BlockStored(
+            block_hashes=hashes[: last + 1],
+            parent_block_hash=None,
+            token_ids=tokens[: (last + 1) * B],
+            block_size=B,
+            lora_id=None,
+            medium="GPU",
+            group_idx=FULL,
+            kv_cache_spec_kind="full_attention",
+            use_eagle=True,
+        )
+
+    assert index_of([full_blocks(4)]).predict(tokens) == 16
+    assert index_of([full_blocks(6)]).predict(tokens) == 24
+
+
+def test_needed_blocks_of_each_kind():
+    assert needed_blocks("full_attention", 4, 16) == range(0, 4)
+    assert needed_blocks("full_attention", 4, 16, use_eagle=True) == range(0, 5)
+    # window 8 reads tokens 9..16 for token 16: blocks 2, 3
+    assert needed_blocks("sliding_window", 4, 16, window=8) == range(2, 4)
+    assert needed_blocks("sliding_window", 4, 16, window=8, use_eagle=True) == range(
+        2, 5
+    )
+    # chunk 16: a hit of 16 is a chunk boundary; with eagle block 4 only
+    assert needed_blocks("chunked_local_attention", 4, 16, chunk=16) == range(4, 4)
+    assert needed_blocks(
+        "chunked_local_attention", 4, 16, chunk=16, use_eagle=True
+    ) == range(4, 5)
+    assert needed_blocks("chunked_local_attention", 4, 20, chunk=16) == range(4, 5)
+
+
+# --- media: the engine's GPU blocks and a KV connector's CPU tier --------------
+
+
+def cpu(event):
+    return msgspec.structs.replace(
+        event, medium="CPU", parent_block_hash=None, token_ids=[]
+    )
+
+
+def test_a_tier_s_blocks_are_not_the_engine_s_prefix_cache():
+    """Blocks only the CPU tier holds are no local hit; AllBlocksCleared (the
+    engine's prefix cache reset) empties the GPU medium, not the tier."""
+    gpu_full = stored(FULL, 0, 4, "full_attention")
+    events = [gpu_full, cpu(gpu_full), AllBlocksCleared()]
+    index = index_of(events)
+    assert index.predict(TOKENS) == 0
+    assert index.predict(TOKENS, medium="CPU") == 20
+    assert index.groups[FULL].holds("CPU") == set(HASHES)
+
+
+@pytest.mark.parametrize(
+    ("cpu_sliding", "reported"), [((3, 4), 20), ((4,), 8), ((2, 3, 4), 20)]
+)
+def test_a_tier_extends_the_local_hit_by_what_it_can_load(cpu_sliding, reported):
+    """Local hit 8: the engine computed blocks 0..4 and evicted 2..4 in both
+    groups; the CPU tier holds blocks 2..4 of the full group and
+    `cpu_sliding` of the sliding group. A request of 20 computed tokens reads
+    the window of token 20 (blocks 3, 4) in the sliding group: the tier
+    extends the hit to 20 when it holds them, else (16 and 12 need block 2
+    there) not at all."""
+    events = [
+        stored(FULL, 0, 4, "full_attention"),
+        sliding(0, 4),
+        *(removed(FULL, b, "full_attention") for b in (2, 3, 4)),
+        *(sliding_removed(b) for b in (2, 3, 4)),
+        cpu(stored(FULL, 2, 4, "full_attention")),
+        *(cpu(sliding(b, b)) for b in cpu_sliding),
+    ]
+    index = index_of(events)
+    assert index.predict(TOKENS) == 8
+    assert index.predict_tier(TOKENS) == reported
+
+
+def test_a_tier_hit_of_the_whole_prompt_reports_all_but_the_last_token():
+    tokens = TOKENS[:20]  # 5 full blocks
+    events = [stored(FULL, 0, 4, "full_attention")]
+    index = index_of(events + [cpu(events[0])] + [AllBlocksCleared()])
+    assert index.predict(tokens) == 0
+    assert index.predict_tier(tokens) == 19
+
+
+@pytest.mark.parametrize(("use_eagle", "control"), [(False, 20), (True, 16)])
+def test_a_tier_hit_with_eagle_needs_no_block_after_it(use_eagle, control):
+    """The CPU tier holds blocks 0..4 of the 22-token prompt, the local prefix
+    cache nothing: the connector loads 20 tokens, with eagle too (its table
+    starts earlier, at block 0 either way). The engine's own eagle rule
+    applied to the tier (``engine_rule``) needs block 5 after a hit of 20 and
+    claims 16, a block less; without eagle it is the same rule."""
+    gpu_full = stored(FULL, 0, 4, "full_attention", use_eagle=use_eagle)
+    index = index_of([gpu_full, cpu(gpu_full), AllBlocksCleared()])
+    assert index.groups[FULL].use_eagle is use_eagle
+    assert index.predict_tier(TOKENS) == 20
+    assert index.predict_tier(TOKENS, engine_rule=True) == control
+
+
+def test_decode_batch_takes_the_encoding_or_the_batch():
+    batch = KVEventBatch(ts=1.0, events=[sliding(0, 1)])
+    payload = msgspec.msgpack.encode(batch)
+    assert decode_batch(payload) == batch
+    assert decode_batch(batch) == batch

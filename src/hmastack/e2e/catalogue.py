@@ -96,6 +96,17 @@ ENGINES = {
         # KV cache events; a pool of ~4 requests of the stream (up to 16
         # blocks each with HMA off), so that it evicts
         Engine("kv-events", pool_layer_blocks=6 * 64, kv_events=True),
+        # the same with OffloadingConnector, whose CPU tier publishes events
+        # too: a pool of a few requests (up to ~30 blocks of all groups each
+        # on Gemma-3-like) that evicts between the resets of the local prefix
+        # cache, and a CPU tier of about six, which serves the requests after
+        # a reset and evicts over the stream
+        Engine(
+            "kv-events-offload",
+            pool_layer_blocks=6 * 20,
+            kv_events=True,
+            num_cpu_blocks=160,
+        ),
         # OffloadingConnector's store race (Gemma-3-like, HMA on: six KV cache
         # groups of one layer): a 1064-token prefill takes 67 blocks per group,
         # 402 of the 411 the pool has; its stores read their blocks two steps
@@ -354,6 +365,36 @@ SCENARIOS: tuple[Scenario, ...] = (
         "KV cache events: a subscriber predicts every prefix cache hit "
         "(Llama-4-like, chunked local attention)",
         engine="kv-events",
+        model="llama4-chunk",
+        listed=True,
+        checks=("kv events",),
+    ),
+    Scenario(
+        "kv-events-offload-router",
+        "KV cache events of the GPU and of OffloadingConnector's CPU tier: a "
+        "subscriber predicts every hit, local or from the CPU tier (Gemma-3-like)",
+        engine="kv-events-offload",
+        connector="offload",
+        ci=True,
+        listed=True,
+        checks=("kv events",),
+    ),
+    Scenario(
+        "kv-events-offload-router",
+        "KV cache events of the GPU and the CPU tier: a subscriber predicts "
+        "every hit (gpt-oss-like: 1:1 sliding/full)",
+        engine="kv-events-offload",
+        connector="offload",
+        model="gemma-1to1",
+        listed=True,
+        checks=("kv events",),
+    ),
+    Scenario(
+        "kv-events-offload-router",
+        "KV cache events of the GPU and the CPU tier: a subscriber predicts "
+        "every hit (Llama-4-like, chunked local attention)",
+        engine="kv-events-offload",
+        connector="offload",
         model="llama4-chunk",
         listed=True,
         checks=("kv events",),

@@ -232,6 +232,14 @@ def judge(
             and ev.get("sequence_gaps") == 0
             and (len(v.groups) > 1) == hma
         )
+        if s.connector == "offload":
+            # The CPU tier evicted (its BlockRemoved were used) and served
+            # hits the local prefix cache did not.
+            v.checks["kv events"] = (
+                v.checks["kv events"]
+                and ev.get("cpu_removed", 0) > 0
+                and ev.get("tier_hits", 0) > 0
+            )
     if "producer freed" in s.checks:
         # The P/D producer's blocks are back in its pool after the consumer's read.
         held = (

@@ -430,6 +430,75 @@ def control_kv_events_without_group(s: Session, c: bool, obs: Observation):
     return _kv_events_stream(s, c, obs, by_group=False)
 
 
+# --- KV cache events of every medium: the stream of kv-events-router with
+# vLLM's OffloadingConnector (the testkit's CPU spec), whose CPU tier publishes
+# the blocks it stores and evicts. Every sixth request the local prefix cache
+# is emptied (after the stores finished), so that the CPU tier serves; the
+# engine publishes that with its next step, which a request sharing nothing
+# takes (not predicted). Before each other request the subscriber predicts
+# the cached tokens the engine then reports from the GPU and CPU events alone
+# (Index.predict_tier): the local hit, extended by what the CPU tier can load.
+
+KV_EVENTS_OFFLOAD_REQUESTS = 36
+
+
+def _kv_events_offload_stream(s: Session, c: bool, obs: Observation):
+    import random
+
+    from hmastack_testkit.kv_events import MEDIUM_CPU
+
+    rng = random.Random(33)
+    families = [_p(330 + i, 96 + 16 * i) for i in range(6)]
+    sub = s.kv_events if c else None
+    if c and sub is None:
+        raise RuntimeError("the engine publishes no KV cache events (kv-events)")
+    counts = {"requests": 0, "mispredictions": 0, "tier_hits": 0, "events": 0}
+    out = s.run([("warm-up", _p(998, 24), None, None)])
+    if sub is not None:
+        _settle(s)
+        _drain_events(s)
+        counts["events"] -= sub.indexes[True].num_events
+        counts["removed"] = -sub.indexes[True].num_removed
+        counts["cpu_removed"] = -sub.indexes[True].removed_by_medium.get(MEDIUM_CPU, 0)
+    for i in range(KV_EVENTS_OFFLOAD_REQUESTS):
+        if i % 6 == 5:
+            _offload_reset(s)
+            out += s.run([(f"reset{i}", _p(2000 + i, 24), None, None)], max_tokens=2)
+        family = families[rng.randrange(len(families))]
+        cut = rng.randrange(1, len(family) + 1)
+        tokens = family[:cut] + _p(1100 + i, rng.randrange(1, 40))
+        predicted = local = None
+        if sub is not None:
+            _settle(s)
+            _drain_events(s)
+            predicted = sub.indexes[True].predict_tier(tokens)
+            local = sub.indexes[True].predict(tokens)
+        (record,) = s.run([(f"r{i}", tokens, None, None)], max_tokens=2)
+        if predicted is not None:
+            record.expected_cached = predicted
+            counts["requests"] += 1
+            counts["mispredictions"] += predicted != record.num_cached_tokens
+            counts["tier_hits"] += record.num_cached_tokens > local
+        out.append(record)
+    if sub is not None:
+        _settle(s)
+        _drain_events(s)
+        counts["events"] += sub.indexes[True].num_events
+        counts["removed"] += sub.indexes[True].num_removed
+        counts["cpu_removed"] += sub.indexes[True].removed_by_medium.get(MEDIUM_CPU, 0)
+        counts["batches"] = sub.num_batches
+        counts["sequence_gaps"] = sub.gaps
+        obs.kv_events = counts
+    return out
+
+
+@scenario
+def kv_events_offload_router(s: Session, c: bool, obs: Observation):
+    """The subscriber keeps the GPU and the CPU tier's blocks per KV cache
+    group and predicts every hit, local or loaded from the CPU tier."""
+    return _kv_events_offload_stream(s, c, obs)
+
+
 # --- P/D with vLLM's NixlConnector: two engine processes, NIXL over UCX on
 # 127.0.0.1. The producer prefills with max_tokens=1 and hands its
 # kv_transfer_params (the blocks to read, its side channel) to the consumer
