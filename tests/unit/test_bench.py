@@ -732,6 +732,22 @@ def test_quick_with_the_full_count_settings_is_refused():
     assert bench.bench_plan(True, "quick") is bench.QUICK
 
 
+def test_count_settings_by_name_count_those_settings_alone():
+    """Settings named on the command line are counted (and timed) alone, in
+    the full set's order, the witness on the quick set's; a name of no setting
+    and names with --quick are refused."""
+    plan = bench.bench_plan(False, "longswa-hook-decode-1, full-connector-prefill-64")
+    names = ["full-connector-prefill-64", "longswa-hook-decode-1"]
+    assert [bench_cost.label(s) for s in plan["counts"]["settings"]] == names
+    assert [bench_cost.label(s) for s in plan["cost"]["settings"]] == names
+    assert plan["counts"]["witness_settings"] == bench_cost.WITNESS_QUICK
+    assert plan["counts"]["steps"] == bench.FULL["counts"]["steps"]
+    with pytest.raises(HmastackError, match="no setting is named full-x-decode-64"):
+        bench.bench_plan(False, "full-x-decode-64,longswa-hook-decode-1")
+    with pytest.raises(HmastackError, match="drop --quick"):
+        bench.bench_plan(True, "longswa-hook-decode-1")
+
+
 def _count_row(tree: str, ratio: float, mode: str = "prefill") -> dict:
     return {
         "tree": tree,
@@ -822,9 +838,7 @@ def test_each_expectation_is_a_setting_of_the_full_set():
     """Every ``[[bench.expected]]`` of the series names a setting of the full
     set, functions and a reason."""
     stages = series.discover(config_mod.load(ROOT))
-    settings = {
-        bench_cost.label(s).rpartition("-")[0] for s in bench_cost.ALL_SETTINGS
-    }
+    settings = {bench_cost.label(s).rpartition("-")[0] for s in bench_cost.ALL_SETTINGS}
     expected = [e for s in stages for e in s.info.bench.expected]
     assert expected
     for e in expected:
