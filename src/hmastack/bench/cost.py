@@ -88,15 +88,24 @@ LONG_SETTING = {
     "mode": "decode",
     "requests": 1,
 }
+# vLLM's OffloadingConnector (its worker side between the measured calls),
+# which stores every full block and holds the blocks its stores read: one
+# full-attention group decoding and prefilling, and the long request in a
+# sliding window (a store's bookkeeping that grew with the request shows).
+OFFLOAD_SETTINGS = [
+    {"layout": "full", "connector": "offload", "mode": mode, "requests": 64}
+    for mode in MODES
+] + [{"layout": "longswa", "connector": "offload", "mode": "decode", "requests": 1}]
 # The full set: the full-attention layout in every combination, the hybrid
 # layouts with external hits (the connector), where the series' paths run,
-# and the long request. 64 requests first: the witness settings are then the
-# first ones of a run.
+# OffloadingConnector, and the long request. 64 requests first: the witness
+# settings are then the first ones of a run.
 ALL_SETTINGS = sorted(
     settings(layouts=("full",))
-    + settings(layouts=("gemma3", "gptoss"), connectors=("connector",)),
+    + settings(layouts=("gemma3", "gptoss"), connectors=("connector",))
+    + OFFLOAD_SETTINGS[:-1],
     key=lambda s: s["requests"],
-) + [LONG_SETTING]
+) + [LONG_SETTING, OFFLOAD_SETTINGS[-1]]
 # The quick set: 64 requests; the plain full-attention case, the connector's
 # prefill path and both hybrid layouts with the connector (where the series'
 # code paths run).

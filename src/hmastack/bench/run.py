@@ -341,8 +341,9 @@ def bench_plan(
     "full"``, which the quick set cannot honour."""
     if quick and count_settings == "full":
         raise HmastackError(
-            "--count-settings full counts the full set's 17 settings, --quick "
-            "the quick set's 4",
+            f"--count-settings full counts the full set's "
+            f"{len(bench_cost.ALL_SETTINGS)} settings, --quick the quick set's "
+            f"{len(bench_cost.QUICK_SETTINGS)}",
             "drop --quick (and add --no-commits to leave out the per-commit trees)",
         )
     plan = QUICK if quick else FULL
