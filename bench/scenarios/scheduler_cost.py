@@ -23,14 +23,21 @@ A setting is (layout, connector, mode, requests):
   loaded synchronously and records nothing but its calls (``track_blocks``
   off); ``hook``: the same with a ``request_blocks_freed``
   hook that holds nothing (``HoldingScriptedConnector``, whose stores read no
-  block).
+  block); ``offload``: vLLM's ``OffloadingConnector`` (its LRU manager over a
+  CPU backend, ``hmastack_testkit.offloading.NoCopyOffloadingSpec``) with its
+  worker side run between the measured calls, whose transfers finish at the
+  next step and move no data: it stores every full block, is told of the
+  finished stores and holds the blocks its stores read. The hybrid KV cache
+  manager is then vLLM's decision (off on vLLM 0.13.0, whose
+  OffloadingConnector does not support it): layouts of one KV cache group
+  only, where it changes no block table.
 * mode ``decode``: prompts admitted during the warm-up, then every step decodes
   one token for each request; ``prefill``: ``max_tokens=1``, every finished
   request is replaced by a fresh one between steps (outside the measured calls),
   so every step fills its token budget with (chunked) prefill.
 
-HMA is on in every setting (``disable_hybrid_kv_cache_manager=False``, as
-``--no-disable-hybrid-kv-cache-manager`` sets it; 0.13.0 allows it for a
+HMA is on in every other setting (``disable_hybrid_kv_cache_manager=False``,
+as ``--no-disable-hybrid-kv-cache-manager`` sets it; 0.13.0 allows it for a
 connector that subclasses ``SupportsHMA``), so every tree runs the same KV cache
 groups. Prefix caching on, prompts distinct.
 
@@ -54,6 +61,8 @@ HIT_FRACTION = 0.75
 CONNECTOR_MODULE = "hmastack_testkit.scripted_connector"
 CONNECTOR = "ScriptedConnector"
 HOOK_CONNECTOR = "HoldingScriptedConnector"
+OFFLOAD_SPEC_MODULE = "hmastack_testkit.offloading"
+OFFLOAD_SPEC = "NoCopyOffloadingSpec"
 SMALL = {"layout": "gemma3", "connector": "connector", "mode": "prefill"}
 
 # Per layout: KV cache group kinds, the window (tokens) and prompt lengths.
@@ -109,10 +118,12 @@ def cost_scheduler(
     max_model_len: int,
     num_blocks: int,
     connector: str = CONNECTOR,
+    offload: bool = False,
 ):
     """A ``Scheduler`` of this tree for ``layout`` (HMA on), with the scripted
-    ``connector`` when ``hit_tokens`` is not None. The model is a hub config
-    only (offline cache; no weights, no tokenizer)."""
+    ``connector`` when ``hit_tokens`` is not None, or OffloadingConnector with
+    ``offload`` (HMA then as vLLM decides). The model is a hub config only
+    (offline cache; no weights, no tokenizer)."""
     from hmastack_testkit.kv_layouts import make_scheduler
     from vllm.config import (
         CacheConfig,
@@ -134,7 +145,7 @@ def cost_scheduler(
         max_model_len=max_model_len,
         enable_chunked_prefill=True,
         is_encoder_decoder=False,
-        disable_hybrid_kv_cache_manager=False,
+        disable_hybrid_kv_cache_manager=None if offload else False,
     )
     cache_config = CacheConfig(
         block_size=BLOCK,
@@ -156,6 +167,17 @@ def cost_scheduler(
                 "track_blocks": False,
             },
         )
+    if offload:
+        kv_transfer_config = KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={
+                "spec_name": OFFLOAD_SPEC,
+                "spec_module_path": OFFLOAD_SPEC_MODULE,
+                "num_cpu_blocks": num_blocks,
+                "eviction_policy": "lru",
+            },
+        )
     vllm_config = VllmConfig(
         scheduler_config=scheduler_config,
         model_config=model_config,
@@ -169,7 +191,26 @@ def cost_scheduler(
     sched = make_scheduler(vllm_config, kv_cache_config, log_stats=True)
     if hit_tokens is not None:
         assert type(sched.connector).__name__ == connector, type(sched.connector)
+    if offload:
+        assert type(sched.connector).__name__ == "OffloadingConnector"
     return sched
+
+
+def offloading_worker(sched):
+    """The worker side of the scheduler's OffloadingConnector (no KV cache
+    tensor: its transfers move no data)."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+        OffloadingConnector,
+    )
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+
+    worker = OffloadingConnector(
+        sched.vllm_config, KVConnectorRole.WORKER, sched.kv_cache_config
+    )
+    worker.register_cross_layers_kv_cache(torch.empty(0), FlashAttentionBackend)
+    return worker
 
 
 def requests(count: int, prompt: int, max_tokens: int, first_id: int = 0):
@@ -201,9 +242,12 @@ class Workload:
     """One setting: the scheduler, its pool of requests and the fake runner."""
 
     def __init__(self, setting: dict, steps: int):
-        from vllm.v1.outputs import ModelRunnerOutput
+        from vllm.forward_context import ForwardContext
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         self._mro = ModelRunnerOutput
+        self._kv_output = KVConnectorOutput
+        self._forward_context = ForwardContext({}, {}, 0)
         self.setting = setting
         layout, mode = setting["layout"], setting["mode"]
         n = setting["requests"]
@@ -234,7 +278,11 @@ class Workload:
             max_model_len=prompt + DECODE_STEPS_AHEAD + BLOCK,
             num_blocks=groups * n * blocks_per_req + 16,
             connector=HOOK_CONNECTOR if setting["connector"] == "hook" else CONNECTOR,
+            offload=setting["connector"] == "offload",
         )
+        self.worker = None
+        if setting["connector"] == "offload":
+            self.worker = offloading_worker(self.sched)
         self.pool = requests(pool_size, prompt, max_tokens)
         self.pool.reverse()
         self.work = {"scheduled_tokens": 0, "finished": 0, "running_sum": 0}
@@ -260,12 +308,26 @@ class Workload:
             logprobs=None,
             prompt_logprobs_dict={},
             pooler_output=[],
+            kv_connector_output=self.run_worker(out),
         )
         meter.call(sched.update_from_output, out, mro)
         self.work["scheduled_tokens"] += out.total_num_scheduled_tokens
         self.work["finished"] += len(out.finished_req_ids)
         self.work["running_sum"] += len(ids)
         self.top_up()
+
+    def run_worker(self, out):
+        """The worker side of OffloadingConnector for the step (between the
+        measured calls): its loads and stores, and what finished."""
+        if self.worker is None:
+            return None
+        worker = self.worker
+        worker.bind_connector_metadata(out.kv_connector_metadata)
+        worker.start_load_kv(self._forward_context)
+        worker.wait_for_save()
+        sending, recving = worker.get_finished(out.finished_req_ids)
+        worker.clear_connector_metadata()
+        return self._kv_output(finished_sending=sending, finished_recving=recving)
 
     def run(self, meter: _meters.Meter, steps: int, label: str) -> dict:
         self.top_up()
@@ -293,7 +355,7 @@ class Workload:
             "hma": not sched_config.disable_hybrid_kv_cache_manager,
             **figures,
         }
-        if self.sched.connector is not None:
+        if self.sched.connector is not None and self.worker is None:
             row["connector_calls"] = dict(self.sched.connector.calls)
         return row
 

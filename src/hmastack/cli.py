@@ -23,6 +23,7 @@ from types import ModuleType
 from rich.markup import escape
 
 from hmastack import __version__, e2e, pipeline
+from hmastack.bench import cost as bench_cost
 from hmastack.bench import run as bench
 from hmastack.conform import run as conform
 from hmastack.core import config
@@ -549,9 +550,12 @@ def add_bench_parser(subparsers: Subparsers) -> None:
     )
     parser.add_argument(
         "--count-settings",
-        choices=("quick", "full"),
+        metavar="quick|full|NAMES",
         help="the instruction counts' settings without --quick: the quick "
-        "set's 4 on the full set's trees (quick), or all 16 (full, the default)",
+        f"set's {len(bench_cost.QUICK_SETTINGS)} on the full set's trees "
+        f"(quick), all {len(bench_cost.ALL_SETTINGS)} (full, the default), or "
+        "the settings of the full set named, comma-separated, as the rows name "
+        "them (e.g. full-connector-prefill-64,longswa-hook-decode-1)",
     )
     parser.add_argument(
         "--no-commits",

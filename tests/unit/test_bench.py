@@ -533,6 +533,8 @@ def test_the_page_opens_with_headline_and_plots_then_method(project):
                     "calls": 1,
                 }
             ],
+            "expected functions": ["vllm/v1/core/kv_cache_manager.py:KVCacheManager.f"],
+            "why": "It reads what it must.",
             "c_functions": [
                 {
                     "function": "_PyEval_EvalFrameDefault [libpython3.11.so.1.0]",
@@ -581,6 +583,7 @@ def test_the_page_opens_with_headline_and_plots_then_method(project):
     assert "quick set" in headline and "300 s" in headline
     assert "`vllm/v1/core/kv_cache_manager.py:KVCacheManager.f`" in page
     assert "`_PyEval_EvalFrameDefault [libpython3.11.so.1.0]`" in page
+    assert "**Expected**: It reads what it must." in page
 
 
 def _eagle_row(case: str, **kw) -> dict:
@@ -729,6 +732,22 @@ def test_quick_with_the_full_count_settings_is_refused():
     assert bench.bench_plan(True, "quick") is bench.QUICK
 
 
+def test_count_settings_by_name_count_those_settings_alone():
+    """Settings named on the command line are counted (and timed) alone, in
+    the full set's order, the witness on the quick set's; a name of no setting
+    and names with --quick are refused."""
+    plan = bench.bench_plan(False, "longswa-hook-decode-1, full-connector-prefill-64")
+    names = ["full-connector-prefill-64", "longswa-hook-decode-1"]
+    assert [bench_cost.label(s) for s in plan["counts"]["settings"]] == names
+    assert [bench_cost.label(s) for s in plan["cost"]["settings"]] == names
+    assert plan["counts"]["witness_settings"] == bench_cost.WITNESS_QUICK
+    assert plan["counts"]["steps"] == bench.FULL["counts"]["steps"]
+    with pytest.raises(HmastackError, match="no setting is named full-x-decode-64"):
+        bench.bench_plan(False, "full-x-decode-64,longswa-hook-decode-1")
+    with pytest.raises(HmastackError, match="drop --quick"):
+        bench.bench_plan(True, "longswa-hook-decode-1")
+
+
 def _count_row(tree: str, ratio: float, mode: str = "prefill") -> dict:
     return {
         "tree": tree,
@@ -772,6 +791,59 @@ def test_a_stage_above_the_base_without_a_named_function_fails_the_counts():
     assert len(figures.count_failed(report)) == 1
     report["profiles"][0]["python_functions"] = [{"function": "vllm/v1/core/y.py:g"}]
     assert figures.count_failed(report) == []
+
+
+def test_an_expectation_the_profile_does_not_show_fails_the_counts(project):
+    """A stage's expectation of a setting explains the profiles of that stage
+    and the stages after it (not the base, earlier stages, commit prefixes or
+    the peer); a later stage's expectation of the setting replaces it; one
+    whose functions the profile does not show fails the command."""
+    expected = (
+        TAG + '[[bench.expected]]\nsetting = "full-none-prefill"\n'
+        'functions = ["vllm/v1/core/x.py:f", "vllm/v1/core/x.py:h"]\n'
+        'why = "Because."\n'
+    )
+    # The project's stages 01 and 02 expect nothing.
+    write_stage(project.root, "02a-b", expected)
+    write_stage(project.root, "03-c")
+    write_stage(project.root, "04-d", expected.replace("Because.", "Again."))
+    stages = series.discover(project)
+    trees = ["stage 02", "stage 02a", "stage 03", "stage 04", "stage 03.2", "base"]
+    trees.append(bench_trees.PEER_LABEL)
+    profiles = bench_cost.explain(
+        [
+            {
+                "tree": t,
+                "setting": "full-none-prefill-64",
+                "python_functions": [{"function": "vllm/v1/core/x.py:f"}],
+            }
+            for t in trees
+        ],
+        stages,
+    )
+    whys = [p.get("why") for p in profiles]
+    assert whys == [None, "Because.", "Because.", "Again.", None, None, None]
+    assert bench_cost.expected_for(stages, "stage 03", "full-none-decode-64") is None
+    report = {"rows": [_count_row(t, 1.02) for t in trees], "profiles": profiles}
+    assert figures.count_failed(report) == []
+    assert bench_cost.shown(profiles[1]) == ["vllm/v1/core/x.py:f"]
+    profiles[1]["python_functions"] = [{"function": "vllm/v1/core/y.py:g"}]
+    assert figures.count_failed(report) == [
+        "stage 02a full-none-prefill-64: the expected cost names "
+        "vllm/v1/core/x.py:f, vllm/v1/core/x.py:h, the profile shows none of them"
+    ]
+
+
+def test_each_expectation_is_a_setting_of_the_full_set():
+    """Every ``[[bench.expected]]`` of the series names a setting of the full
+    set, functions and a reason."""
+    stages = series.discover(config_mod.load(ROOT))
+    settings = {bench_cost.label(s).rpartition("-")[0] for s in bench_cost.ALL_SETTINGS}
+    expected = [e for s in stages for e in s.info.bench.expected]
+    assert expected
+    for e in expected:
+        assert e.setting in settings
+        assert e.functions and e.why
 
 
 def test_the_last_run_line_gives_each_scenario_its_seconds():

@@ -95,6 +95,10 @@ property per failure path of stage 03 (issue "stage 03 failure paths"):
   a delayed free or a load in flight keeps it; `num_in_flight_tokens` counts
   the steps in flight; held blocks, which may outlive the request, are read
   by a store the connector has not reported.
+- `EvictionOrder` (held blocks keep the eviction order, `eviction_order.py`):
+  the held blocks a `finished_sending` report releases enter the free block
+  queue one after the other, in the order in which they left the block
+  tables for the last time (the order of an immediate free).
 
 `test_scheduler_state_machine.py` runs the machine (and `test_coverage`);
 the `test_machine_*.py` files hold shrunk schedules as explicit tests, one
@@ -115,6 +119,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from eviction_order import EvictionOrder
 from hmastack_testkit import kvtest
 from hmastack_testkit import scripted_connector as scripted
 from hmastack_testkit.kvtest import make_cpu_vllm_config, make_kv_cache_groups
@@ -505,6 +510,8 @@ class Harness:
         self.connector: MachineChecks = self.scheduler.connector  # type: ignore
         self.manager = self.scheduler.kv_cache_manager
         self.pool = self.manager.block_pool
+        # EvictionOrder: observes the frees and the releases of held blocks.
+        self.eviction_order = EvictionOrder(self.scheduler)
         self.next_id = 0
         # Connector events reported with the next model runner output.
         self.finished_recving: set[str] = set()
@@ -1140,7 +1147,10 @@ class Harness:
             ("NoReload", self.check_no_reload),
             ("FinishedTables", self.check_finished_tables),
             ("LiveRecords", self.check_live_records),
+            ("EvictionOrder", self.eviction_order.check),
         ]
+        if len(self.eviction_order.last_released) > 1:
+            _note("held blocks released together")
         for name, check in checks:
             try:
                 check()

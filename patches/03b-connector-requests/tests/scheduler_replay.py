@@ -493,9 +493,9 @@ class Replay:
                 # check_allocation verifies that allocate_slots makes that call.
                 n = request.num_computed_tokens - request.num_in_flight_tokens
                 # As allocate_slots: the blocks a store still reads are held.
-                manager = self.sched.kv_cache_manager
-                manager._hold_blocks(r, manager.coordinator.get_skipped_blocks(r, n))
-                self.skipped_spy.free_now(r, n)
+                freed = self.skipped_spy.free_now(r, n)
+                if freed:
+                    self.sched.kv_cache_manager._hold_blocks(r, freed)
                 self.expect_skipped_free = (r, n)
             order = [m for g in GROUPS for m in ev["blocks"][g]]
             steer_free_queue(self.pool, self.m2r, self.r2m, order)

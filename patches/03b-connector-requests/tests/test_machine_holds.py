@@ -68,3 +68,52 @@ def test_holds_with_no_request_left_are_pending_work(hold):
     harness.check_all()
     assert not harness.tables()
     assert not scheduler.has_requests()
+
+
+def _release_stored_request(harness: Harness) -> list[int]:
+    """A stored prompt of 100 tokens prefilled in chunks of 64 on the
+    gpt-oss-like layout (window 32): the window slides past blocks that the
+    stores of the first chunk still read (held), and the request finishes;
+    then the stores are reported. Returns the held blocks released."""
+    harness.add_request(**req_args(num_own=100, save=True, max_tokens=2))
+    for _ in range(3):
+        harness.step(accept=0, eos_pick=None, fail_sync=None)
+        harness.check_all()
+    held = [b for blocks in harness.held().values() for b in blocks]
+    assert len(held) > 1
+    for _ in range(len(harness.stores_to_report())):
+        harness.finish_save(0)
+    harness.step(accept=0, eos_pick=None, fail_sync=None)
+    return held
+
+
+def test_held_blocks_enter_the_free_queue_in_the_order_they_left_the_tables():
+    """EvictionOrder: the held sliding window blocks enter the free block
+    queue when the stores are reported, together and in the order in which
+    they left the block table (from the last one back)."""
+    harness = Harness(Setup("gpt_oss_like", 32, 72, 0, False, 64, "recompute"))
+    held = _release_stored_request(harness)
+    harness.check_all()
+    released = harness.eviction_order.last_released
+    assert sorted(released) == sorted(held)
+    places = [harness.eviction_order.places[b] for b in released]
+    assert places == sorted(places)
+
+
+def test_held_blocks_released_out_of_order_are_caught():
+    """The check can fail: with the places of the held blocks reversed, the
+    release puts them in the queue in the wrong order, and EvictionOrder
+    names it."""
+    harness = Harness(Setup("gpt_oss_like", 32, 72, 0, False, 64, "recompute"))
+    places = harness.manager.held_block_places
+    free_held_blocks = harness.manager.free_held_blocks
+
+    def release_in_reverse(*request_ids):
+        for block_id in places:
+            places[block_id] = -places[block_id]
+        free_held_blocks(*request_ids)
+
+    harness.manager.free_held_blocks = release_in_reverse
+    _release_stored_request(harness)
+    with pytest.raises(AssertionError, match="EvictionOrder violated"):
+        harness.check_all()

@@ -221,13 +221,9 @@ class Replay:
                 # call finds them null and frees nothing). The spy checks
                 # below that allocate_slots still makes that call.
                 # As allocate_slots: the blocks a store still reads are held.
-                self.manager._hold_blocks(
-                    r,
-                    self.manager.coordinator.get_skipped_blocks(
-                        r, before["computed"][r]
-                    ),
-                )
-                self.skipped_spy.free_now(r, before["computed"][r])
+                freed = self.skipped_spy.free_now(r, before["computed"][r])
+                if freed:
+                    self.manager._hold_blocks(r, freed)
             self.steer_eviction(ev)
         cached_before = self.cached_real()
         model_new = set(ev["blocks"]["full"]) | set(ev["blocks"]["swa"])

@@ -77,6 +77,7 @@ REQUIRED_COVERAGE = (
     "blocks held for a store",
     "store reads a block outside the table",
     "store finished",
+    "held blocks released together",
     "blocks kept with no request left",
 )
 

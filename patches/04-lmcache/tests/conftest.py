@@ -56,14 +56,14 @@ def kernel(monkeypatch):
 
 @pytest.fixture
 def make_engine(kernel, distributed):
-    """``make_engine(layout, hma)``: an :class:`~harness.Engine`,
+    """``make_engine(layout, hma, use_eagle)``: an :class:`~harness.Engine`,
     shut down after the test."""
     from harness import Engine
 
     engines = []
 
-    def make(layout, hma: bool = True):
-        engine = Engine(layout, hma, kernel)
+    def make(layout, hma: bool = True, use_eagle: bool = False):
+        engine = Engine(layout, hma, kernel, use_eagle)
         engines.append(engine)
         return engine
 

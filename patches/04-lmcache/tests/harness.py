@@ -122,10 +122,10 @@ class Finished:
 class Engine:
     """vLLM's engine loop with LMCache, for one model-like layout."""
 
-    def __init__(self, layout: Layout, hma: bool, kernel):
+    def __init__(self, layout: Layout, hma: bool, kernel, use_eagle: bool = False):
         self.layout = layout
         self.kernel = kernel
-        self.vllm_config = layout_vllm_config(layout, hma)
+        self.vllm_config = layout_vllm_config(layout, hma, use_eagle)
         self.worker_config, self.scheduler_config = kv_cache_configs(
             layout, self.vllm_config
         )

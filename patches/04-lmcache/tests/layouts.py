@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 from hmastack_testkit.kv_layouts import make_cpu_vllm_config, make_spec
-from vllm.config import KVTransferConfig, VllmConfig
+from vllm.config import KVTransferConfig, SpeculativeConfig, VllmConfig
 from vllm.v1.core.kv_cache_utils import (
     generate_scheduler_kv_cache_config,
     get_kv_cache_configs,
@@ -145,10 +145,14 @@ def mamba_hybrid() -> Layout:
     return Layout("mamba-hybrid", GEMMA3, _pattern("MMMF" * 3, None))
 
 
-def layout_vllm_config(layout: Layout, hma: bool) -> VllmConfig:
+def layout_vllm_config(
+    layout: Layout, hma: bool, use_eagle: bool = False
+) -> VllmConfig:
     """The CPU VllmConfig of a layout, with LMCacheConnectorV1 and prefix
     caching. HMA is set after VllmConfig's own decision (which turns it off on
-    CPU, and with connectors on vLLM 0.13.0)."""
+    CPU, and with connectors on vLLM 0.13.0). With ``use_eagle``, speculative
+    decoding by eagle as the scheduler sees it (``use_eagle()``): vLLM's CPU
+    model runner refuses a speculative config, and no drafter runs here."""
     config = make_cpu_vllm_config(
         BLOCK_SIZE,
         NUM_BLOCKS,
@@ -161,6 +165,10 @@ def layout_vllm_config(layout: Layout, hma: bool) -> VllmConfig:
         num_gpu_blocks_override=NUM_BLOCKS,
     )
     config.scheduler_config.disable_hybrid_kv_cache_manager = not hma
+    if use_eagle:
+        speculative_config = SpeculativeConfig(method="ngram", num_speculative_tokens=2)
+        object.__setattr__(speculative_config, "method", "eagle")
+        config.speculative_config = speculative_config
     return config
 
 

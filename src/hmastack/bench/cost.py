@@ -43,6 +43,7 @@ from hmastack.bench.trees import (
 )
 from hmastack.core.config import Config
 from hmastack.stack import env as env_mod
+from hmastack.stack import series
 
 THRESHOLD = 1.01  # a ratio above this is a cost, and gets a profile
 # A stage's ratio above this must be explained: its profile names the Python
@@ -87,15 +88,24 @@ LONG_SETTING = {
     "mode": "decode",
     "requests": 1,
 }
+# vLLM's OffloadingConnector (its worker side between the measured calls),
+# which stores every full block and holds the blocks its stores read: one
+# full-attention group decoding and prefilling, and the long request in a
+# sliding window (a store's bookkeeping that grew with the request shows).
+OFFLOAD_SETTINGS = [
+    {"layout": "full", "connector": "offload", "mode": mode, "requests": 64}
+    for mode in MODES
+] + [{"layout": "longswa", "connector": "offload", "mode": "decode", "requests": 1}]
 # The full set: the full-attention layout in every combination, the hybrid
 # layouts with external hits (the connector), where the series' paths run,
-# and the long request. 64 requests first: the witness settings are then the
-# first ones of a run.
+# OffloadingConnector, and the long request. 64 requests first: the witness
+# settings are then the first ones of a run.
 ALL_SETTINGS = sorted(
     settings(layouts=("full",))
-    + settings(layouts=("gemma3", "gptoss"), connectors=("connector",)),
+    + settings(layouts=("gemma3", "gptoss"), connectors=("connector",))
+    + OFFLOAD_SETTINGS[:-1],
     key=lambda s: s["requests"],
-) + [LONG_SETTING]
+) + [LONG_SETTING, OFFLOAD_SETTINGS[-1]]
 # The quick set: 64 requests; the plain full-attention case, the connector's
 # prefill path and both hybrid layouts with the connector (where the series'
 # code paths run).
@@ -248,6 +258,57 @@ def unnamed_rows(report: dict) -> list[str]:
     ]
 
 
+# --- what a setting is expected to cost --------------------------------------------
+
+
+def expected_for(
+    stages: list[series.Stage], tree_label: str, setting: str
+) -> series.BenchExpected | None:
+    """The expectation that explains the profile of ``tree_label`` for
+    ``setting`` (:func:`label`): the ``[[bench.expected]]`` of that setting
+    in the ``stage.toml`` of the tree's stage or the last stage before it
+    that has one. None for the base, a commit prefix, the peer or a slowed
+    copy, and for a setting no stage expects to cost more. It must stay true:
+    a profile that shows none of its functions fails the command
+    (:func:`unexplained_profiles`)."""
+    found = None
+    for s in stages:
+        for e in s.info.bench.expected:
+            if setting.startswith(f"{e.setting}-"):
+                found = e
+        if s.label == tree_label:
+            return found if s.key != series.BASE else None
+    return None
+
+
+def explain(profiles: list[dict], stages: list[series.Stage]) -> list[dict]:
+    """The profiles with the expectation of their setting, where one explains
+    them (:func:`expected_for`)."""
+    for p in profiles:
+        e = expected_for(stages, p["tree"], p["setting"])
+        if e is not None:
+            p["expected functions"] = list(e.functions)
+            p["why"] = e.why
+    return profiles
+
+
+def shown(profile: dict) -> list[str]:
+    """The expected functions of a profile that its Python functions show."""
+    named = {f["function"] for f in profile.get("python_functions", [])}
+    return [f for f in profile.get("expected functions", []) if f in named]
+
+
+def unexplained_profiles(report: dict) -> list[str]:
+    """The profiles whose expectation names functions the profile does not
+    show: the expectation no longer explains the row."""
+    return [
+        f"{p['tree']} {p['setting']}: the expected cost names "
+        f"{', '.join(p['expected functions'])}, the profile shows none of them"
+        for p in report.get("profiles", [])
+        if p.get("expected functions") and p.get("python_functions") and not shown(p)
+    ]
+
+
 # --- CPU time --------------------------------------------------------------------
 
 
@@ -323,6 +384,11 @@ class Profile(msgspec.Struct, kw_only=True):
     bytecodes_base: int | None = msgspec.field(default=None, name="bytecodes base")
     bytecodes: int | None = None
     python_functions: list[PythonFunction] = []
+    # The setting's expectation (:data:`EXPECTED`), for a stage it explains.
+    expected_functions: list[str] = msgspec.field(
+        default_factory=list, name="expected functions"
+    )
+    why: str = ""
 
 
 class WitnessRow(msgspec.Struct, kw_only=True):

@@ -22,6 +22,7 @@ from hmastack.bench.cost import (
     Witness,
     WitnessReport,
     check_witness,
+    explain,
     key,
     profiles,
     ratio_rows,
@@ -40,6 +41,7 @@ from hmastack.core import process
 from hmastack.core.config import Config
 from hmastack.core.process import CommandError
 from hmastack.stack import env as env_mod
+from hmastack.stack import series
 
 
 class CountReport(ScenarioReport, kw_only=True):
@@ -337,7 +339,9 @@ def instruction_counts(
         "rows": rows,
     }
     flagged = [r for r in rows if to_profile(r)]
-    report["profiles"] = profiles(cfg, pyenv, trees, results, flagged, plan)
+    report["profiles"] = explain(
+        profiles(cfg, pyenv, trees, results, flagged, plan), series.discover(cfg)
+    )
     if witness is not None:
         report["witness"] = check_witness(cfg, pyenv, witness, witness_runs, plan)
     report["seconds"] = round(time.monotonic() - started)

@@ -474,7 +474,7 @@ def memory_failed(report: dict) -> list[str]:
 
 
 def count_failed(report: dict) -> list[str]:
-    failed = bench_cost.unnamed_rows(report)
+    failed = bench_cost.unnamed_rows(report) + bench_cost.unexplained_profiles(report)
     w = report.get("witness")
     if w is not None and not w.get("caught"):
         failed.append(f"the witness {w['tree']} was not caught: {w.get('why')}")

@@ -1,7 +1,7 @@
 """Benchmarks: what the series changes in memory, admission and scheduler cost.
 
 ``hmastack bench [--quick] [--stages KEYS] [--no-peer] [--no-instructions]
-[--count-settings quick|full] [--no-commits] [--throughput] [--only NAMES]`` runs
+[--count-settings quick|full|NAMES] [--no-commits] [--throughput] [--only NAMES]`` runs
 the scenarios of :data:`SCENARIOS` (scripts in ``bench/scenarios/``), each INSIDE
 one vLLM tree's process (``trees``), on the base, on each
 selected stage and on the vLLM 0.14.0 peer, alternating trees:
@@ -341,11 +341,31 @@ def bench_plan(
     "full"``, which the quick set cannot honour."""
     if quick and count_settings == "full":
         raise HmastackError(
-            "--count-settings full counts the full set's 17 settings, --quick "
-            "the quick set's 4",
+            f"--count-settings full counts the full set's "
+            f"{len(bench_cost.ALL_SETTINGS)} settings, --quick the quick set's "
+            f"{len(bench_cost.QUICK_SETTINGS)}",
             "drop --quick (and add --no-commits to leave out the per-commit trees)",
         )
     plan = QUICK if quick else FULL
+    if count_settings not in (None, "quick", "full"):
+        if quick:
+            raise HmastackError(
+                "--count-settings with settings named counts them on the full "
+                "set's trees, not with --quick",
+                "drop --quick (and add --no-commits to leave out the per-commit trees)",
+            )
+        chosen = count_settings_named(count_settings)
+        # Those settings alone, also the CPU time's; the witness on the quick
+        # set's (a setting of few allocations per step would not show it).
+        plan = {
+            **plan,
+            "cost": {**plan["cost"], "settings": chosen},
+            "counts": {
+                **plan["counts"],
+                "settings": chosen,
+                "witness_settings": bench_cost.WITNESS_QUICK,
+            },
+        }
     if count_settings == "quick" and not quick:
         # The full set's trees (every stage, its commits, the peer) on the quick
         # settings: what a loaded machine can count in well under an hour.
@@ -360,6 +380,22 @@ def bench_plan(
     if not commits:
         plan = {**plan, "commits": False}
     return plan
+
+
+def count_settings_named(text: str) -> list[dict]:
+    """The settings of the full set named in ``text``, comma-separated
+    (``LAYOUT-CONNECTOR-MODE-REQUESTS``, as the rows name them), in the full
+    set's order. Raises :class:`HmastackError` for a name of no setting."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    known = {bench_cost.label(s): s for s in bench_cost.ALL_SETTINGS}
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise HmastackError(
+            "--count-settings: no setting is named "
+            + (", ".join(unknown) if unknown else repr(text)),
+            "quick, full, or settings of the full set: " + ", ".join(known),
+        )
+    return [s for label, s in known.items() if label in names]
 
 
 def run_bench(

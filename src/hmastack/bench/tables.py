@@ -34,6 +34,13 @@ def print_table(report: dict) -> None:
     console.print(table)
     for label, why in report["errors"].items():
         console.print(f"[red]{label} failed:[/red] {why}")
+    for p in report.get("profiles", []):
+        if p.get("why"):
+            console.print(
+                f"{p['tree']} {p['setting']}: expected: {p['why']} Functions "
+                f"behind it: {', '.join(p['expected functions'])} (shown by the "
+                f"profile: {', '.join(bench_cost.shown(p)) or 'none'})."
+            )
 
 
 def summary_markdown(reports: dict[str, dict]) -> str:

@@ -241,6 +241,9 @@ def profile_section(profiles: list[Profile], threshold: float) -> list[str]:
         return [f"No row's ratio is above {threshold}: nothing to explain.\n"]
     for p in profiles:
         out.append(f"### {p.tree}, {p.setting}\n")
+        if p.why:
+            names = ", ".join(f"`{f}`" for f in p.expected_functions)
+            out.append(f"**Expected**: {p.why} Functions behind it: {names}.\n")
         if p.instructions is not None and p.instructions_base:
             out.append(
                 f"Instructions {p.instructions_base:,} (base) → "

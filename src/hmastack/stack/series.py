@@ -119,11 +119,26 @@ class E2ETable(msgspec.Struct, forbid_unknown_fields=True):
     fixes: list[str] = []
 
 
+class BenchExpected(msgspec.Struct, forbid_unknown_fields=True):
+    """``[[bench.expected]]``: why a setting of the instruction counts costs
+    more per step than the base from this stage on, which the series cannot
+    take back: the Python functions behind the difference, as the profiles
+    name them (``file:Qualname``), and why they must cost it. A later stage's
+    expectation of the same setting replaces it."""
+
+    # LAYOUT-CONNECTOR-MODE of the scheduler cost scenario (hmastack.bench.cost).
+    setting: str
+    functions: list[str]
+    why: str
+
+
 class BenchTable(msgspec.Struct, forbid_unknown_fields=True):
     # The benchmark checks that hold exactly from this stage on.
     checks: list[BenchCheck] = []
     # The sets of `hmastack bench --throughput` this stage's tree runs in.
     throughput: list[Literal["quick", "full"]] = []
+    # The settings whose instruction counts this stage raises, and why.
+    expected: list[BenchExpected] = []
 
 
 class Counterexample(msgspec.Struct, forbid_unknown_fields=True):

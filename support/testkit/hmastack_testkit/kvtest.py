@@ -167,13 +167,14 @@ class SkippedBlocksSpy:
         self._remove = coordinator.remove_skipped_blocks
         coordinator.remove_skipped_blocks = self._record
 
-    def _record(self, request_id: str, num_computed_tokens: int) -> None:
+    def _record(self, request_id: str, num_computed_tokens: int):
         self.calls.append((request_id, num_computed_tokens))
-        self._remove(request_id, num_computed_tokens)
+        return self._remove(request_id, num_computed_tokens)
 
-    def free_now(self, request_id: str, num_computed_tokens: int) -> None:
-        """The replay's own call (not recorded)."""
-        self._remove(request_id, num_computed_tokens)
+    def free_now(self, request_id: str, num_computed_tokens: int):
+        """The replay's own call (not recorded); what it returns (the blocks
+        it freed, in a tree whose coordinator returns them)."""
+        return self._remove(request_id, num_computed_tokens)
 
 
 def bind_new_blocks(

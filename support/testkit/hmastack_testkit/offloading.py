@@ -26,6 +26,10 @@ code.
 It runs on vLLM 0.13.0 too (one KV cache group, no ``group_ids``): the
 dimension of a KV cache tensor that indexes its blocks is then found from the
 attention backend's KV cache shape.
+
+``NoCopyOffloadingSpec`` keeps the same scheduler side and copies nothing: each
+transfer finishes at the next ``get_finished`` (the benchmark of the
+scheduler's cost per step, which measures the scheduler side only).
 """
 
 from __future__ import annotations
@@ -229,3 +233,40 @@ class CPUTestOffloadingSpec(CPUOffloadingSpec):
         store, load = self._torch_handlers
         yield GPULoadStoreSpec, CPULoadStoreSpec, store
         yield CPULoadStoreSpec, GPULoadStoreSpec, load
+
+
+class _NoCopyHandler(OffloadingHandler):
+    """Finishes every transfer at the next ``get_finished`` without moving
+    any data."""
+
+    def __init__(self):
+        self._pending: list[int] = []
+
+    def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
+        self._pending.append(job_id)
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        done, self._pending = self._pending, []
+        return [(job_id, True) for job_id in done]
+
+
+class NoCopyOffloadingSpec(CPUOffloadingSpec):
+    """CPUOffloadingSpec's manager (LRU or ARC over a CPU backend of
+    ``num_cpu_blocks``); handlers that finish each load and store at the next
+    ``get_finished`` and copy nothing (the benchmark measures the scheduler's
+    side only). Needs no KV cache tensor: the worker side registers
+    ``torch.empty(0)`` as its cross-layer KV cache."""
+
+    def get_manager(self) -> OffloadingManager:
+        return super().get_manager()
+
+    def get_handlers(
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        attn_backends,
+    ) -> Iterator[tuple[type[LoadStoreSpec], type[LoadStoreSpec], OffloadingHandler]]:
+        if not hasattr(self, "_no_copy_handler"):
+            self._no_copy_handler = _NoCopyHandler()
+        yield GPULoadStoreSpec, CPULoadStoreSpec, self._no_copy_handler
+        yield CPULoadStoreSpec, GPULoadStoreSpec, self._no_copy_handler
