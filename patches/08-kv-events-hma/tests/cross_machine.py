@@ -60,7 +60,7 @@ After every rule, and in the middle of each step, on every engine:
   `ExclusiveOwnership`, `NoTransferRace`, `RefCount`, `NullPrefix`,
   `WindowBound`, `ExactAdmission`, `NoPrematurePublish`, `InFlightRead`,
   `InvalidKVRead`, `StoreHold`, `HoldPending`, `LiveRecords`: see
-  `s03_connector_allocate/scheduler_machine.py`; a store reads the blocks of
+  stage 03's `scheduler_machine.py`; a store reads the blocks of
   every job the worker side still runs and those the scheduler side still
   keeps a record of);
 - `LoadableHit`: every block of every group that the scheduler allocated for
@@ -159,9 +159,13 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
-# s03's harness, imported as s03's own tests import it (pytest puts their
-# directory on sys.path): one module, one registration of its connectors.
-_S03 = str(Path(__file__).resolve().parent.parent / "s03_connector_allocate")
+# Stage 03's harness (the tests of stage 03 are there at every later stage),
+# imported as stage 03's own tests import it (pytest puts their directory on
+# sys.path): one module, one registration of its connectors.
+(_S03,) = (
+    str(p.parent)
+    for p in Path(__file__).resolve().parents[2].glob("*/tests/scheduler_machine.py")
+)
 if _S03 not in sys.path:
     sys.path.insert(0, _S03)
 import scheduler_machine as s03  # noqa: E402
@@ -183,10 +187,29 @@ LAYOUTS = {
 }
 SCHEDULINGS = ("sync", "async", "batch_queue")
 
-# The kinds of issue "where stages meet" that the series fails today. A
-# violation attributed to one of them is recorded, not raised; remove a kind
-# once its fix is in the series to make it strict.
+# The kinds of issue "where stages meet" (and those this machine found) that
+# the series fails today. A violation attributed to one of them is recorded,
+# not raised; a kind whose fix is in the series moves to FIXED_KINDS, where
+# the machine is strict on it.
 EXPECTED_FAILURES: dict[int, str] = {
+    4: "the router's rule ignores EAGLE",
+    # Found by this machine (the test_kind_* schedules of
+    # test_cross_stage_machine.py).
+    8: (
+        "MultiConnector withholds one connector's report of a finished "
+        "request while another one's asynchronous save of it runs: blocks "
+        "held for the first one's stores stay held after they finished"
+    ),
+    10: (
+        "OffloadingConnector's lookup needs the last block of a hit in every "
+        "KV cache group: a chunked local attention group at a chunk boundary "
+        "holds the null block there, and a hit the tier serves is not claimed"
+    ),
+}
+
+# The kinds the series fixes: a violation of one of them fails the example
+# (their schedules are the plain test_kind_* tests).
+FIXED_KINDS: dict[int, str] = {
     1: (
         "a connector's lookup and its load disagree on which blocks a hit "
         "needs (OffloadingConnector with EAGLE: the sliding window block "
@@ -200,20 +223,12 @@ EXPECTED_FAILURES: dict[int, str] = {
         "KV events of a connector's medium do not name their block and "
         "group (OffloadingConnector's CPU tier publishes its internal keys)"
     ),
-    4: "the router's rule ignores EAGLE",
     5: "a deferred free releases held blocks in table order, not tail first",
-    # New kinds, found by this machine (the test_kind_* schedules of
-    # test_cross_stage_machine.py).
     7: (
         "P/D with one KV cache group and EAGLE: the producer's block table "
         "ends with a lookahead block past the prompt (a chunked prefill), and "
         "the consumer pairs its blocks with the tail of remote_block_ids, one "
         "position off"
-    ),
-    8: (
-        "MultiConnector withholds one connector's report of a finished "
-        "request while another one's asynchronous save of it runs: blocks "
-        "held for the first one's stores stay held after they finished"
     ),
     9: (
         "ARC's prepare_store evicts blocks and then refuses the store when it "
@@ -539,6 +554,7 @@ class Router:
         tokens: list[int],
         num_computed: int,
         loadable_with_eagle: bool = False,
+        last_block_everywhere: bool = False,
     ) -> int:
         """The tokens a connector tier adds after `num_computed` locally
         computed ones: the longest prefix of full blocks whose blocks from
@@ -546,7 +562,10 @@ class Router:
         all; sliding window, chunked local attention: those its layers read
         after the hit), at least one block. `loadable_with_eagle`: the
         blocks the scheduler allocates for them with EAGLE (the window of the
-        hit a later request takes, one block earlier)."""
+        hit a later request takes, one block earlier).
+        `last_block_everywhere`: every group needs the last block of the hit
+        (kind 10's rule: also a chunked local attention group at a chunk
+        boundary, whose table holds the null block there)."""
         groups = self.groups()
         if tier is None or not groups:
             return 0
@@ -565,6 +584,7 @@ class Router:
                     hit,
                     len(tokens),
                     loadable_with_eagle,
+                    last_block_everywhere,
                 )
                 for idx, group in groups.items()
             ):
@@ -573,7 +593,7 @@ class Router:
         return 0
 
     @staticmethod
-    def _tier_serves(tier_group, group, hashes, start, hit, num_tokens, eagle):
+    def _tier_serves(tier_group, group, hashes, start, hit, num_tokens, eagle, last):
         resident = tier_group.resident if tier_group is not None else set()
         first = start
         if group.kind != "full_attention":
@@ -586,6 +606,8 @@ class Router:
             else:
                 skipped = end // group.chunk * group.chunk
             first = max(start, skipped // BLOCK_SIZE)
+            if last:
+                first = min(first, hit - 1)
         return all(h in resident for h in hashes[first:hit])
 
 
@@ -619,11 +641,16 @@ class ConnectorView:
     def stores(self) -> dict[str, set[int]]:
         """The blocks each request's stores read: the jobs the worker side
         still runs, and the store records OffloadingConnector's scheduler
-        side keeps (what its `request_blocks_freed` holds)."""
+        side keeps (what its `request_blocks_freed` holds); and on a P/D
+        producer the blocks NixlConnector holds for the consumer's read
+        (its `_window_holds`, what its `request_blocks_freed` holds)."""
         out: dict[str, set[int]] = {}
         h = self.harness
+        if h.nixl is not None:
+            for req_id, hold in h.nixl.connector_scheduler._window_holds.items():
+                out.setdefault(req_id, set()).update(hold.held.values())
         if h.offload is None:
-            return out
+            return {r: b for r, b in out.items() if b}
         records = getattr(h.offload.connector_scheduler, "_store_batches", {})
         for req_id, batches in records.items():
             for batch in batches:
@@ -720,7 +747,7 @@ class CrossHarness(s03.Harness):
         # of its last leave from a block table
         self.left: dict[int, tuple[str, int, int, int]] = {}
         self.num_leaves = 0
-        self.releasing_held: str | None = None
+        self.releasing_held: tuple[str, ...] | None = None
         self._wrap_allocate_slots()
         self._wrap_cross()
         _note("engine")
@@ -838,17 +865,17 @@ class CrossHarness(s03.Harness):
             self._leave(
                 request_id, self._skipped_positions(request_id, num_computed_tokens)
             )
-            remove_skipped(request_id, num_computed_tokens)
+            return remove_skipped(request_id, num_computed_tokens)
 
         coordinator.free = freeing
         coordinator.remove_skipped_blocks = removing
 
         free_held = manager.free_held_blocks
 
-        def releasing(request_id):
-            self.releasing_held = request_id
+        def releasing(*request_ids):
+            self.releasing_held = request_ids
             try:
-                free_held(request_id)
+                free_held(*request_ids)
             finally:
                 self.releasing_held = None
 
@@ -999,6 +1026,15 @@ class CrossHarness(s03.Harness):
             ):
                 kinds = (*view_kinds, 4)
                 break
+        if (
+            not kinds
+            and ext < predicted
+            and self.router.predict_tier(
+                cpu, tokens, num_computed, last_block_everywhere=True
+            )
+            == ext
+        ):
+            kinds = (10,)
         if any(k is None for k in kinds):
             kinds = ()
         self.violation(
@@ -1091,7 +1127,7 @@ class CrossHarness(s03.Harness):
         for g, pos, block in self._external_positions(request, num_external):
             if pos >= len(hashes):
                 continue  # the last, partial block: computed, not loaded
-            key = scheduler_side._group_key(hashes[pos], g)
+            (key,) = scheduler_side._group_keys(request, g, pos, pos + 1)
             if manager.lookup([key]) != 1:
                 missing.append((g, pos, block.block_id))
         if not missing:
@@ -1099,9 +1135,13 @@ class CrossHarness(s03.Harness):
             return
         num_computed = self._lookup_computed(request)
         hit = num_computed + num_external
+        managers = self.manager.coordinator.single_type_managers
         kinds: tuple[int, ...] = ()
+        # Kind 1: only blocks before those the window (or chunk) of the hit
+        # reads, which the scheduler allocates with EAGLE.
         if self.setup.eagle and all(
-            self.kinds[g] != "full" and pos < scheduler_side._first_read_block(g, hit)
+            self.kinds[g] != "full"
+            and pos < managers[g].get_num_skipped_tokens(hit) // BLOCK_SIZE
             for g, pos, _ in missing
         ):
             kinds = (1,)
@@ -1133,10 +1173,14 @@ class CrossHarness(s03.Harness):
             for pos, b in enumerate(table)
             if not b.is_null
         }
+        not_read: list[int] = []
         if len(entry) > 2:
-            _, local, remote, unreadable = entry
-            if unreadable:
-                problems.append("the read is unreadable (given up, every block failed)")
+            _, local, remote, not_read = entry
+            if not_read:
+                problems.append(
+                    f"local blocks {sorted(not_read)[:4]} get no remote block "
+                    "(failed loads)"
+                )
             pairs = [
                 (g, positions[(g, lb)], rb)
                 for g in range(len(local))
@@ -1154,14 +1198,29 @@ class CrossHarness(s03.Harness):
         held = producer is not None and remote_req in s03.connector_state(
             producer.scheduler, "sending"
         )
+        # The blocks the producer holds for the consumer's read where its
+        # table has the null block (a window dropped them): (group,
+        # position) -> block, each held by the producer's KV cache manager.
+        window_held: dict[tuple[int, int], int] = {}
+        if producer is not None:
+            hold = producer.nixl.connector_scheduler._window_holds.get(remote_req)
+            held_ids = {
+                b.block_id for b in producer.manager.held_blocks.get(remote_req, ())
+            }
+            if hold is not None:
+                window_held = {
+                    place: b for place, b in hold.held.items() if b in held_ids
+                }
         misread = []
         for g, pos, rb in pairs:
             if theirs is None or not held:
                 problems.append(f"the producer holds no blocks for {remote_req}")
                 break
             table = theirs[g]
-            if pos >= len(table) or table[pos].is_null or table[pos].block_id != rb:
-                have = table[pos].block_id if pos < len(table) else None
+            have = table[pos].block_id if pos < len(table) else None
+            if pos < len(table) and table[pos].is_null:
+                have = window_held.get((g, pos))
+            if have != rb:
                 misread.append(f"({g}, {pos}, {rb}, {have})")
         if misread:
             problems.append(
@@ -1172,7 +1231,7 @@ class CrossHarness(s03.Harness):
             _note("loadable NIXL read")
             return
         kinds: tuple[int, ...] = ()
-        if len(entry) > 2 and entry[3] and not misread and self.setup.eagle:
+        if not_read and not misread and self.setup.eagle:
             kinds = (2,)
         elif misread and len(entry) == 2 and self.setup.eagle:
             kinds = (7,)
