@@ -80,6 +80,10 @@ After every rule, and in the middle of each step, on every engine:
   engine's prefix cache hit (`Index.predict`, the rule stage 08 publishes)
   and the tokens the connector's tier adds (the blocks each group reads,
   from the local hit on);
+- `ProducerOffersReads`: a P/D producer's request that computed its whole
+  prompt offers a real block at every position of every group that the
+  consumer's scheduler allocates for the whole prompt as external tokens
+  (with EAGLE, the window one block earlier): the consumer reads all of it;
 - `EvictionOrder`: blocks of a request go back to the free queue in the
   order vLLM 0.13.0's immediate free gives them: in the order they left the
   request's block tables and, of one leave, group by group, each group's
@@ -148,6 +152,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
 from vllm.utils.math_utils import cdiv
+from vllm.v1.core.kv_cache_manager import BlockTableLayout
 from vllm.v1.core.kv_cache_utils import (
     get_block_hash,
     get_group_id,
@@ -742,6 +747,8 @@ class CrossHarness(s03.Harness):
         self.short_of_blocks_for: str | None = None
         # KV transfer params of the requests the engine finished with some
         self.transfer_params: dict[str, dict] = {}
+        # requests that took a prefix cache hit at a lookup: tokens
+        self.local_hits: dict[str, int] = {}
         self.router = Router()
         # EvictionOrder: block id -> (request, leave number, group, -position)
         # of its last leave from a block table
@@ -795,6 +802,8 @@ class CrossHarness(s03.Harness):
         def lookup(request):
             self._flush_events()
             blocks, num_hit_tokens = get_computed_blocks(request)
+            if num_hit_tokens:
+                self.local_hits[request.request_id] = num_hit_tokens
             self._check_local_hit(request, num_hit_tokens)
             return blocks, num_hit_tokens
 
@@ -1243,6 +1252,42 @@ class CrossHarness(s03.Harness):
             fatal=False,
         )
 
+    def _check_producer_offers(self, req_id: str) -> None:
+        """ProducerOffersReads: a producer's request that computed its whole
+        prompt (no prefix cache hit) offers, in its KV transfer params, a
+        real block at every position of every group that the consumer's
+        scheduler allocates when it loads the whole prompt (its
+        `BlockTableLayout`, EAGLE as configured): the consumer reads them
+        all and computes none of the prompt again."""
+        consumer = self.machine.consumer
+        params = self.transfer_params[req_id]
+        remote = params.get("remote_block_ids")
+        if consumer is None or self is consumer or not remote:
+            return
+        if self.local_hits.get(req_id) or not isinstance(remote[0], list):
+            return
+        num_tokens = len(self.prompts[req_id][0])
+        layout = BlockTableLayout(consumer.manager.coordinator)
+        ranges = layout.get_external_block_ranges(num_tokens, 0, num_tokens)
+        null_block_id = self.pool.null_block.block_id
+        missing = [
+            (g, pos)
+            for g, positions in enumerate(ranges)
+            for pos in positions
+            if pos >= len(remote[g]) or remote[g][pos] == null_block_id
+        ]
+        if not missing:
+            self.note_once("producer offers every block the consumer reads")
+            return
+        self.violation(
+            "ProducerOffersReads",
+            f"{req_id} ({num_tokens} tokens, computed whole) offers no block at "
+            f"(group, position) {missing[:6]}, which the consumer reads "
+            f"(remote_block_ids {remote})",
+            (2,) if self.setup.eagle else (),
+            fatal=False,
+        )
+
     def _record_load(self, request: Request, num_external: int) -> None:
         start = self._lookup_computed(request)
         end = start + num_external
@@ -1517,6 +1562,7 @@ class CrossHarness(s03.Harness):
                 if out.kv_transfer_params:
                     self.transfer_params[out.request_id] = dict(out.kv_transfer_params)
                     _note("KV transfer params given")
+                    self._check_producer_offers(out.request_id)
         if any(
             r not in scheduler.requests or scheduler.requests[r].is_finished()
             for r in req_ids

@@ -429,3 +429,45 @@ def test_kind_9_arc_refused_store_evicts_without_events():
         state.safety()
 
     expect_kind(9, schedule)
+
+
+@xfail_kind(10)
+def test_kind_10_offloading_needs_the_last_block_of_a_chunk_boundary_hit():
+    """P/D producer with MultiConnector(NixlConnector, OffloadingConnector
+    over ARC, 16 CPU blocks), full attention + chunked local attention of 32
+    tokens, asynchronous scheduling: after P/D round trips and tier round
+    trips of prompts that share prefixes, an 81-token prompt computes 48
+    tokens locally. The CPU tier holds the full attention group's block 3
+    and not the chunked local attention group's: a hit of 64 tokens ends at
+    a chunk boundary, where the chunked group's table holds the null block
+    for block 3, so the tier serves 16 tokens; OffloadingConnector's lookup
+    requires the last block of a hit in every group and claims none
+    (RouterPredictsHit)."""
+
+    def schedule():
+        state = start(
+            CrossSetup("multi", "arc", "full_chunked", False, "async"),
+            size(num_blocks=48, max_num_batched_tokens=128),
+            [
+                req(prefix=3, num_own=4, pd=True),
+                req(num_own=89, max_tokens=11),
+            ],
+        )
+        state.finish_all_transfers()
+        state.add_request(args=req(prefix=3, num_own=74))
+        state.pd_round_trip(
+            chunks=0, max_tokens=9, num_steps=3, prefix=0, read="finish", tail=1
+        )
+        state.add_request(args=req(prefix=1, num_own=44, max_tokens=9))
+        state.add_request(args=req(num_own=61, max_tokens=11, pd=True))
+        state.tier_round_trip(chunks=0, engine=1, num_fillers=0, prefix=0, tail=1)
+        state.finish_all_transfers()
+        state.pd_round_trip(
+            chunks=0, max_tokens=4, num_steps=2, prefix=0, read="finish", tail=1
+        )
+        state.add_request(args=req(num_own=5, max_tokens=4, pd=True))
+        state.finish_all_transfers()
+        state.tier_round_trip(chunks=0, engine=0, num_fillers=1, prefix=2, tail=19)
+        state.safety()
+
+    expect_kind(10, schedule)
