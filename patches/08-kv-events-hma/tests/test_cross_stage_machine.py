@@ -1,10 +1,12 @@
 """Stage 08: the check that crosses the stages (`cross_machine.py`: the
 setups, the rules and the properties).
 
-CI runs a fixed set: the cells of the cross product that cover every pair
-of values of two dimensions (`FIXED_SETUPS`, chosen greedily from
-`all_setups()`), each a derandomized run of `FIXED_EXAMPLES` examples of at
-most `FIXED_STEPS` rules, without a Hypothesis database. `test_coverage`
+CI runs a fixed set: the shrunk schedule of each kind the series fixes
+(its explicit examples, in the first cell), then the cells of the cross
+product that cover every pair of values of two dimensions (`FIXED_SETUPS`,
+chosen greedily from `all_setups()`), each a derandomized run of
+`FIXED_EXAMPLES` examples of at most `HMASTACK_RANDOM_STEPS` rules, without a
+Hypothesis database. `test_coverage`
 then asserts that the set exercised every path of `REQUIRED_COVERAGE`.
 The schedules at the end are the shrunk scenarios of each kind the machine
 found (`test_kind_*`), run with their kind strict: pytest's strict xfail
@@ -30,12 +32,14 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import time
 
 import pytest
 from cross_machine import (
     COVERAGE,
     EXPECTED_FAILURES,
+    FIXED_KINDS,
     KNOWN_FIRST,
     KNOWN_SEEN,
     CrossSetup,
@@ -102,8 +106,22 @@ if _NO_SHRINK:
 RUN: list[dict] = []
 
 
+def run_fixed_kind_schedules() -> None:
+    """The shrunk schedule of every kind the series fixes (`FIXED_KINDS`:
+    the `test_kind_*` tests without an xfail mark), each with its kind
+    strict: the machine's explicit examples, run before the random ones of
+    the fixed set (the random examples of a CI-sized set need not meet each
+    kind's scenario again)."""
+    for name, test in sorted(globals().items()):
+        found = re.match(r"test_kind_(\d+)_", name)
+        if found and int(found.group(1)) in FIXED_KINDS:
+            test()
+
+
 @pytest.mark.parametrize("setup", SETUPS, ids=CrossSetup.label)
 def test_cross_stage_machine(setup: CrossSetup):
+    if not _RANDOM_EXAMPLES and setup == SETUPS[0]:
+        run_fixed_kind_schedules()
     machine = machine_for(setup)
     seed = None
     if _RANDOM_EXAMPLES:
