@@ -74,8 +74,9 @@ After every rule, and in the middle of each step, on every engine:
   engine published;
 - `TierEventsExact`: the CPU tier's events (their keys read as block hash
   and group) say what the offloading manager holds;
-- `RouterPredictsHit`: a router that keeps an index per medium built only
-  from the events (decoded from vLLM's msgpack encoding with
+- `RouterPredictsHit`: a router that keeps an index per medium built
+  from the events (and the KV cache groups of the engine's configuration;
+  the events decoded from vLLM's msgpack encoding with
   `hmastack_testkit.kv_events`) predicts, at each lookup of a request, the
   engine's prefix cache hit (`Index.predict`, the rule stage 08 publishes)
   and the tokens the connector's tier adds (the blocks each group reads,
@@ -160,7 +161,11 @@ from vllm.v1.core.kv_cache_utils import (
 )
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    KVCacheConfig,
+    SlidingWindowSpec,
+)
 from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
@@ -506,8 +511,8 @@ def _fixed_hash(block_hash, group_idx):
 
 
 class Router:
-    """A KV-aware router's view of one engine, kept only from its KV cache
-    events: one `hmastack_testkit.kv_events.Index` per medium (the engine's
+    """A KV-aware router's view of one engine, kept from its KV cache events
+    and its configuration's KV cache groups (`configure`): one `hmastack_testkit.kv_events.Index` per medium (the engine's
     GPU blocks, a connector's tier), fed with each batch as the publisher
     encodes it. `fixed` is the classification's index of a connector tier
     whose keys are decoded into (block hash, group)."""
@@ -518,6 +523,26 @@ class Router:
         # every block hash the engine published, per group
         self.published: set = set()
         self.num_events = 0
+
+    def configure(self, kv_cache_config: KVCacheConfig) -> None:
+        """The engine's KV cache groups, as its configuration publishes them
+        (a group whose blocks no event has named yet still takes part in
+        every hit)."""
+        for g, group in enumerate(kv_cache_config.kv_cache_groups):
+            spec = group.kv_cache_spec
+            if isinstance(spec, SlidingWindowSpec):
+                kind = router_events.Group(
+                    "sliding_window", spec.block_size, window=spec.sliding_window
+                )
+            elif isinstance(spec, ChunkedLocalAttentionSpec):
+                kind = router_events.Group(
+                    "chunked_local_attention",
+                    spec.block_size,
+                    chunk=spec.attention_chunk_size,
+                )
+            else:
+                kind = router_events.Group("full_attention", spec.block_size)
+            self.gpu.groups[g] = kind
 
     def index(self, medium: str) -> router_events.Index:
         return self.indexes.setdefault(medium, router_events.Index())
@@ -758,6 +783,7 @@ class CrossHarness(s03.Harness):
         # requests that took a prefix cache hit at a lookup: tokens
         self.local_hits: dict[str, int] = {}
         self.router = Router()
+        self.router.configure(self.kv_cache_config)
         # EvictionOrder: block id -> (request, leave number, group, -position)
         # of its last leave from a block table
         self.left: dict[int, tuple[str, int, int, int]] = {}
