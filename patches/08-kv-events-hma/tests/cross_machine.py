@@ -512,10 +512,11 @@ def _fixed_hash(block_hash, group_idx):
 
 class Router:
     """A KV-aware router's view of one engine, kept from its KV cache events
-    and its configuration's KV cache groups (`configure`): one `hmastack_testkit.kv_events.Index` per medium (the engine's
-    GPU blocks, a connector's tier), fed with each batch as the publisher
-    encodes it. `fixed` is the classification's index of a connector tier
-    whose keys are decoded into (block hash, group)."""
+    and its configuration's KV cache groups (`configure`): one
+    `hmastack_testkit.kv_events.Index` per medium (the engine's GPU blocks,
+    a connector's tier), fed with each batch as the publisher encodes it.
+    `fixed` is the classification's index of a connector tier whose keys are
+    decoded into (block hash, group)."""
 
     def __init__(self) -> None:
         self.indexes: dict[str, router_events.Index] = {}
@@ -1076,8 +1077,11 @@ class CrossHarness(s03.Harness):
         # with EAGLE).
         fixed = self.router.fixed.get("CPU")
         kinds: tuple[int, ...] = ()
-        for view, view_kinds in ((fixed, (3,)), (truth, (3, *inexact))):
-            if self.router.predict_tier(view, tokens, num_computed) == ext:
+        views = ((cpu, ()), (fixed, (3,)), (truth, (3, *inexact)))
+        for view, view_kinds in views:
+            if view is not cpu and (
+                self.router.predict_tier(view, tokens, num_computed) == ext
+            ):
                 kinds = view_kinds
                 break
             if (
