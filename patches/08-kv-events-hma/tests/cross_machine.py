@@ -882,6 +882,7 @@ class CrossHarness(s03.Harness):
                     self._check_offload_loadable(request, num_external_tokens)
                 off_update(request, blocks, num_external_tokens)
                 if num_external_tokens:
+                    self._check_offload_load_covers(request, num_external_tokens)
                     self._record_load(request, num_external_tokens)
 
             off.update_state_after_alloc = offload_alloc
@@ -1220,6 +1221,33 @@ class CrossHarness(s03.Harness):
             "for them, which the offloading manager does not hold",
             kinds,
             fatal=True,
+        )
+
+    def _check_offload_load_covers(self, request: Request, num_external: int):
+        """LoadableHit (OffloadingConnector's load): the load of the claimed
+        tokens writes, or reports as failed, exactly the real blocks the
+        scheduler allocated for them in every group (a block allocated and
+        neither loaded nor failed would be cached with KV nobody wrote)."""
+        scheduler_side = self.offload.connector_scheduler
+        req_id = request.request_id
+        load = scheduler_side._reqs_to_load.get(req_id)
+        written = set(ScriptedTransferHandler.gpu_block_ids(load)) if load else set()
+        failed = set(scheduler_side._load_errors.get(req_id, ()))
+        num_hashes = len(request.block_hashes)
+        allocated = {
+            block.block_id
+            for _, pos, block in self._external_positions(request, num_external)
+            if pos < num_hashes
+        }
+        if written | failed == allocated:
+            return
+        self.violation(
+            "LoadableHit",
+            f"OffloadingConnector's load of {num_external} tokens of {req_id} "
+            f"writes blocks {sorted(written)} and fails {sorted(failed)}; the "
+            f"scheduler allocated {sorted(allocated)} for them",
+            (1,) if self.setup.eagle and allocated > written | failed else (),
+            fatal=False,
         )
 
     def _check_nixl_loadable(self, request: Request, num_external: int) -> None:
