@@ -18,6 +18,7 @@ deterministic Hypothesis settings, the replays' steering and spies),
 what LMCache needs CUDA for),
 :mod:`~hmastack_testkit.scripted_connector` (the scripted KV connector of
 the scheduler-level tests and the scheduler-cost benchmark),
+:mod:`~hmastack_testkit.scripted_nixl` (NixlConnector's worker side, scripted),
 :mod:`~hmastack_testkit.kv_events` and :mod:`~hmastack_testkit.offloading`;
 the subpackage :mod:`~hmastack_testkit.e2e` is the engine side of the
 end-to-end runs and the throughput benchmark.

@@ -121,6 +121,7 @@ def make_cpu_vllm_config(
     dtype: str = "float16",
     seed: int = 0,
     num_gpu_blocks_override: int | None = None,
+    kv_events_config=None,
 ):
     """A ``VllmConfig`` for a CPU scheduler with prefix caching, chunked
     prefill and the KV connector of ``kv_transfer_config`` (or none); the
@@ -129,7 +130,8 @@ def make_cpu_vllm_config(
     ``num_blocks`` (the null block included) is set as the cache config's
     ``num_gpu_blocks``; ``num_gpu_blocks_override`` is passed on for code that
     sizes the KV cache itself (``get_kv_cache_configs``). ``max_model_len``
-    None: the model config's.
+    None: the model config's. ``kv_events_config``: vLLM's ``KVEventsConfig``
+    (KV cache events), or None.
     """
     from vllm.config import (
         CacheConfig,
@@ -163,6 +165,7 @@ def make_cpu_vllm_config(
             num_gpu_blocks_override=num_gpu_blocks_override,
         ),
         kv_transfer_config=kv_transfer_config,
+        kv_events_config=kv_events_config,
         device_config=DeviceConfig("cpu"),
     )
     config.cache_config.num_gpu_blocks = num_blocks

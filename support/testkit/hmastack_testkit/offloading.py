@@ -30,6 +30,12 @@ attention backend's KV cache shape.
 ``NoCopyOffloadingSpec`` keeps the same scheduler side and copies nothing: each
 transfer finishes at the next ``get_finished`` (the benchmark of the
 scheduler's cost per step, which measures the scheduler side only).
+
+``CPUScriptedOffloadingSpec`` (``"spec_name": "CPUScriptedOffloadingSpec"``)
+keeps the same scheduler side and moves no data: its worker side's transfers
+finish when a test says so (:class:`ScriptedTransferHandler`), for
+scheduler-level tests that script what the worker side reports (stage 08's
+cross-stage state machine).
 """
 
 from __future__ import annotations
@@ -261,6 +267,48 @@ class NoCopyOffloadingSpec(CPUOffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         return super().get_manager()
 
+
+class ScriptedTransferHandler(OffloadingHandler):
+    """Transfers that move no data and finish when a test says so: the
+    worker side of a scheduler-level test whose completions (a store done,
+    a load done or failed) are part of the script.
+
+    ``pending`` maps each job that runs to its transfer spec (GPU -> CPU: a
+    store, CPU -> GPU: a load); :meth:`finish` ends one, and the next
+    ``get_finished`` returns it (always successful: vLLM's offloading worker
+    does not support failed jobs, so a test reports a failed load as the
+    load's GPU blocks in ``invalid_block_ids``)."""
+
+    def __init__(self) -> None:
+        self.pending: dict[int, TransferSpec] = {}
+        self._done: list[int] = []
+
+    def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
+        self.pending[job_id] = spec
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        done, self._done = self._done, []
+        return [(job_id, True) for job_id in done]
+
+    def finish(self, job_id: int) -> TransferSpec:
+        """End job ``job_id``: the next ``get_finished`` returns it."""
+        spec = self.pending.pop(job_id)
+        self._done.append(job_id)
+        return spec
+
+    @staticmethod
+    def gpu_block_ids(spec: TransferSpec) -> list[int]:
+        """The GPU blocks a transfer reads (a store) or writes (a load)."""
+        gpu = spec[0] if isinstance(spec[0], GPULoadStoreSpec) else spec[1]
+        return [int(b) for b in gpu.block_ids]
+
+
+class CPUScriptedOffloadingSpec(CPUOffloadingSpec):
+    """CPUOffloadingSpec's manager (vLLM's LRU or ARC over a CPU backend,
+    extra config ``eviction_policy``); on the worker side one
+    :class:`ScriptedTransferHandler` (``handler``) for both directions."""
+
     def get_handlers(
         self,
         kv_caches: dict[str, torch.Tensor],
@@ -270,3 +318,8 @@ class NoCopyOffloadingSpec(CPUOffloadingSpec):
             self._no_copy_handler = _NoCopyHandler()
         yield GPULoadStoreSpec, CPULoadStoreSpec, self._no_copy_handler
         yield CPULoadStoreSpec, GPULoadStoreSpec, self._no_copy_handler
+
+        if not hasattr(self, "handler"):
+            self.handler = ScriptedTransferHandler()
+        yield GPULoadStoreSpec, CPULoadStoreSpec, self.handler
+        yield CPULoadStoreSpec, GPULoadStoreSpec, self.handler
