@@ -634,7 +634,8 @@ def test_kv_events_check_with_the_cpu_tier_needs_its_evictions_and_hits():
     assert not judge(tier_hits=0).passed
     # Only the stages that list it run it: not the base, whose CPU tier's
     # events carry the manager's keys.
-    assert s.listed and not cat.runs_at(s, BASE) and cat.runs_at(s, ATS[-1])
+    assert s.listed and not cat.runs_at(s, BASE)
+    assert any(cat.runs_at(s, at) for at in ATS[1:])
 
 
 def test_offloading_checks_and_plans():
