@@ -82,9 +82,10 @@ After every rule, and in the middle of each step, on every engine:
   and the tokens the connector's tier adds (the blocks each group reads,
   from the local hit on);
 - `ProducerOffersReads`: a P/D producer's request that computed its whole
-  prompt offers a real block at every position of every group that the
-  consumer's scheduler allocates for the whole prompt as external tokens
-  (with EAGLE, the window one block earlier): the consumer reads all of it;
+  prompt (no prefix cache hit, no tokens a connector loaded) offers a real
+  block at every position of every group that the consumer's scheduler
+  allocates for the whole prompt as external tokens (with EAGLE, the
+  window one block earlier): the consumer reads all of it;
 - `EvictionOrder`: blocks of a request go back to the free queue in the
   order vLLM 0.13.0's immediate free gives them: in the order they left the
   request's block tables and, of one leave, group by group, each group's
@@ -781,6 +782,8 @@ class CrossHarness(s03.Harness):
         self.transfer_params: dict[str, dict] = {}
         # blocks a producer's NixlConnector stopped holding at the finish
         self.nixl_dropped: dict[str, set[int]] = {}
+        # requests a connector claimed external tokens for at a lookup
+        self.external_hits: dict[str, int] = {}
         # requests that took a prefix cache hit at a lookup: tokens
         self.local_hits: dict[str, int] = {}
         self.router = Router()
@@ -851,6 +854,7 @@ class CrossHarness(s03.Harness):
             ext, load_async = get_num_new_matched_tokens(request, num_computed_tokens)
             if ext:
                 self.connector.offers.add(request.request_id)
+                self.external_hits[request.request_id] = ext
             self._check_tier_hit(request, num_computed_tokens, ext or 0)
             return ext, load_async
 
@@ -1340,9 +1344,9 @@ class CrossHarness(s03.Harness):
 
     def _check_producer_offers(self, req_id: str) -> None:
         """ProducerOffersReads: a producer's request that computed its whole
-        prompt (no prefix cache hit) offers, in its KV transfer params, a
-        real block at every position of every group that the consumer's
-        scheduler allocates when it loads the whole prompt (its
+        prompt (no prefix cache hit, no external tokens) offers, in its KV
+        transfer params, a real block at every position of every group that
+        the consumer's scheduler allocates when it loads the whole prompt (its
         `BlockTableLayout`, EAGLE as configured): the consumer reads them
         all and computes none of the prompt again."""
         consumer = self.machine.consumer
@@ -1350,7 +1354,11 @@ class CrossHarness(s03.Harness):
         remote = params.get("remote_block_ids")
         if consumer is None or self is consumer or not remote:
             return
-        if self.local_hits.get(req_id) or not isinstance(remote[0], list):
+        if (
+            self.local_hits.get(req_id)
+            or self.external_hits.get(req_id)
+            or not isinstance(remote[0], list)
+        ):
             return
         num_tokens = len(self.prompts[req_id][0])
         layout = BlockTableLayout(consumer.manager.coordinator)
