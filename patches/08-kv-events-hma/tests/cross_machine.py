@@ -206,21 +206,11 @@ EXPECTED_FAILURES: dict[int, str] = {
     4: "the router's rule ignores EAGLE",
     # Found by this machine (the test_kind_* schedules of
     # test_cross_stage_machine.py).
-    8: (
-        "MultiConnector withholds one connector's report of a finished "
-        "request while another one's asynchronous save of it runs: blocks "
-        "held for the first one's stores stay held after they finished"
-    ),
     11: (
         "a P/D producer's NixlConnector stops holding, at the finish, a block "
         "it held at a position where the table has a real block again (a "
         "resumed request): the scheduler keeps it held, read by nobody, until "
         "the request is reported (the consumer's read or the expiry)"
-    ),
-    10: (
-        "OffloadingConnector's lookup needs the last block of a hit in every "
-        "KV cache group: a chunked local attention group at a chunk boundary "
-        "holds the null block there, and a hit the tier serves is not claimed"
     ),
 }
 
@@ -251,6 +241,16 @@ FIXED_KINDS: dict[int, str] = {
         "ARC's prepare_store evicts blocks and then refuses the store when it "
         "cannot make room for all of it: the evicted blocks get no "
         "BlockRemoved event (vLLM 0.13.0's ARCOffloadingManager)"
+    ),
+    8: (
+        "MultiConnector withholds one connector's report of a finished "
+        "request while another one's asynchronous save of it runs: blocks "
+        "held for the first one's stores stay held after they finished"
+    ),
+    10: (
+        "OffloadingConnector's lookup needs the last block of a hit in every "
+        "KV cache group: a chunked local attention group at a chunk boundary "
+        "holds the null block there, and a hit the tier serves is not claimed"
     ),
 }
 

@@ -400,7 +400,6 @@ def test_kind_7_pd_one_group_eagle_reads_one_block_off():
     expect_kind(7, schedule)
 
 
-@xfail_kind(8)
 def test_kind_8_multi_connector_keeps_blocks_no_store_reads():
     """MultiConnector(NixlConnector, OffloadingConnector) on a P/D producer,
     full attention + sliding window 32: a 65-token prompt with
@@ -449,7 +448,6 @@ def test_kind_9_arc_refused_store_evicts_without_events():
     expect_kind(9, schedule)
 
 
-@xfail_kind(10)
 def test_kind_10_offloading_needs_the_last_block_of_a_chunk_boundary_hit():
     """P/D producer with MultiConnector(NixlConnector, OffloadingConnector
     over ARC, 16 CPU blocks), full attention + chunked local attention of 32

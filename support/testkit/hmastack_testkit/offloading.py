@@ -267,6 +267,16 @@ class NoCopyOffloadingSpec(CPUOffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         return super().get_manager()
 
+    def get_handlers(
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        attn_backends,
+    ) -> Iterator[tuple[type[LoadStoreSpec], type[LoadStoreSpec], OffloadingHandler]]:
+        if not hasattr(self, "_no_copy_handler"):
+            self._no_copy_handler = _NoCopyHandler()
+        yield GPULoadStoreSpec, CPULoadStoreSpec, self._no_copy_handler
+        yield CPULoadStoreSpec, GPULoadStoreSpec, self._no_copy_handler
+
 
 class ScriptedTransferHandler(OffloadingHandler):
     """Transfers that move no data and finish when a test says so: the
@@ -314,11 +324,6 @@ class CPUScriptedOffloadingSpec(CPUOffloadingSpec):
         kv_caches: dict[str, torch.Tensor],
         attn_backends,
     ) -> Iterator[tuple[type[LoadStoreSpec], type[LoadStoreSpec], OffloadingHandler]]:
-        if not hasattr(self, "_no_copy_handler"):
-            self._no_copy_handler = _NoCopyHandler()
-        yield GPULoadStoreSpec, CPULoadStoreSpec, self._no_copy_handler
-        yield CPULoadStoreSpec, GPULoadStoreSpec, self._no_copy_handler
-
         if not hasattr(self, "handler"):
             self.handler = ScriptedTransferHandler()
         yield GPULoadStoreSpec, CPULoadStoreSpec, self.handler
