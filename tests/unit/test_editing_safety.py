@@ -838,3 +838,17 @@ def test_bad_input_is_a_message_with_a_hint(project, tmp_path, case):
     assert BAD[case] in proc.stderr
     assert "hint:" in proc.stderr or "usage:" in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_upto_text_of_a_workspace_applied_before_stages_were_merged():
+    """A workspace records how many stages it applied; after two stages are
+    merged into one, the record names more stages than there are, and the
+    text names the last one instead of failing."""
+    from types import SimpleNamespace
+
+    from hmastack.stack.workspace import upto_text
+
+    stages = [SimpleNamespace(key=k) for k in ("01", "02", "03")]
+    assert upto_text(stages, 0) == "the base"
+    assert upto_text(stages, 2) == "stages 01..02"
+    assert upto_text(stages, 5) == "stages 01..03"

@@ -79,9 +79,11 @@ class LockHeld(ApplyError):
 
 def upto_text(stages: list[Stage], upto: int) -> str:
     """``stages FIRST..LAST`` (``the base`` when ``upto`` is 0)."""
-    if upto == 0:
+    if upto == 0 or not stages:
         return "the base"
-    return f"stages {stages[0].key}..{stages[upto - 1].key}"
+    # A workspace applied before stages were merged records more stages
+    # than there are now: it holds them all.
+    return f"stages {stages[0].key}..{stages[min(upto, len(stages)) - 1].key}"
 
 
 def refuse_empty_stages(stages: list[Stage], upto: int) -> None:
