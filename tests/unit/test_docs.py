@@ -21,7 +21,7 @@ from hmastack.site import hook as site_hook
 from hmastack.site import patches as site_patches
 from hmastack.spec import manifest as spec_manifest
 from hmastack.spec import models as spec
-from hmastack.stack import base, workspace
+from hmastack.stack import base, refs, workspace
 from hmastack.stack import series as series_mod
 
 from .conftest import TAG
@@ -96,6 +96,11 @@ def with_site_files(cfg):
         text.replace("src/hmastack/site/hook.py", str(hook))
     )
     shutil.copytree(REPO / "docs", cfg.root / "docs")
+    # The docs refer to commits of this repository's series, which the demo
+    # series does not have: their references are plain text there.
+    for page in (cfg.root / "docs").rglob("*.md"):
+        text = page.read_text()
+        page.write_text(refs.REF.sub(lambda m: m["text"], text))
     return cfg
 
 
