@@ -492,7 +492,7 @@ def _eagle_predict(index: router_events.Index, tokens: list[int]) -> int:
             num_tokens + g.block_size <= len(tokens) - 1
             and g.serves(hashes[g.block_size], num_tokens)
             and len(hashes[g.block_size]) > num_tokens // g.block_size
-            and hashes[g.block_size][num_tokens // g.block_size] in g.resident
+            and hashes[g.block_size][num_tokens // g.block_size] in g.holds()
             for g in groups
         ):
             return num_tokens
@@ -562,7 +562,9 @@ class Router:
                 # connector's tier publishes no such event).
                 self.gpu.apply(ev)
                 continue
-            self.index(medium).apply(ev)
+            # Each medium has an index of its own, which holds its blocks as
+            # the index's own (GPU) medium.
+            self.index(medium).apply(msgspec.structs.replace(ev, medium=None))
             if medium == "GPU":
                 if isinstance(ev, router_events.BlockStored):
                     self.published.update((h, ev.group_idx) for h in ev.block_hashes)
@@ -570,7 +572,11 @@ class Router:
             fixed = self.fixed.setdefault(medium, router_events.Index())
             for block_hash in ev.block_hashes:
                 h, g = _fixed_hash(block_hash, ev.group_idx)
-                fixed.apply(msgspec.structs.replace(ev, block_hashes=[h], group_idx=g))
+                fixed.apply(
+                    msgspec.structs.replace(
+                        ev, block_hashes=[h], group_idx=g, medium=None
+                    )
+                )
         return batch.events
 
     @property
@@ -632,7 +638,7 @@ class Router:
 
     @staticmethod
     def _tier_serves(tier_group, group, hashes, start, hit, num_tokens, eagle, last):
-        resident = tier_group.resident if tier_group is not None else set()
+        resident = tier_group.holds() if tier_group is not None else set()
         first = start
         if group.kind != "full_attention":
             # The tokens whose skipped blocks the group's table starts with.
@@ -1138,7 +1144,7 @@ class CrossHarness(s03.Harness):
         for key, block in items:
             if block.is_ready:
                 h, g = _fixed_hash(key, 0)
-                truth.groups.setdefault(g, router_events.Group("", 0)).resident.add(h)
+                truth.groups.setdefault(g, router_events.Group("", 0)).holds().add(h)
         return truth
 
     def _check_tier_events(self, truth: router_events.Index) -> tuple:
@@ -1150,9 +1156,9 @@ class CrossHarness(s03.Harness):
         have = {
             (h, g)
             for g, group in (fixed.groups.items() if fixed is not None else ())
-            for h in group.resident
+            for h in group.holds()
         }
-        real = {(h, g) for g, group in truth.groups.items() for h in group.resident}
+        real = {(h, g) for g, group in truth.groups.items() for h in group.holds()}
         if have == real:
             return ()
         stale, unknown = have - real, real - have
