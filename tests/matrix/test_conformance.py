@@ -16,6 +16,7 @@ from pathlib import Path
 
 from hmastack.conform.run import all_breaks, read_report
 from hmastack.core import config
+from hmastack.stack.series import discover
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,35 +33,35 @@ def test_conformance_ci_set(capfd):
         )
     report = read_report(cfg)
     assert report is not None and report.traces.count == 200
-    series = {r.suite: r for r in report.series}
-    failed = {name: r.first_failure for name, r in series.items() if not r.ok}
+    suites = {r.suite: r for r in report.series}
+    failed = {name: r.first_failure for name, r in suites.items() if not r.ok}
     assert not failed, f"the series fails conformance suites: {failed}"
     for name in ("replay through the KVCacheManager", "replay through the Scheduler"):
-        r = series[name]
+        r = suites[name]
         # The behaviours are fixed by the seed: about 1060 steps (the model of
         # the series as coded, with aborts, ends many behaviours early).
         assert r.summary["traces"] == 200, name
         assert r.summary["steps_compared"] > 1000, (name, r.summary)
     # The committed AsyncSched behaviours, each a test, through the AsyncScheduler.
     assert (
-        series["replay of asynchronous scheduling through the AsyncScheduler"].passed
+        suites["replay of asynchronous scheduling through the AsyncScheduler"].passed
         >= 20
-    ), series
+    ), suites
     # Every event kind the replays map was compared at least once.
-    acts = series["replay through the KVCacheManager"].summary["acts"]
+    acts = suites["replay through the KVCacheManager"].summary["acts"]
     wanted = {
         "AllocateSlots", "Refused", "Execute", "Finish", "FinishDelayed",
         "FinishLoad", "FinishLoadFree", "LoadFailed", "SyncLoadFailed", "Preempt",
         "FreeWaiting", "SaveDone", "Abort", "AbortDelayed",
     }  # fmt: skip
     assert wanted <= set(acts), sorted(wanted - set(acts))
-    scheduler = series["replay through the Scheduler"].summary
+    scheduler = suites["replay through the Scheduler"].summary
     assert scheduler["to_the_end"] >= 190, scheduler
     assert scheduler["steps_compared"] >= 0.9 * scheduler["steps"], scheduler
     escaped = {
         b.brk.name: b.caught for b in report.breaks if not all(b.caught.values())
     }
     assert not escaped, f"breaks a replay or the random test missed: {escaped}"
-    breaks = all_breaks(series.discover(cfg))
+    breaks = all_breaks(discover(cfg))
     assert sorted(b.brk.name for b in report.breaks) == sorted(breaks)
     assert proc.returncode == 0
