@@ -60,7 +60,7 @@ After every rule, and in the middle of each step, on every engine:
   `ExclusiveOwnership`, `NoTransferRace`, `RefCount`, `NullPrefix`,
   `WindowBound`, `ExactAdmission`, `NoPrematurePublish`, `InFlightRead`,
   `InvalidKVRead`, `StoreHold`, `HoldPending`, `LiveRecords`: see
-  stage 03's `scheduler_machine.py`; a store reads the blocks of
+  `hmastack_testkit.scheduler_machine`; a store reads the blocks of
   every job the worker side still runs and those the scheduler side still
   keeps a record of);
 - `LoadableHit`: every block of every group that the scheduler allocated for
@@ -91,7 +91,7 @@ After every rule, and in the middle of each step, on every engine:
   request's block tables and, of one leave, group by group, each group's
   blocks tail first; the held blocks one `update_from_output` releases
   enter the queue one after the other in that order (the definition of
-  s03's `eviction_order.py`).
+  `hmastack_testkit.eviction_order`).
 
 A store's bookkeeping cost (the issue's kind 6) is not a property here: the
 instruction counts measure it.
@@ -116,14 +116,13 @@ import inspect
 import itertools
 import math
 import os
-import sys
 import traceback
 from collections import Counter, deque
 from dataclasses import dataclass
-from pathlib import Path
 
 import msgspec
 from hmastack_testkit import kv_events as router_events
+from hmastack_testkit import scheduler_machine as s03
 from hmastack_testkit import scripted_nixl
 from hmastack_testkit.kvtest import (
     make_cpu_vllm_config,
@@ -169,17 +168,6 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
-
-# Stage 03's harness (the tests of stage 03 are there at every later stage),
-# imported as stage 03's own tests import it (pytest puts their directory on
-# sys.path): one module, one registration of its connectors.
-(_S03,) = (
-    str(p.parent)
-    for p in Path(__file__).resolve().parents[2].glob("*/tests/scheduler_machine.py")
-)
-if _S03 not in sys.path:
-    sys.path.insert(0, _S03)
-import scheduler_machine as s03  # noqa: E402
 
 BLOCK_SIZE = s03.BLOCK_SIZE
 EOS = s03.EOS
@@ -1466,7 +1454,7 @@ class CrossHarness(s03.Harness):
         """`update_from_output`, and EvictionOrder for the held blocks it
         releases (the only call that does): they enter the free queue one
         after the other, in the order in which they last left a block table
-        (the definition of s03's `eviction_order.py`)."""
+        (the definition of `hmastack_testkit.eviction_order`)."""
         manager = self.manager
         queue = self.pool.free_block_queue
         before = {b.block_id for b in queue.get_all_free_blocks()}

@@ -95,11 +95,13 @@ property per failure path of stage 03 (issue "stage 03 failure paths"):
   a delayed free or a load in flight keeps it; `num_in_flight_tokens` counts
   the steps in flight; held blocks, which may outlive the request, are read
   by a store the connector has not reported.
-- `EvictionOrder` (held blocks keep the eviction order, `eviction_order.py`):
+- `EvictionOrder` (held blocks keep the eviction order,
+  `hmastack_testkit.eviction_order`):
   the held blocks a `finished_sending` report releases enter the free block
   queue one after the other, in the order in which they left the block
   tables for the last time (the order of an immediate free).
 
+Stage 03b's tests (`patches/03b-connector-requests/tests/`):
 `test_scheduler_state_machine.py` runs the machine (and `test_coverage`);
 the `test_machine_*.py` files hold shrunk schedules as explicit tests, one
 file per family of properties: `test_machine_holds.py` (blocks kept while a
@@ -119,11 +121,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from eviction_order import EvictionOrder
-from hmastack_testkit import kvtest
-from hmastack_testkit import scripted_connector as scripted
-from hmastack_testkit.kvtest import make_cpu_vllm_config, make_kv_cache_groups
-from hmastack_testkit.scripted_connector import Load, Offer
 from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.control import _current_build_context
@@ -155,6 +152,12 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
+
+from hmastack_testkit import kvtest
+from hmastack_testkit import scripted_connector as scripted
+from hmastack_testkit.eviction_order import EvictionOrder
+from hmastack_testkit.kvtest import make_cpu_vllm_config, make_kv_cache_groups
+from hmastack_testkit.scripted_connector import Load, Offer
 
 BLOCK_SIZE = 16
 EOS = 2
