@@ -24,19 +24,19 @@ Each example draws a `CrossSetup`:
 
 KV cache events are on (`enable_kv_cache_events`) on every engine.
 
-The engines' scheduler sides are vLLM's as they are in the series; the
-worker sides are the boundary, and the machine scripts what they report:
+The engines' scheduler sides are vLLM's as they are in the series; the worker
+sides are the boundary, and the machine scripts what they report:
 OffloadingConnector's real worker side over a transfer handler whose jobs
 finish when a rule says so (`hmastack_testkit.offloading.
-CPUScriptedOffloadingSpec`: a store done, a load done, a load failed, the
-latter as the load's blocks in `invalid_block_ids`); NixlConnector's worker
-side is `ScriptedNixlWorker` (a read done, which notifies the producer; a
-read failed, every local block invalid as NIXL reports it; the producer's
-expiry of a request no consumer reads any more); MultiConnector's worker side
-is vLLM's over those two. vLLM's CPU engine cannot run speculative decoding
-(its CPU model runner refuses a speculative config), so EAGLE meets the
-connectors here, at the scheduler, and in the worker-level tests with real
-NIXL agents over UCX.
+NoCopyOffloadingSpec` with scripted transfers: a store done, a load done, a
+load failed, the latter as the load's blocks in `invalid_block_ids`);
+NixlConnector's worker side is `ScriptedNixlWorker` (a read done, which
+notifies the producer; a read failed, every local block invalid as NIXL
+reports it; the producer's expiry of a request no consumer reads any more);
+MultiConnector's worker side is vLLM's over those two. vLLM's CPU engine
+cannot run speculative decoding (its CPU model runner refuses a speculative
+config), so EAGLE meets the connectors here, at the scheduler, and in the
+worker-level tests with real NIXL agents over UCX.
 
 Rules: add a request (shared prefixes give prefix cache hits; on a P/D pair a
 request to the producer with `do_remote_decode`, or a request of its own to
@@ -130,7 +130,7 @@ from hmastack_testkit.kvtest import (
     make_request,
     make_scheduler,
 )
-from hmastack_testkit.offloading import ScriptedTransferHandler
+from hmastack_testkit.offloading import NoCopyHandler
 from hmastack_testkit.scripted_connector import Load
 from hmastack_testkit.scripted_nixl import PDLink, ScriptedNixlWorker
 from hypothesis import event
@@ -388,8 +388,9 @@ def _offload_config(setup: CrossSetup) -> dict:
         kv_connector="OffloadingConnector",
         kv_role="kv_both",
         kv_connector_extra_config={
-            "spec_name": "CPUScriptedOffloadingSpec",
+            "spec_name": "NoCopyOffloadingSpec",
             "spec_module_path": "hmastack_testkit.offloading",
+            "scripted_transfers": True,
             "num_cpu_blocks": setup.num_cpu_blocks,
             "eviction_policy": setup.manager,
         },
@@ -691,9 +692,7 @@ class ConnectorView:
         for job_id, spec in h.handler.pending.items():
             req_id, store = jobs[job_id]
             if store:
-                out.setdefault(req_id, set()).update(
-                    ScriptedTransferHandler.gpu_block_ids(spec)
-                )
+                out.setdefault(req_id, set()).update(NoCopyHandler.gpu_block_ids(spec))
         return {r: b for r, b in out.items() if b}
 
     @property
@@ -749,7 +748,7 @@ class CrossHarness(s03.Harness):
         self.nixl_worker = next(
             (c for c in workers if isinstance(c, ScriptedNixlWorker)), None
         )
-        self.handler: ScriptedTransferHandler | None = (
+        self.handler: NoCopyHandler | None = (
             self.offload_worker.connector_worker.spec.handler
             if self.offload_worker is not None
             else None
@@ -1229,7 +1228,7 @@ class CrossHarness(s03.Harness):
         scheduler_side = self.offload.connector_scheduler
         req_id = request.request_id
         load = scheduler_side._reqs_to_load.get(req_id)
-        written = set(ScriptedTransferHandler.gpu_block_ids(load)) if load else set()
+        written = set(NoCopyHandler.gpu_block_ids(load)) if load else set()
         failed = set(scheduler_side._load_errors.get(req_id, ()))
         num_hashes = len(request.block_hashes)
         allocated = {
@@ -1695,7 +1694,7 @@ class CrossHarness(s03.Harness):
         spec = self.handler.finish(transfer.job_id)
         _note(f"offloading {transfer.kind} finished")
         if transfer.kind == "load" and fail is not None:
-            blocks = ScriptedTransferHandler.gpu_block_ids(spec)
+            blocks = NoCopyHandler.gpu_block_ids(spec)
             self.invalid_block_ids |= set(blocks[fail % len(blocks) :])
             _note("offloading load failed")
 
