@@ -117,6 +117,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -437,15 +438,21 @@ def machine_vllm_config(setup: Setup, connector_cls: type) -> VllmConfig:
         max_model_len=MAX_MODEL_LEN,
     )
     if setup.num_spec_tokens:
-        speculative_config = SpeculativeConfig(
-            method="ngram", num_speculative_tokens=setup.num_spec_tokens
+        vllm_config.speculative_config = speculative_config(
+            setup.num_spec_tokens, setup.eagle
         )
-        if setup.eagle:
-            # The scheduler only asks use_eagle() (lookahead slots for the
-            # drafts); an eagle draft model cannot be built on CPU.
-            object.__setattr__(speculative_config, "method", "eagle")
-        vllm_config.speculative_config = speculative_config
     return vllm_config
+
+
+def speculative_config(num_spec_tokens: int, eagle: bool) -> SpeculativeConfig:
+    """Speculative decoding with `num_spec_tokens` draft tokens, ngram's or,
+    with `eagle`, EAGLE's (lookahead slots for the drafts)."""
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=num_spec_tokens)
+    if eagle:
+        # The scheduler only asks use_eagle() (lookahead slots for the
+        # drafts); an eagle draft model cannot be built on CPU.
+        object.__setattr__(config, "method", "eagle")
+    return config
 
 
 def machine_scheduler(setup: Setup) -> Scheduler:
@@ -471,6 +478,13 @@ def machine_scheduler(setup: Setup) -> Scheduler:
 
 def make_request(req_id: str, prompt: list[int], max_tokens: int) -> Request:
     return kvtest.make_request(req_id, prompt, BLOCK_SIZE, max_tokens, EOS)
+
+
+def make_prompt(prefix: int, num_own: int, serial: int) -> list[int]:
+    """A prompt: the shared prefix `prefix` (of `PREFIX_BLOCKS`), then
+    `num_own` tokens of the prompt numbered `serial`."""
+    prompt = [1000 + 7 * i + prefix for i in range(PREFIX_BLOCKS[prefix] * BLOCK_SIZE)]
+    return prompt + [3000 + 100 * serial + i for i in range(num_own)]
 
 
 @dataclass
@@ -506,19 +520,34 @@ class Harness:
     def __init__(self, setup: Setup):
         self.setup = setup
         self.kinds = LAYOUTS[setup.layout]
-        self.windows = [
-            setup.window if kind == "sliding_window" else None for kind in self.kinds
-        ]
         self.scheduler = machine_scheduler(setup)
         self.connector: MachineChecks = self.scheduler.connector  # type: ignore
-        self.manager = self.scheduler.kv_cache_manager
-        self.pool = self.manager.block_pool
         # EvictionOrder: observes the frees and the releases of held blocks.
         self.eviction_order = EvictionOrder(self.scheduler)
-        self.next_id = 0
-        # Connector events reported with the next model runner output.
-        self.finished_recving: set[str] = set()
+        self._observe()
+        # Stores reported with the next model runner output.
         self.finished_sending: set[str] = set()
+        # req_id -> fail_sync of the sync load of its that fails when the step
+        # that loads it returns (`fail_sync_load`).
+        self.fail_load_of: dict[str, int] = {}
+        # Requests a step loaded synchronously.
+        self.sync_loaded: set[str] = set()
+        _note("example")
+
+    def _observe(self) -> None:
+        """The state of the fake model runner and of the checks over
+        `scheduler`, and the wrappers of the scheduler's calls that the
+        checks measure (`setup`, `kinds`, `scheduler` and `connector` are
+        set first)."""
+        self.windows = [
+            self.setup.window if kind == "sliding_window" else None
+            for kind in self.kinds
+        ]
+        self.manager = self.scheduler.kv_cache_manager
+        self.pool = self.manager.block_pool
+        self.next_id = 0
+        # Loads reported with the next model runner output.
+        self.finished_recving: set[str] = set()
         self.invalid_block_ids: set[int] = set()
         # req_id -> tokens (in flight + lookahead) of its last allocation.
         self.last_allocated: dict[str, int] = {}
@@ -540,18 +569,12 @@ class Harness:
         self.noted: set[str] = set()
         # req_id -> (prompt, max_tokens) of every request added (add_again).
         self.prompts: dict[str, tuple[list[int], int]] = {}
-        # req_id -> fail_sync of the sync load of its that fails when the step
-        # that loads it returns (`fail_sync_load`).
-        self.fail_load_of: dict[str, int] = {}
         # While the step that loads this request's external tokens
         # synchronously is in flight and the request runs, the pool is short
         # of blocks for every running request's allocation that takes any:
         # the scheduler preempts for memory (`preempt_for_memory`).
         self.short_of_blocks_for: str | None = None
-        # Requests a step loaded synchronously.
-        self.sync_loaded: set[str] = set()
         self._wrap_allocate_slots()
-        _note("example")
 
     # -- ExactAdmission: measure every allocate_slots of the scheduler.
     def _wrap_allocate_slots(self) -> None:
@@ -636,10 +659,7 @@ class Harness:
     ) -> str:
         req_id = f"r{self.next_id}"
         self.next_id += 1
-        prompt = [
-            1000 + 7 * i + prefix for i in range(PREFIX_BLOCKS[prefix] * BLOCK_SIZE)
-        ]
-        prompt += [3000 + 100 * self.next_id + i for i in range(num_own)]
+        prompt = make_prompt(prefix, num_own, self.next_id)
         if num_external:
             self.connector.offers[req_id] = Offer(
                 num_external, load_async, whole_prompt=True
@@ -695,29 +715,7 @@ class Harness:
             _note("drafts scheduled")
         if self.in_flight:
             _note("scheduled with a step in flight")
-        for req_id in output.num_scheduled_tokens:
-            request = scheduler.requests[req_id]
-            self.last_allocated[req_id] = (
-                request.num_in_flight_tokens + scheduler.num_lookahead_tokens
-            )
-        for req_id in connector.pending:
-            self.last_allocated.setdefault(req_id, 0)
-        step = Step(
-            output,
-            {
-                req_id: len(output.scheduled_spec_decode_tokens.get(req_id, ()))
-                for req_id in output.num_scheduled_tokens
-                if scheduler.requests[req_id].num_computed_tokens
-                >= scheduler.requests[req_id].num_tokens
-            },
-            dict(connector.sync_loads),
-            {},
-            {},
-            set(),
-            accept,
-            eos_pick,
-            fail_sync,
-        )
+        step = self._new_step(output, accept, eos_pick, fail_sync)
         self._read_and_write(step)
         self.check_valid_hits()
         self.check_recached(output)
@@ -735,6 +733,40 @@ class Harness:
         self.check_progress(
             bool(output.total_num_scheduled_tokens)
             or scheduler.get_num_unfinished_requests() < num_unfinished
+        )
+
+    def _new_step(
+        self,
+        output: SchedulerOutput,
+        accept: int,
+        eos_pick: int | None,
+        fail_sync: int | None,
+    ) -> Step:
+        """The step `schedule` returned `output` for, and the tokens of each
+        request's allocation in it (WindowBound)."""
+        scheduler = self.scheduler
+        for req_id in output.num_scheduled_tokens:
+            request = scheduler.requests[req_id]
+            self.last_allocated[req_id] = (
+                request.num_in_flight_tokens + scheduler.num_lookahead_tokens
+            )
+        for req_id in self.connector.pending:
+            self.last_allocated.setdefault(req_id, 0)
+        return Step(
+            output,
+            {
+                req_id: len(output.scheduled_spec_decode_tokens.get(req_id, ()))
+                for req_id in output.num_scheduled_tokens
+                if scheduler.requests[req_id].num_computed_tokens
+                >= scheduler.requests[req_id].num_tokens
+            },
+            dict(self.connector.sync_loads),
+            {},
+            {},
+            set(),
+            accept,
+            eos_pick,
+            fail_sync,
         )
 
     def drain(self) -> None:
@@ -780,8 +812,8 @@ class Harness:
                     ].block_hash
         for req_id, start in starts.items():
             read = step.reads.setdefault(req_id, set())
-            for group, window in enumerate(self.windows):
-                first = 0 if window is None else max(0, start - window + 1)
+            for group in range(len(self.kinds)):
+                first = self._first_read(group, start)
                 for block_id, offset in self._positions(req_id, group, first, start):
                     read.add(block_id)
                     if offset in self.invalid_slots.get(block_id, ()):
@@ -790,6 +822,12 @@ class Harness:
                             f"{offset} of block {block_id} (group {group}) whose "
                             "load failed and that no step computed since"
                         )
+
+    def _first_read(self, group: int, start: int) -> int:
+        """The first token whose KV the layers of `group` read for a token
+        at `start` (its window)."""
+        window = self.windows[group]
+        return 0 if window is None else max(0, start - window + 1)
 
     def _write(self, block_id: int, offset: int) -> None:
         offsets = self.invalid_slots.get(block_id)
@@ -845,13 +883,7 @@ class Harness:
                 own = {b.block_id for g in tables.get(req_id, []) for b in g}
                 if load.all_block_ids() & invalid & own:
                     connector.load_failed.add(req_id)
-            for block_id in invalid:
-                self.invalid_slots[block_id] = set(range(BLOCK_SIZE))
-            # Steps scheduled later ran later: what they wrote stays.
-            for later in self.in_flight:
-                for block_id, offset in later.written:
-                    if block_id in invalid:
-                        self._write(block_id, offset)
+            self._invalidate(invalid)
             # This step and the later ones in flight computed on that KV.
             for s in (step, *self.in_flight):
                 for req_id, blocks in s.reads.items():
@@ -861,40 +893,11 @@ class Harness:
                             _note("load failure reported after a later step")
         # Async loads reported now wrote their blocks (except failed ones).
         for req_id in self.finished_recving:
-            load = connector.pending[req_id]
-            for group in range(len(self.kinds)):
-                for block_id, offset in self._positions(
-                    req_id, group, load.start, load.end
-                ):
-                    if block_id not in invalid:
-                        self._write(block_id, offset)
+            self._write_load(req_id, connector.pending[req_id], invalid)
 
-        req_ids = list(step.output.num_scheduled_tokens)
-        sampled: list[list[int]] = []
-        for i, req_id in enumerate(req_ids):
-            if req_id not in step.samples:
-                sampled.append([])  # a chunk of the prompt
-                continue
-            n = 1 + min(step.accept, step.samples[req_id])
-            tokens = [500 + (i + j) % 50 for j in range(n)]
-            if step.eos_pick is not None and step.eos_pick % len(req_ids) == i:
-                tokens[-1] = EOS
-            sampled.append(tokens)
-        has_kv_output = bool(self.finished_recving or self.finished_sending or invalid)
-        model_runner_output = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            logprobs=None,
-            prompt_logprobs_dict={},
-            pooler_output=[],
-            kv_connector_output=KVConnectorOutput(
-                finished_sending=set(self.finished_sending) or None,
-                finished_recving=set(self.finished_recving) or None,
-                invalid_block_ids=invalid,
-            )
-            if has_kv_output
-            else None,
+        req_ids, sampled = self._sample(step)
+        model_runner_output = self._model_runner_output(
+            req_ids, sampled, self.finished_sending, self.finished_recving, invalid
         )
         for req_id in self.finished_recving:
             connector.pending.pop(req_id, None)
@@ -965,8 +968,79 @@ class Harness:
             for r in req_ids
         ):
             _note("request finished")
-        # The drafter proposes for every request that sampled (with async
-        # scheduling the worker fills the scheduler's placeholders).
+        self._propose_drafts(req_ids, sampled)
+
+    def _invalidate(self, invalid: set[int]) -> None:
+        """A load failed to write the blocks `invalid`: none of their KV is
+        valid, but what the steps in flight write (scheduled later, they run
+        later) stays."""
+        for block_id in invalid:
+            self.invalid_slots[block_id] = set(range(BLOCK_SIZE))
+        for later in self.in_flight:
+            for block_id, offset in later.written:
+                if block_id in invalid:
+                    self._write(block_id, offset)
+
+    def _write_load(self, req_id: str, load: Load, invalid: set[int]) -> None:
+        """A load of `req_id` reported done wrote its blocks, except the
+        blocks `invalid`."""
+        for group in range(len(self.kinds)):
+            for block_id, offset in self._positions(
+                req_id, group, load.start, load.end
+            ):
+                if block_id not in invalid:
+                    self._write(block_id, offset)
+
+    def _sample(self, step: Step) -> tuple[list[str], list[list[int]]]:
+        """The requests of `step` and the tokens the fake model runner samples
+        for each: none for a chunk of the prompt, else one token and the
+        draft tokens it accepts (`accept`), EOS last for the request
+        `eos_pick` picks."""
+        req_ids = list(step.output.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        for i, req_id in enumerate(req_ids):
+            if req_id not in step.samples:
+                sampled.append([])  # a chunk of the prompt
+                continue
+            n = 1 + min(step.accept, step.samples[req_id])
+            tokens = [500 + (i + j) % 50 for j in range(n)]
+            if step.eos_pick is not None and step.eos_pick % len(req_ids) == i:
+                tokens[-1] = EOS
+            sampled.append(tokens)
+        return req_ids, sampled
+
+    @staticmethod
+    def _model_runner_output(
+        req_ids: list[str],
+        sampled: list[list[int]],
+        sending: set[str],
+        recving: set[str],
+        invalid: set[int],
+    ) -> ModelRunnerOutput:
+        """The model runner's output: the tokens sampled and what the worker
+        side of the connector reports (stores and loads done, the blocks of
+        failed loads)."""
+        has_kv_output = bool(sending or recving or invalid)
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=[],
+            kv_connector_output=KVConnectorOutput(
+                finished_sending=set(sending) or None,
+                finished_recving=set(recving) or None,
+                invalid_block_ids=set(invalid),
+            )
+            if has_kv_output
+            else None,
+        )
+
+    def _propose_drafts(self, req_ids: list[str], sampled: list[list[int]]) -> None:
+        """The drafter proposes for every request that sampled (with async
+        scheduling the worker fills the scheduler's placeholders)."""
+        scheduler = self.scheduler
         if scheduler.num_spec_tokens and not self.setup.async_scheduling:
             draft_req_ids = [
                 r
@@ -1129,10 +1203,23 @@ class Harness:
     def check_all(self) -> None:
         """Every safety property; a failure names the property (as in
         spec/HybridKVAlloc.tla, or the table of the module docstring)."""
+        if len(self.eviction_order.last_released) > 1:
+            _note("held blocks released together")
+        for name, check in self.safety_checks():
+            try:
+                check()
+            except AssertionError as exc:
+                raise AssertionError(f"{name} violated: {exc}") from exc
+        if self.violations:
+            raise AssertionError(self.violations[0])
+
+    def safety_checks(self) -> list[tuple[str, Callable[[], None]]]:
+        """The safety properties on the scheduler's state as it is now: each
+        one's name and its check, which raises an AssertionError."""
         tables = self.tables()
         held = self.held()
         free = self.free_block_ids()
-        checks = [
+        return [
             ("Conservation", lambda: self.check_conservation(tables, held, free)),
             ("ExclusiveOwnership", lambda: self.check_exclusive_ownership(tables)),
             ("NoTransferRace", lambda: self.check_no_transfer_race(tables, free)),
@@ -1150,17 +1237,8 @@ class Harness:
             ("NoReload", self.check_no_reload),
             ("FinishedTables", self.check_finished_tables),
             ("LiveRecords", self.check_live_records),
-            ("EvictionOrder", self.eviction_order.check),
+            ("EvictionOrder", lambda: self.eviction_order.check()),
         ]
-        if len(self.eviction_order.last_released) > 1:
-            _note("held blocks released together")
-        for name, check in checks:
-            try:
-                check()
-            except AssertionError as exc:
-                raise AssertionError(f"{name} violated: {exc}") from exc
-        if self.violations:
-            raise AssertionError(self.violations[0])
 
     def check_live_records(self) -> None:
         """The connector side of a request lives no longer than the request:
