@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 from hmastack_testkit.scheduler_machine import (
     Harness,
-    SchedulerMachine,
     Setup,
     connector_state,
     req_args,
 )
+from machine_rules import SchedulerMachine
 
 
 @pytest.mark.parametrize("layout", ["gpt_oss_like", "gemma3_like"])

@@ -1,8 +1,10 @@
 """Stage 03: the harness of the stateful random test of the real `Scheduler`
 (and `AsyncScheduler`) with a hybrid KV cache and a scripted KV connector:
-the connectors, the `Harness` and its invariants, and `SchedulerMachine`.
+the connectors, the `Harness` and its invariants (stage 03b's
+`SchedulerMachine` drives it with hypothesis, stage 08's cross-stage machine
+drives the series' connectors with it).
 
-Hypothesis drives `vllm.v1.core.sched.scheduler.Scheduler` or, with
+The harness drives `vllm.v1.core.sched.scheduler.Scheduler` or, with
 `async_scheduling`, `AsyncScheduler` (the next step is scheduled before the
 previous one's output is processed: steps in flight, output placeholders);
 with `batch_queue`, the `Scheduler` with a batch queue of depth 2 (the
@@ -21,29 +23,20 @@ pool, so that requests are refused, evicted and preempted; prefix caching on;
 speculative decoding with draft tokens, with eagle-style lookahead slots or
 without.
 
-Rules: add a request (shared prefixes give local prefix cache hits, so load
-failures hit shared blocks; the connector holds an external prefix, loaded
-synchronously or asynchronously), run engine steps (`schedule`, a fake model
-runner output with sampled and accepted draft tokens, EOS or max_tokens,
-`update_from_output`, new draft tokens), finish an async load
-(`finished_recving`), fail a load (`invalid_block_ids`, async or sync), abort
-a request, report a store (`finished_sending`), and `fail_sync_load`: a
-request with a sync load that mostly fails when its step returns, preempted
-for memory (the pool is short of blocks for every running request's
-allocation that takes any) or aborted while that step is in flight, and its
-prompt sent again afterwards. A request created with
-`save=True` is stored by the connector: the blocks that become full in each
-of its steps (a store planned in `build_connector_meta`, still reading them
-until reported, so the scheduler must hold them when they leave the tables,
-see `KVConnectorBase_V1.request_blocks_freed`), and all its blocks when it
+A request created with `save=True` is stored by the connector: the blocks
+that become full in each of its steps (a store planned in
+`build_connector_meta`, still reading them until reported, so the scheduler
+must hold them when they leave the tables, see
+`KVConnectorBase_V1.request_blocks_freed`), and all its blocks when it
 finishes (a delayed free).
 
-After every rule, and in the middle of each step (after `schedule`, while the
-model runner would execute and sync loads write), the invariants check the
-model's safety properties (spec/HybridKVAlloc.tla) on the scheduler's real
-state: Conservation, ExclusiveOwnership, NoTransferRace, RefCount,
-NullPrefix, WindowBound, ExactAdmission, NoPrematurePublish; and one
-property per failure path of stage 03 (issue "stage 03 failure paths"):
+After every rule of the machine, and in the middle of each step (after
+`schedule`, while the model runner would execute and sync loads write),
+`Harness.check_all` checks the model's safety properties
+(spec/HybridKVAlloc.tla) on the scheduler's real state: Conservation,
+ExclusiveOwnership, NoTransferRace, RefCount, NullPrefix, WindowBound,
+ExactAdmission, NoPrematurePublish; and one property per failure path of
+stage 03 (issue "stage 03 failure paths"):
 
 - `InvalidKVRead` (shared invalid blocks): no scheduled step reads KV that
   a load failed to write and that no step wrote since;
@@ -102,7 +95,8 @@ property per failure path of stage 03 (issue "stage 03 failure paths"):
   tables for the last time (the order of an immediate free).
 
 Stage 03b's tests (`patches/03b-connector-requests/tests/`):
-`test_scheduler_state_machine.py` runs the machine (and `test_coverage`);
+`machine_rules.py` holds the machine's rules (`SchedulerMachine`),
+`test_scheduler_state_machine.py` runs it (and `test_coverage`);
 the `test_machine_*.py` files hold shrunk schedules as explicit tests, one
 file per family of properties: `test_machine_holds.py` (blocks kept while a
 connector reads or writes them), `test_machine_external_tokens.py` (the
@@ -115,7 +109,6 @@ requests while a step that loads or computes on a load is in flight).
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -123,14 +116,7 @@ from typing import Any
 
 import torch
 from hypothesis import event
-from hypothesis import strategies as st
 from hypothesis.control import _current_build_context
-from hypothesis.stateful import (
-    RuleBasedStateMachine,
-    initialize,
-    invariant,
-    rule,
-)
 from vllm.config import (
     KVTransferConfig,
     SpeculativeConfig,
@@ -1648,152 +1634,6 @@ def check_mamba_rejected(setup: Setup) -> None:
         raise AssertionError(
             "MambaRejected violated: the connector was created with a Mamba group"
         )
-
-
-# -- the state machine --------------------------------------------------------
-
-setups = st.builds(
-    Setup,
-    # Layouts with HMA on twice as often as the two with HMA off: most of the
-    # series' rules (null prefix, window bound, per-group loads) are theirs.
-    layout=st.sampled_from(["gemma3_like", "gpt_oss_like"] * 2 + sorted(PLAIN_LAYOUTS)),
-    window=st.sampled_from([32, 64]),
-    num_blocks=st.integers(16, 72),
-    num_spec_tokens=st.sampled_from([0, 0, 2, 3]),
-    eagle=st.booleans(),
-    max_num_batched_tokens=st.sampled_from([64, 128, 512]),
-    fail_policy=st.sampled_from(["recompute", "recompute", "fail"]),
-    async_scheduling=st.booleans(),
-    batch_queue=st.booleans(),
-).map(
-    lambda setup: dataclasses.replace(
-        setup,
-        batch_queue=setup.batch_queue
-        and not setup.async_scheduling
-        and not setup.num_spec_tokens,
-    )
-)
-
-request_args = st.fixed_dictionaries(
-    dict(
-        prefix=st.integers(0, len(PREFIX_BLOCKS) - 1),
-        num_own=st.integers(1, 120),
-        num_external=st.sampled_from([0, 0, 16, 40, 64, 100, 160, 240]),
-        load_async=st.booleans(),
-        max_tokens=st.integers(1, 12),
-        save=st.booleans(),
-    )
-)
-
-# A request whose external tokens load synchronously (`fail_sync_load`):
-# prompts that end at a block boundary or run past the token budget need a
-# block in the step after the load's (a decode with a step in flight, or the
-# next chunk of the prompt), so that a pool short of blocks preempts them.
-sync_load_args = st.fixed_dictionaries(
-    dict(
-        prefix=st.integers(0, len(PREFIX_BLOCKS) - 1),
-        num_own=st.sampled_from([16, 32, 48, 96, 112]) | st.integers(1, 120),
-        num_external=st.sampled_from([16, 40, 64, 100, 160]),
-        load_async=st.just(False),
-        max_tokens=st.integers(1, 12),
-        save=st.booleans(),
-    )
-)
-
-
-class SchedulerMachine(RuleBasedStateMachine):
-    """Rules without preconditions (a rule with nothing to act on does
-    nothing): hypothesis gives up an example when several draws in a row hit
-    disabled rules."""
-
-    harness: Harness
-
-    @initialize(setup=setups, first=st.lists(request_args, min_size=1, max_size=4))
-    def start(self, setup, first):
-        check_mamba_rejected(setup)
-        self.harness = Harness(setup)
-        if setup.async_scheduling:
-            _note("async scheduling")
-        if setup.batch_queue:
-            _note("batch queue")
-        for args in first:
-            self.harness.add_request(**args)
-
-    @rule(args=request_args)
-    def add_request(self, args):
-        if len(self.harness.scheduler.requests) < 8:
-            self.harness.add_request(**args)
-
-    @rule(
-        num_steps=st.integers(1, 4),
-        accept=st.integers(0, 3),
-        eos_pick=st.none() | st.integers(0, 7),
-        fail_sync=st.none() | st.integers(0, 63),
-        fail_left=st.none() | st.integers(0, 63),
-    )
-    def steps(self, num_steps, accept, eos_pick, fail_sync, fail_left):
-        """Engine steps; the first may fail the sync loads it starts, each may
-        fail the sync load of a request preempted or aborted while that load
-        is in flight."""
-        for i in range(num_steps):
-            self.harness.step(
-                accept, eos_pick, fail_sync if i == 0 else None, fail_left
-            )
-            self.harness.check_all()
-
-    @rule()
-    def drain(self):
-        """The model runner returns every step in flight (async scheduling)."""
-        self.harness.drain()
-
-    @rule(pick=st.integers(0, 7))
-    def finish_load(self, pick):
-        if self.harness.loads_to_report():
-            self.harness.finish_load(pick)
-
-    @rule(pick=st.integers(0, 7), group=st.integers(0, 5), first=st.integers(0, 15))
-    def fail_load(self, pick, group, first):
-        if self.harness.loads_to_report():
-            self.harness.fail_load(pick, group, first)
-
-    @rule(pick=st.integers(0, 7))
-    def abort(self, pick):
-        if any(not r.is_finished() for r in self.harness.scheduler.requests.values()):
-            self.harness.abort(pick)
-
-    @rule(pick=st.integers(0, 7))
-    def abort_load_in_flight(self, pick):
-        """An abort while a step that loads the request's external tokens
-        synchronously is in flight (async scheduling); the next `steps` may
-        fail that load."""
-        if self.harness.loads_in_flight():
-            self.harness.abort_load_in_flight(pick)
-
-    @rule(
-        args=sync_load_args,
-        # Mostly a failing load.
-        fail=st.integers(0, 63) | st.integers(0, 63) | st.none(),
-        leaves=st.sampled_from([None, "memory", "memory", "abort"]),
-        again=st.booleans(),
-        num_steps=st.integers(2, 4),
-    )
-    def fail_sync_load(self, args, fail, leaves, again, num_steps):
-        """A request loads its external tokens synchronously and the load may
-        fail when its step returns; with steps in flight, the request may be
-        preempted for memory or aborted while that step is in flight; its
-        prompt may be sent again once that step returned (ValidHit,
-        InvalidHit, InvalidOutput, Recached)."""
-        if len(self.harness.scheduler.requests) < 8:
-            self.harness.fail_sync_load(args, fail, leaves, again, num_steps)
-
-    @rule(pick=st.integers(0, 7))
-    def finish_save(self, pick):
-        if self.harness.stores_to_report():
-            self.harness.finish_save(pick)
-
-    @invariant()
-    def safety(self):
-        self.harness.check_all()
 
 
 # -- the explicit tests' requests -----------------------------------------------
