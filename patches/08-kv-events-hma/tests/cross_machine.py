@@ -1598,6 +1598,9 @@ class CrossHarness(s03.Harness):
     # -- checks
     def check_all(self) -> None:
         checks = [(n, c) for n, c in self.safety_checks() if n in S03_PROPERTIES]
+        assert len(checks) == len(S03_PROPERTIES), (
+            "S03_PROPERTIES names a property the harness does not check"
+        )
         for name, check in checks:
             try:
                 check()
