@@ -1,5 +1,5 @@
 """Stage 03, shrunk schedules of the random `Scheduler` test
-(`scheduler_machine.py`): a request aborted while the step that loads
+(`hmastack_testkit.scheduler_machine`): a request aborted while the step that loads
 its external tokens synchronously is in flight (the in-flight fence):
 it leaves no record (LiveRecords), and when that load fails nothing
 computed on the failed KV stays a prefix cache hit (InvalidHit,
@@ -9,7 +9,7 @@ ValidHit).
 from __future__ import annotations
 
 import pytest
-from scheduler_machine import (
+from hmastack_testkit.scheduler_machine import (
     Harness,
     Setup,
     connector_state,

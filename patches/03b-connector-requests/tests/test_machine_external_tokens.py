@@ -1,5 +1,5 @@
 """Stage 03, shrunk schedules of the random `Scheduler` test
-(`scheduler_machine.py`): the blocks external tokens get (WindowBound),
+(`hmastack_testkit.scheduler_machine`): the blocks external tokens get (WindowBound),
 where a request resumes after an async load (ResumeAfterLoad) and the
 block tables the connector is given (ConnectorTables).
 """
@@ -7,7 +7,7 @@ block tables the connector is given (ConnectorTables).
 from __future__ import annotations
 
 import pytest
-from scheduler_machine import (
+from hmastack_testkit.scheduler_machine import (
     Harness,
     Setup,
     req_args,

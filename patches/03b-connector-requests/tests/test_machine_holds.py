@@ -1,5 +1,5 @@
 """Stage 03, shrunk schedules of the random `Scheduler` test
-(`scheduler_machine.py`): blocks a connector reads or writes stay
+(`hmastack_testkit.scheduler_machine`): blocks a connector reads or writes stay
 allocated until it reports the transfer (NoTransferRace), and such a
 hold is pending work of the engine (HoldPending).
 """
@@ -7,7 +7,7 @@ hold is pending work of the engine (HoldPending).
 from __future__ import annotations
 
 import pytest
-from scheduler_machine import (
+from hmastack_testkit.scheduler_machine import (
     Harness,
     Setup,
     req_args,

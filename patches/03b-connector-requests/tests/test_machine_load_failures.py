@@ -1,5 +1,5 @@
 """Stage 03, shrunk schedules of the random `Scheduler` test
-(`scheduler_machine.py`): failed loads and their recovery, with no
+(`hmastack_testkit.scheduler_machine`): failed loads and their recovery, with no
 request leaving while a step on the load is in flight: blocks shared
 with a failed load (ExclusiveOwnership), a load that fails again and
 again (NoReload), blocks computed again (Recached), and a request that
@@ -8,7 +8,7 @@ computed on the failed KV of another one's load.
 
 from __future__ import annotations
 
-from scheduler_machine import (
+from hmastack_testkit.scheduler_machine import (
     Harness,
     Setup,
     req_args,

@@ -1,5 +1,5 @@
 """Stage 03, shrunk schedules of the random `Scheduler` test
-(`scheduler_machine.py`): a request preempted (for memory, or by a
+(`hmastack_testkit.scheduler_machine`): a request preempted (for memory, or by a
 load failure reported a step late) while a step that loads or
 computes on a synchronous load is in flight, and that load fails:
 no token of that step is emitted (InvalidOutput), nothing computed on
@@ -10,13 +10,13 @@ the request is scheduled again (LiveRecords).
 from __future__ import annotations
 
 import pytest
-from scheduler_machine import (
+from hmastack_testkit.scheduler_machine import (
     Harness,
-    SchedulerMachine,
     Setup,
     connector_state,
     req_args,
 )
+from machine_rules import SchedulerMachine
 
 
 @pytest.mark.parametrize("layout", ["gpt_oss_like", "gemma3_like"])

@@ -1,6 +1,6 @@
 """Stage 03: the stateful random test of the real `Scheduler` (and
 `AsyncScheduler`) with a hybrid KV cache and a scripted KV connector:
-hypothesis runs `SchedulerMachine` (`scheduler_machine.py`: its rules, its
+hypothesis runs `SchedulerMachine` (`machine_rules.py`: its rules; its
 setups and the invariants it checks after every rule and in the middle of
 each step).
 
@@ -24,8 +24,9 @@ import os
 
 import pytest
 from hmastack_testkit.kvtest import hypothesis_settings
+from hmastack_testkit.scheduler_machine import COVERAGE
 from hypothesis import Phase, settings
-from scheduler_machine import COVERAGE, SchedulerMachine
+from machine_rules import SchedulerMachine
 
 # The examples of the fixed set.
 FIXED_EXAMPLES = 100

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from hmastack_testkit.kvtest import init_one_process_world
 from layouts import CHUNK
 
 # LMCache reads its configuration from the environment once per process.
@@ -28,22 +29,7 @@ os.environ.setdefault("LMCACHE_SAVE_UNFULL_CHUNK", "False")
 @pytest.fixture(scope="session")
 def distributed():
     """A one-process vLLM world (gloo): the adapter asks for its TP rank."""
-    import socket
-
-    from vllm.distributed import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        parallel_state.init_distributed_environment(
-            world_size=1,
-            rank=0,
-            distributed_init_method=f"tcp://127.0.0.1:{port}",
-            local_rank=0,
-            backend="gloo",
-        )
-        parallel_state.initialize_model_parallel(1, 1)
+    init_one_process_world()
     yield
 
 

@@ -24,19 +24,19 @@ Each example draws a `CrossSetup`:
 
 KV cache events are on (`enable_kv_cache_events`) on every engine.
 
-The engines' scheduler sides are vLLM's as they are in the series; the
-worker sides are the boundary, and the machine scripts what they report:
+The engines' scheduler sides are vLLM's as they are in the series; the worker
+sides are the boundary, and the machine scripts what they report:
 OffloadingConnector's real worker side over a transfer handler whose jobs
 finish when a rule says so (`hmastack_testkit.offloading.
-CPUScriptedOffloadingSpec`: a store done, a load done, a load failed, the
-latter as the load's blocks in `invalid_block_ids`); NixlConnector's worker
-side is `ScriptedNixlWorker` (a read done, which notifies the producer; a
-read failed, every local block invalid as NIXL reports it; the producer's
-expiry of a request no consumer reads any more); MultiConnector's worker side
-is vLLM's over those two. vLLM's CPU engine cannot run speculative decoding
-(its CPU model runner refuses a speculative config), so EAGLE meets the
-connectors here, at the scheduler, and in the worker-level tests with real
-NIXL agents over UCX.
+NoCopyOffloadingSpec` with scripted transfers: a store done, a load done, a
+load failed, the latter as the load's blocks in `invalid_block_ids`);
+NixlConnector's worker side is `ScriptedNixlWorker` (a read done, which
+notifies the producer; a read failed, every local block invalid as NIXL
+reports it; the producer's expiry of a request no consumer reads any more);
+MultiConnector's worker side is vLLM's over those two. vLLM's CPU engine
+cannot run speculative decoding (its CPU model runner refuses a speculative
+config), so EAGLE meets the connectors here, at the scheduler, and in the
+worker-level tests with real NIXL agents over UCX.
 
 Rules: add a request (shared prefixes give prefix cache hits; on a P/D pair a
 request to the producer with `do_remote_decode`, or a request of its own to
@@ -60,7 +60,7 @@ After every rule, and in the middle of each step, on every engine:
   `ExclusiveOwnership`, `NoTransferRace`, `RefCount`, `NullPrefix`,
   `WindowBound`, `ExactAdmission`, `NoPrematurePublish`, `InFlightRead`,
   `InvalidKVRead`, `StoreHold`, `HoldPending`, `LiveRecords`: see
-  stage 03's `scheduler_machine.py`; a store reads the blocks of
+  `hmastack_testkit.scheduler_machine`; a store reads the blocks of
   every job the worker side still runs and those the scheduler side still
   keeps a record of);
 - `LoadableHit`: every block of every group that the scheduler allocated for
@@ -91,7 +91,7 @@ After every rule, and in the middle of each step, on every engine:
   request's block tables and, of one leave, group by group, each group's
   blocks tail first; the held blocks one `update_from_output` releases
   enter the queue one after the other in that order (the definition of
-  s03's `eviction_order.py`).
+  `hmastack_testkit.eviction_order`).
 
 A store's bookkeeping cost (the issue's kind 6) is not a property here: the
 instruction counts measure it.
@@ -116,29 +116,27 @@ import inspect
 import itertools
 import math
 import os
-import sys
 import traceback
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 
 import msgspec
 from hmastack_testkit import kv_events as router_events
+from hmastack_testkit import scheduler_machine as s03
 from hmastack_testkit import scripted_nixl
 from hmastack_testkit.kvtest import (
     make_cpu_vllm_config,
     make_kv_cache_groups,
-    make_request,
     make_scheduler,
 )
-from hmastack_testkit.offloading import ScriptedTransferHandler
+from hmastack_testkit.offloading import NoCopyHandler
 from hmastack_testkit.scripted_connector import Load
 from hmastack_testkit.scripted_nixl import PDLink, ScriptedNixlWorker
 from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.control import _current_build_context
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from vllm.config import KVEventsConfig, KVTransferConfig, SpeculativeConfig
+from vllm.config import KVEventsConfig, KVTransferConfig
 from vllm.distributed.kv_events import KVEventBatch
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -167,22 +165,9 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     SlidingWindowSpec,
 )
-from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
-# Stage 03's harness (the tests of stage 03 are there at every later stage),
-# imported as stage 03's own tests import it (pytest puts their directory on
-# sys.path): one module, one registration of its connectors.
-(_S03,) = (
-    str(p.parent)
-    for p in Path(__file__).resolve().parents[2].glob("*/tests/scheduler_machine.py")
-)
-if _S03 not in sys.path:
-    sys.path.insert(0, _S03)
-import scheduler_machine as s03  # noqa: E402
-
 BLOCK_SIZE = s03.BLOCK_SIZE
-EOS = s03.EOS
 MAX_MODEL_LEN = s03.MAX_MODEL_LEN
 PREFIX_BLOCKS = s03.PREFIX_BLOCKS
 NUM_SPEC_TOKENS = 2
@@ -400,8 +385,9 @@ def _offload_config(setup: CrossSetup) -> dict:
         kv_connector="OffloadingConnector",
         kv_role="kv_both",
         kv_connector_extra_config={
-            "spec_name": "CPUScriptedOffloadingSpec",
+            "spec_name": "NoCopyOffloadingSpec",
             "spec_module_path": "hmastack_testkit.offloading",
+            "scripted_transfers": True,
             "num_cpu_blocks": setup.num_cpu_blocks,
             "eviction_policy": setup.manager,
         },
@@ -703,9 +689,7 @@ class ConnectorView:
         for job_id, spec in h.handler.pending.items():
             req_id, store = jobs[job_id]
             if store:
-                out.setdefault(req_id, set()).update(
-                    ScriptedTransferHandler.gpu_block_ids(spec)
-                )
+                out.setdefault(req_id, set()).update(NoCopyHandler.gpu_block_ids(spec))
         return {r: b for r, b in out.items() if b}
 
     @property
@@ -721,21 +705,36 @@ class ConnectorView:
         }
 
 
+# The properties of s03's Harness checked on every engine (the others are
+# about its scripted connector).
+S03_PROPERTIES = (
+    "Conservation",
+    "ExclusiveOwnership",
+    "NoTransferRace",
+    "RefCount",
+    "NullPrefix",
+    "WindowBound",
+    "ExactAdmission",
+    "NoPrematurePublish",
+    "InFlightRead",
+    "StoreHold",
+    "HoldPending",
+    "LiveRecords",
+)
+
+
 class CrossHarness(s03.Harness):
     """One engine: its scheduler with the series' connectors' scheduler
     sides, their worker sides, a fake model runner, a router, and the checks
     (s03's on its state, and this machine's)."""
 
     def __init__(self, setup: CrossSetup, name: str, machine: CrossMachine):
-        # s03.Harness.__init__ builds its own scheduler: set what its checks
-        # read instead.
+        # s03.Harness.__init__ builds its own scheduler: this engine's instead,
+        # and then the state of s03's checks (`_observe`).
         self.setup = setup
         self.name = name
         self.machine = machine
         self.kinds = setup.kinds
-        self.windows = [
-            setup.window if kind == "sliding_window" else None for kind in self.kinds
-        ]
         self.vllm_config = self._vllm_config()
         self.kv_cache_config = KVCacheConfig(
             num_blocks=setup.num_blocks,
@@ -761,29 +760,13 @@ class CrossHarness(s03.Harness):
         self.nixl_worker = next(
             (c for c in workers if isinstance(c, ScriptedNixlWorker)), None
         )
-        self.handler: ScriptedTransferHandler | None = (
+        self.handler: NoCopyHandler | None = (
             self.offload_worker.connector_worker.spec.handler
             if self.offload_worker is not None
             else None
         )
         self.connector = ConnectorView(self)
-        self.manager = self.scheduler.kv_cache_manager
-        self.pool = self.manager.block_pool
-        self.next_id = 0
-        self.finished_recving: set[str] = set()
-        self.invalid_block_ids: set[int] = set()
-        self.last_allocated: dict[str, int] = {}
-        self.admissions: list[tuple[int, int, int | None]] = []
-        self.in_flight: deque[s03.Step] = deque()
-        self.invalid_slots: dict[int, set[int]] = {}
-        self.evicted: set[int] = set()
-        self.violations: list[str] = []
-        self.hits: list[tuple[str, list[list[int]]]] = []
-        self.computed_on_failed: dict[int, object] = {}
-        self.idle_steps = 0
-        self.noted: set[str] = set()
-        self.prompts: dict[str, tuple[list[int], int]] = {}
-        self.short_of_blocks_for: str | None = None
+        self._observe()
         # KV transfer params of the requests the engine finished with some
         self.transfer_params: dict[str, dict] = {}
         # blocks a producer's NixlConnector stopped holding at the finish
@@ -799,7 +782,6 @@ class CrossHarness(s03.Harness):
         self.left: dict[int, tuple[str, int, int, int]] = {}
         self.num_leaves = 0
         self.releasing_held: tuple[str, ...] | None = None
-        self._wrap_allocate_slots()
         self._wrap_cross()
         _note("engine")
 
@@ -819,13 +801,9 @@ class CrossHarness(s03.Harness):
         if not setup.hma:
             config.scheduler_config.disable_hybrid_kv_cache_manager = True
         if setup.eagle:
-            speculative_config = SpeculativeConfig(
-                method="ngram", num_speculative_tokens=setup.num_spec_tokens
+            config.speculative_config = s03.speculative_config(
+                setup.num_spec_tokens, eagle=True
             )
-            # The scheduler only asks use_eagle() (lookahead slots for the
-            # drafts); an eagle draft model cannot be built on CPU.
-            object.__setattr__(speculative_config, "method", "eagle")
-            config.speculative_config = speculative_config
         return config
 
     # -- the machine's own checks, wrapped around the scheduler's calls
@@ -1241,7 +1219,7 @@ class CrossHarness(s03.Harness):
         scheduler_side = self.offload.connector_scheduler
         req_id = request.request_id
         load = scheduler_side._reqs_to_load.get(req_id)
-        written = set(ScriptedTransferHandler.gpu_block_ids(load)) if load else set()
+        written = set(NoCopyHandler.gpu_block_ids(load)) if load else set()
         failed = set(scheduler_side._load_errors.get(req_id, ()))
         num_hashes = len(request.block_hashes)
         allocated = {
@@ -1466,7 +1444,7 @@ class CrossHarness(s03.Harness):
         """`update_from_output`, and EvictionOrder for the held blocks it
         releases (the only call that does): they enter the free queue one
         after the other, in the order in which they last left a block table
-        (the definition of s03's `eviction_order.py`)."""
+        (the definition of `hmastack_testkit.eviction_order`)."""
         manager = self.manager
         queue = self.pool.free_block_queue
         before = {b.block_id for b in queue.get_all_free_blocks()}
@@ -1505,7 +1483,7 @@ class CrossHarness(s03.Harness):
     def add(self, prompt: list[int], max_tokens: int, params: dict | None) -> str:
         req_id = f"{self.name[0]}{self.next_id}"
         self.next_id += 1
-        request = make_request(req_id, prompt, BLOCK_SIZE, max_tokens, EOS)
+        request = s03.make_request(req_id, prompt, max_tokens)
         if params is not None:
             request.kv_transfer_params = params
         self.prompts[req_id] = (prompt, max_tokens)
@@ -1521,30 +1499,8 @@ class CrossHarness(s03.Harness):
             _note("scheduled with a step in flight")
         if output.scheduled_spec_decode_tokens:
             _note("drafts scheduled")
-        for req_id in output.num_scheduled_tokens:
-            request = scheduler.requests[req_id]
-            self.last_allocated[req_id] = (
-                request.num_in_flight_tokens + scheduler.num_lookahead_tokens
-            )
-        for req_id in self.connector.pending:
-            self.last_allocated.setdefault(req_id, 0)
-        step = s03.Step(
-            output,
-            {
-                req_id: len(output.scheduled_spec_decode_tokens.get(req_id, ()))
-                for req_id in output.num_scheduled_tokens
-                if scheduler.requests[req_id].num_computed_tokens
-                >= scheduler.requests[req_id].num_tokens
-            },
-            {},
-            {},
-            {},
-            set(),
-            accept,
-            eos_pick,
-            None,
-        )
-        self._reads_and_writes(step)
+        step = self._new_step(output, accept, eos_pick, None)
+        self._read_and_write(step)
         self._execute(step)
         self.in_flight.append(step)
         self.check_all()
@@ -1555,37 +1511,11 @@ class CrossHarness(s03.Harness):
             or scheduler.get_num_unfinished_requests() < num_unfinished
         )
 
-    def drain(self) -> None:
-        while self.in_flight:
-            self._process(self.in_flight.popleft())
-
-    def _reads_and_writes(self, step: s03.Step) -> None:
-        """What the step writes (its tokens) and reads (what each group's
-        layers read before the first token), in that order; a read of KV
-        that a load failed to write and no step wrote since is a violation
-        (InvalidKVRead)."""
+    def _first_read(self, group: int, start: int) -> int:
+        """What the group's layers read before the token at `start` (a
+        chunked local attention group: its chunk)."""
         managers = self.manager.coordinator.single_type_managers
-        starts = {}
-        for req_id, n in step.output.num_scheduled_tokens.items():
-            end = self.scheduler.requests[req_id].num_computed_tokens
-            starts[req_id] = end - n
-            for group in range(len(self.kinds)):
-                for block_id, offset in self._positions(req_id, group, end - n, end):
-                    self._write(block_id, offset)
-                    step.writes.setdefault(req_id, set()).add(block_id)
-                    step.written.add((block_id, offset))
-        for req_id, start in starts.items():
-            read = step.reads.setdefault(req_id, set())
-            for group, m in enumerate(managers):
-                first = m.get_num_skipped_tokens(start)
-                for block_id, offset in self._positions(req_id, group, first, start):
-                    read.add(block_id)
-                    if offset in self.invalid_slots.get(block_id, ()):
-                        self.violations.append(
-                            f"InvalidKVRead violated: {req_id} reads token "
-                            f"{offset} of block {block_id} (group {group}) whose "
-                            "load failed and that no step computed since"
-                        )
+        return managers[group].get_num_skipped_tokens(start)
 
     def _execute(self, step: s03.Step) -> None:
         """The model runner executes the step: the worker-side connector with
@@ -1607,48 +1537,14 @@ class CrossHarness(s03.Harness):
         sending, recving, invalid = step.kv_output
         if invalid:
             _note("load failure reported")
-            for block_id in invalid:
-                self.invalid_slots[block_id] = set(range(BLOCK_SIZE))
-            for later in self.in_flight:
-                for block_id, offset in later.written:
-                    if block_id in invalid:
-                        self._write(block_id, offset)
+            self._invalidate(invalid)
         for req_id in recving:
             load = self.connector.pending.get(req_id)
-            if load is None:
-                continue
-            for group in range(len(self.kinds)):
-                for block_id, offset in self._positions(
-                    req_id, group, load.start, load.end
-                ):
-                    if block_id not in invalid:
-                        self._write(block_id, offset)
-        req_ids = list(step.output.num_scheduled_tokens)
-        sampled: list[list[int]] = []
-        for i, req_id in enumerate(req_ids):
-            if req_id not in step.samples:
-                sampled.append([])
-                continue
-            n = 1 + min(step.accept, step.samples[req_id])
-            tokens = [500 + (i + j) % 50 for j in range(n)]
-            if step.eos_pick is not None and step.eos_pick % len(req_ids) == i:
-                tokens[-1] = EOS
-            sampled.append(tokens)
-        has_kv_output = bool(sending or recving or invalid)
-        model_runner_output = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            logprobs=None,
-            prompt_logprobs_dict={},
-            pooler_output=[],
-            kv_connector_output=KVConnectorOutput(
-                finished_sending=set(sending) or None,
-                finished_recving=set(recving) or None,
-                invalid_block_ids=set(invalid),
-            )
-            if has_kv_output
-            else None,
+            if load is not None:
+                self._write_load(req_id, load, invalid)
+        req_ids, sampled = self._sample(step)
+        model_runner_output = self._model_runner_output(
+            req_ids, sampled, sending, recving, invalid
         )
         engine_outputs = self._update_from_output(step.output, model_runner_output)
         for req_id in recving:
@@ -1668,19 +1564,7 @@ class CrossHarness(s03.Harness):
             for r in req_ids
         ):
             _note("request finished")
-        if scheduler.num_spec_tokens and not self.setup.async_scheduling:
-            draft_req_ids = [
-                r
-                for r, tokens in zip(req_ids, sampled, strict=True)
-                if tokens and r in scheduler.requests
-            ]
-            scheduler.update_draft_token_ids(
-                DraftTokenIds(
-                    draft_req_ids,
-                    [[600 + j for j in range(scheduler.num_spec_tokens)]]
-                    * len(draft_req_ids),
-                )
-            )
+        self._propose_drafts(req_ids, sampled)
 
     def transfers_to_finish(self) -> list[Transfer]:
         out = []
@@ -1707,29 +1591,16 @@ class CrossHarness(s03.Harness):
         spec = self.handler.finish(transfer.job_id)
         _note(f"offloading {transfer.kind} finished")
         if transfer.kind == "load" and fail is not None:
-            blocks = ScriptedTransferHandler.gpu_block_ids(spec)
+            blocks = NoCopyHandler.gpu_block_ids(spec)
             self.invalid_block_ids |= set(blocks[fail % len(blocks) :])
             _note("offloading load failed")
 
     # -- checks
     def check_all(self) -> None:
-        tables = self.tables()
-        held = self.held()
-        free = self.free_block_ids()
-        checks = [
-            ("Conservation", lambda: self.check_conservation(tables, held, free)),
-            ("ExclusiveOwnership", lambda: self.check_exclusive_ownership(tables)),
-            ("NoTransferRace", lambda: self.check_no_transfer_race(tables, free)),
-            ("RefCount", lambda: self.check_ref_counts(tables, held)),
-            ("NullPrefix", lambda: self.check_null_prefix(tables)),
-            ("WindowBound", lambda: self.check_window_bound(tables)),
-            ("ExactAdmission", self.check_exact_admission),
-            ("NoPrematurePublish", lambda: self.check_no_premature_publish(tables)),
-            ("InFlightRead", lambda: self.check_in_flight_read(free)),
-            ("StoreHold", lambda: self.check_store_hold(tables, held, free)),
-            ("HoldPending", lambda: self.check_hold_pending(tables, held)),
-            ("LiveRecords", self.check_live_records),
-        ]
+        checks = [(n, c) for n, c in self.safety_checks() if n in S03_PROPERTIES]
+        assert len(checks) == len(S03_PROPERTIES), (
+            "S03_PROPERTIES names a property the harness does not check"
+        )
         for name, check in checks:
             try:
                 check()
@@ -1856,10 +1727,7 @@ class CrossMachine(RuleBasedStateMachine):
 
     def _prompt(self, prefix: int, num_own: int) -> list[int]:
         self.num_prompts += 1
-        prompt = [
-            1000 + 7 * i + prefix for i in range(PREFIX_BLOCKS[prefix] * BLOCK_SIZE)
-        ]
-        return prompt + [3000 + 100 * self.num_prompts + i for i in range(num_own)]
+        return s03.make_prompt(prefix, num_own, self.num_prompts)
 
     # -- rules (no preconditions: a rule with nothing to act on does nothing)
     def add(self, args: dict, prompt: list[int] | None = None) -> str | None:

@@ -16,7 +16,6 @@ groups, 64-token blocks of 16 KiB) and a larger one (Mamba states of about
 from __future__ import annotations
 
 import os
-import socket
 import time
 from dataclasses import dataclass
 
@@ -62,20 +61,9 @@ LAYOUTS = [
 
 @pytest.fixture(scope="module")
 def distributed():
-    from vllm.distributed import parallel_state
+    from hmastack_testkit.kvtest import init_one_process_world
 
-    if not parallel_state.model_parallel_is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        parallel_state.init_distributed_environment(
-            world_size=1,
-            rank=0,
-            distributed_init_method=f"tcp://127.0.0.1:{port}",
-            local_rank=0,
-            backend="gloo",
-        )
-        parallel_state.initialize_model_parallel(1, 1)
+    init_one_process_world()
     yield
 
 

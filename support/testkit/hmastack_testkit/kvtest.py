@@ -46,6 +46,29 @@ GROUP_KINDS = [
 ]
 
 
+def init_one_process_world() -> None:
+    """A one-process vLLM world (gloo, on a free local port; tensor and
+    pipeline parallel size 1) for code that asks for its ranks; the world
+    that exists already, if one does."""
+    import socket
+
+    from vllm.distributed import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    parallel_state.init_distributed_environment(
+        world_size=1,
+        rank=0,
+        distributed_init_method=f"tcp://127.0.0.1:{port}",
+        local_rank=0,
+        backend="gloo",
+    )
+    parallel_state.initialize_model_parallel(1, 1)
+
+
 def hypothesis_settings(max_examples: int) -> settings:
     """Deterministic examples: the stage matrix must give the same verdict on every
     run (a property falsified by a random seed is recorded as a regular test)."""

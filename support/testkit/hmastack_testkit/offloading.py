@@ -27,13 +27,10 @@ It runs on vLLM 0.13.0 too (one KV cache group, no ``group_ids``): the
 dimension of a KV cache tensor that indexes its blocks is then found from the
 attention backend's KV cache shape.
 
-``NoCopyOffloadingSpec`` keeps the same scheduler side and copies nothing: each
-transfer finishes at the next ``get_finished`` (the benchmark of the
-scheduler's cost per step, which measures the scheduler side only).
-
-``CPUScriptedOffloadingSpec`` (``"spec_name": "CPUScriptedOffloadingSpec"``)
-keeps the same scheduler side and moves no data: its worker side's transfers
-finish when a test says so (:class:`ScriptedTransferHandler`), for
+``NoCopyOffloadingSpec`` keeps the same scheduler side and moves no data
+(:class:`NoCopyHandler`): each transfer finishes at the next ``get_finished``
+(the benchmark of the scheduler's cost per step, which measures the scheduler
+side only), or, with ``"scripted_transfers": True``, when a test says so, for
 scheduler-level tests that script what the worker side reports (stage 08's
 cross-stage state machine).
 """
@@ -241,47 +238,12 @@ class CPUTestOffloadingSpec(CPUOffloadingSpec):
         yield CPULoadStoreSpec, GPULoadStoreSpec, load
 
 
-class _NoCopyHandler(OffloadingHandler):
-    """Finishes every transfer at the next ``get_finished`` without moving
-    any data."""
-
-    def __init__(self):
-        self._pending: list[int] = []
-
-    def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
-        self._pending.append(job_id)
-        return True
-
-    def get_finished(self) -> list[TransferResult]:
-        done, self._pending = self._pending, []
-        return [(job_id, True) for job_id in done]
-
-
-class NoCopyOffloadingSpec(CPUOffloadingSpec):
-    """CPUOffloadingSpec's manager (LRU or ARC over a CPU backend of
-    ``num_cpu_blocks``); handlers that finish each load and store at the next
-    ``get_finished`` and copy nothing (the benchmark measures the scheduler's
-    side only). Needs no KV cache tensor: the worker side registers
-    ``torch.empty(0)`` as its cross-layer KV cache."""
-
-    def get_manager(self) -> OffloadingManager:
-        return super().get_manager()
-
-    def get_handlers(
-        self,
-        kv_caches: dict[str, torch.Tensor],
-        attn_backends,
-    ) -> Iterator[tuple[type[LoadStoreSpec], type[LoadStoreSpec], OffloadingHandler]]:
-        if not hasattr(self, "_no_copy_handler"):
-            self._no_copy_handler = _NoCopyHandler()
-        yield GPULoadStoreSpec, CPULoadStoreSpec, self._no_copy_handler
-        yield CPULoadStoreSpec, GPULoadStoreSpec, self._no_copy_handler
-
-
-class ScriptedTransferHandler(OffloadingHandler):
-    """Transfers that move no data and finish when a test says so: the
-    worker side of a scheduler-level test whose completions (a store done,
-    a load done or failed) are part of the script.
+class NoCopyHandler(OffloadingHandler):
+    """Transfers that move no data, for both directions. With
+    ``finish_at_once`` every transfer finishes at the next ``get_finished``;
+    without it, when a test says so (:meth:`finish`): the worker side of a
+    scheduler-level test whose completions (a store done, a load done or
+    failed) are part of the script.
 
     ``pending`` maps each job that runs to its transfer spec (GPU -> CPU: a
     store, CPU -> GPU: a load); :meth:`finish` ends one, and the next
@@ -289,12 +251,16 @@ class ScriptedTransferHandler(OffloadingHandler):
     does not support failed jobs, so a test reports a failed load as the
     load's GPU blocks in ``invalid_block_ids``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, finish_at_once: bool = True) -> None:
+        self.finish_at_once = finish_at_once
         self.pending: dict[int, TransferSpec] = {}
         self._done: list[int] = []
 
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
-        self.pending[job_id] = spec
+        if self.finish_at_once:
+            self._done.append(job_id)
+        else:
+            self.pending[job_id] = spec
         return True
 
     def get_finished(self) -> list[TransferResult]:
@@ -314,10 +280,18 @@ class ScriptedTransferHandler(OffloadingHandler):
         return [int(b) for b in gpu.block_ids]
 
 
-class CPUScriptedOffloadingSpec(CPUOffloadingSpec):
-    """CPUOffloadingSpec's manager (vLLM's LRU or ARC over a CPU backend,
-    extra config ``eviction_policy``); on the worker side one
-    :class:`ScriptedTransferHandler` (``handler``) for both directions."""
+class NoCopyOffloadingSpec(CPUOffloadingSpec):
+    """CPUOffloadingSpec's manager (vLLM's LRU or ARC over a CPU backend of
+    ``num_cpu_blocks``, extra config ``eviction_policy``); on the worker side
+    one :class:`NoCopyHandler` (``handler``) for both directions, which copies
+    nothing. Its transfers finish at the next ``get_finished`` (the benchmark
+    measures the scheduler's side only), or, with the extra config
+    ``"scripted_transfers": True``, when a test calls ``handler.finish``.
+    Needs no KV cache tensor: the worker side registers ``torch.empty(0)`` as
+    its cross-layer KV cache."""
+
+    def get_manager(self) -> OffloadingManager:
+        return super().get_manager()
 
     def get_handlers(
         self,
@@ -325,6 +299,7 @@ class CPUScriptedOffloadingSpec(CPUOffloadingSpec):
         attn_backends,
     ) -> Iterator[tuple[type[LoadStoreSpec], type[LoadStoreSpec], OffloadingHandler]]:
         if not hasattr(self, "handler"):
-            self.handler = ScriptedTransferHandler()
+            scripted = bool(self.extra_config.get("scripted_transfers", False))
+            self.handler = NoCopyHandler(finish_at_once=not scripted)
         yield GPULoadStoreSpec, CPULoadStoreSpec, self.handler
         yield CPULoadStoreSpec, GPULoadStoreSpec, self.handler

@@ -1,8 +1,10 @@
 """Stage 03: the harness of the stateful random test of the real `Scheduler`
 (and `AsyncScheduler`) with a hybrid KV cache and a scripted KV connector:
-the connectors, the `Harness` and its invariants, and `SchedulerMachine`.
+the connectors, the `Harness` and its invariants (stage 03b's
+`SchedulerMachine` drives it with hypothesis, stage 08's cross-stage machine
+drives the series' connectors with it).
 
-Hypothesis drives `vllm.v1.core.sched.scheduler.Scheduler` or, with
+The harness drives `vllm.v1.core.sched.scheduler.Scheduler` or, with
 `async_scheduling`, `AsyncScheduler` (the next step is scheduled before the
 previous one's output is processed: steps in flight, output placeholders);
 with `batch_queue`, the `Scheduler` with a batch queue of depth 2 (the
@@ -21,29 +23,20 @@ pool, so that requests are refused, evicted and preempted; prefix caching on;
 speculative decoding with draft tokens, with eagle-style lookahead slots or
 without.
 
-Rules: add a request (shared prefixes give local prefix cache hits, so load
-failures hit shared blocks; the connector holds an external prefix, loaded
-synchronously or asynchronously), run engine steps (`schedule`, a fake model
-runner output with sampled and accepted draft tokens, EOS or max_tokens,
-`update_from_output`, new draft tokens), finish an async load
-(`finished_recving`), fail a load (`invalid_block_ids`, async or sync), abort
-a request, report a store (`finished_sending`), and `fail_sync_load`: a
-request with a sync load that mostly fails when its step returns, preempted
-for memory (the pool is short of blocks for every running request's
-allocation that takes any) or aborted while that step is in flight, and its
-prompt sent again afterwards. A request created with
-`save=True` is stored by the connector: the blocks that become full in each
-of its steps (a store planned in `build_connector_meta`, still reading them
-until reported, so the scheduler must hold them when they leave the tables,
-see `KVConnectorBase_V1.request_blocks_freed`), and all its blocks when it
+A request created with `save=True` is stored by the connector: the blocks
+that become full in each of its steps (a store planned in
+`build_connector_meta`, still reading them until reported, so the scheduler
+must hold them when they leave the tables, see
+`KVConnectorBase_V1.request_blocks_freed`), and all its blocks when it
 finishes (a delayed free).
 
-After every rule, and in the middle of each step (after `schedule`, while the
-model runner would execute and sync loads write), the invariants check the
-model's safety properties (spec/HybridKVAlloc.tla) on the scheduler's real
-state: Conservation, ExclusiveOwnership, NoTransferRace, RefCount,
-NullPrefix, WindowBound, ExactAdmission, NoPrematurePublish; and one
-property per failure path of stage 03 (issue "stage 03 failure paths"):
+After every rule of the machine, and in the middle of each step (after
+`schedule`, while the model runner would execute and sync loads write),
+`Harness.check_all` checks the model's safety properties
+(spec/HybridKVAlloc.tla) on the scheduler's real state: Conservation,
+ExclusiveOwnership, NoTransferRace, RefCount, NullPrefix, WindowBound,
+ExactAdmission, NoPrematurePublish; and one property per failure path of
+stage 03 (issue "stage 03 failure paths"):
 
 - `InvalidKVRead` (shared invalid blocks): no scheduled step reads KV that
   a load failed to write and that no step wrote since;
@@ -95,12 +88,15 @@ property per failure path of stage 03 (issue "stage 03 failure paths"):
   a delayed free or a load in flight keeps it; `num_in_flight_tokens` counts
   the steps in flight; held blocks, which may outlive the request, are read
   by a store the connector has not reported.
-- `EvictionOrder` (held blocks keep the eviction order, `eviction_order.py`):
+- `EvictionOrder` (held blocks keep the eviction order,
+  `hmastack_testkit.eviction_order`):
   the held blocks a `finished_sending` report releases enter the free block
   queue one after the other, in the order in which they left the block
   tables for the last time (the order of an immediate free).
 
-`test_scheduler_state_machine.py` runs the machine (and `test_coverage`);
+Stage 03b's tests (`patches/03b-connector-requests/tests/`):
+`machine_rules.py` holds the machine's rules (`SchedulerMachine`),
+`test_scheduler_state_machine.py` runs it (and `test_coverage`);
 the `test_machine_*.py` files hold shrunk schedules as explicit tests, one
 file per family of properties: `test_machine_holds.py` (blocks kept while a
 connector reads or writes them), `test_machine_external_tokens.py` (the
@@ -113,26 +109,14 @@ requests while a step that loads or computes on a load is in flight).
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from eviction_order import EvictionOrder
-from hmastack_testkit import kvtest
-from hmastack_testkit import scripted_connector as scripted
-from hmastack_testkit.kvtest import make_cpu_vllm_config, make_kv_cache_groups
-from hmastack_testkit.scripted_connector import Load, Offer
 from hypothesis import event
-from hypothesis import strategies as st
 from hypothesis.control import _current_build_context
-from hypothesis.stateful import (
-    RuleBasedStateMachine,
-    initialize,
-    invariant,
-    rule,
-)
 from vllm.config import (
     KVTransferConfig,
     SpeculativeConfig,
@@ -155,6 +139,12 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
+
+from hmastack_testkit import kvtest
+from hmastack_testkit import scripted_connector as scripted
+from hmastack_testkit.eviction_order import EvictionOrder
+from hmastack_testkit.kvtest import make_cpu_vllm_config, make_kv_cache_groups
+from hmastack_testkit.scripted_connector import Load, Offer
 
 BLOCK_SIZE = 16
 EOS = 2
@@ -434,15 +424,21 @@ def machine_vllm_config(setup: Setup, connector_cls: type) -> VllmConfig:
         max_model_len=MAX_MODEL_LEN,
     )
     if setup.num_spec_tokens:
-        speculative_config = SpeculativeConfig(
-            method="ngram", num_speculative_tokens=setup.num_spec_tokens
+        vllm_config.speculative_config = speculative_config(
+            setup.num_spec_tokens, setup.eagle
         )
-        if setup.eagle:
-            # The scheduler only asks use_eagle() (lookahead slots for the
-            # drafts); an eagle draft model cannot be built on CPU.
-            object.__setattr__(speculative_config, "method", "eagle")
-        vllm_config.speculative_config = speculative_config
     return vllm_config
+
+
+def speculative_config(num_spec_tokens: int, eagle: bool) -> SpeculativeConfig:
+    """Speculative decoding with `num_spec_tokens` draft tokens, ngram's or,
+    with `eagle`, EAGLE's (lookahead slots for the drafts)."""
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=num_spec_tokens)
+    if eagle:
+        # The scheduler only asks use_eagle() (lookahead slots for the
+        # drafts); an eagle draft model cannot be built on CPU.
+        object.__setattr__(config, "method", "eagle")
+    return config
 
 
 def machine_scheduler(setup: Setup) -> Scheduler:
@@ -468,6 +464,13 @@ def machine_scheduler(setup: Setup) -> Scheduler:
 
 def make_request(req_id: str, prompt: list[int], max_tokens: int) -> Request:
     return kvtest.make_request(req_id, prompt, BLOCK_SIZE, max_tokens, EOS)
+
+
+def make_prompt(prefix: int, num_own: int, serial: int) -> list[int]:
+    """A prompt: the shared prefix `prefix` (of `PREFIX_BLOCKS`), then
+    `num_own` tokens of the prompt numbered `serial`."""
+    prompt = [1000 + 7 * i + prefix for i in range(PREFIX_BLOCKS[prefix] * BLOCK_SIZE)]
+    return prompt + [3000 + 100 * serial + i for i in range(num_own)]
 
 
 @dataclass
@@ -503,19 +506,34 @@ class Harness:
     def __init__(self, setup: Setup):
         self.setup = setup
         self.kinds = LAYOUTS[setup.layout]
-        self.windows = [
-            setup.window if kind == "sliding_window" else None for kind in self.kinds
-        ]
         self.scheduler = machine_scheduler(setup)
         self.connector: MachineChecks = self.scheduler.connector  # type: ignore
-        self.manager = self.scheduler.kv_cache_manager
-        self.pool = self.manager.block_pool
         # EvictionOrder: observes the frees and the releases of held blocks.
         self.eviction_order = EvictionOrder(self.scheduler)
-        self.next_id = 0
-        # Connector events reported with the next model runner output.
-        self.finished_recving: set[str] = set()
+        self._observe()
+        # Stores reported with the next model runner output.
         self.finished_sending: set[str] = set()
+        # req_id -> fail_sync of the sync load of its that fails when the step
+        # that loads it returns (`fail_sync_load`).
+        self.fail_load_of: dict[str, int] = {}
+        # Requests a step loaded synchronously.
+        self.sync_loaded: set[str] = set()
+        _note("example")
+
+    def _observe(self) -> None:
+        """The state of the fake model runner and of the checks over
+        `scheduler`, and the wrappers of the scheduler's calls that the
+        checks measure (`setup`, `kinds`, `scheduler` and `connector` are
+        set first)."""
+        self.windows = [
+            self.setup.window if kind == "sliding_window" else None
+            for kind in self.kinds
+        ]
+        self.manager = self.scheduler.kv_cache_manager
+        self.pool = self.manager.block_pool
+        self.next_id = 0
+        # Loads reported with the next model runner output.
+        self.finished_recving: set[str] = set()
         self.invalid_block_ids: set[int] = set()
         # req_id -> tokens (in flight + lookahead) of its last allocation.
         self.last_allocated: dict[str, int] = {}
@@ -537,18 +555,12 @@ class Harness:
         self.noted: set[str] = set()
         # req_id -> (prompt, max_tokens) of every request added (add_again).
         self.prompts: dict[str, tuple[list[int], int]] = {}
-        # req_id -> fail_sync of the sync load of its that fails when the step
-        # that loads it returns (`fail_sync_load`).
-        self.fail_load_of: dict[str, int] = {}
         # While the step that loads this request's external tokens
         # synchronously is in flight and the request runs, the pool is short
         # of blocks for every running request's allocation that takes any:
         # the scheduler preempts for memory (`preempt_for_memory`).
         self.short_of_blocks_for: str | None = None
-        # Requests a step loaded synchronously.
-        self.sync_loaded: set[str] = set()
         self._wrap_allocate_slots()
-        _note("example")
 
     # -- ExactAdmission: measure every allocate_slots of the scheduler.
     def _wrap_allocate_slots(self) -> None:
@@ -633,10 +645,7 @@ class Harness:
     ) -> str:
         req_id = f"r{self.next_id}"
         self.next_id += 1
-        prompt = [
-            1000 + 7 * i + prefix for i in range(PREFIX_BLOCKS[prefix] * BLOCK_SIZE)
-        ]
-        prompt += [3000 + 100 * self.next_id + i for i in range(num_own)]
+        prompt = make_prompt(prefix, num_own, self.next_id)
         if num_external:
             self.connector.offers[req_id] = Offer(
                 num_external, load_async, whole_prompt=True
@@ -692,29 +701,7 @@ class Harness:
             _note("drafts scheduled")
         if self.in_flight:
             _note("scheduled with a step in flight")
-        for req_id in output.num_scheduled_tokens:
-            request = scheduler.requests[req_id]
-            self.last_allocated[req_id] = (
-                request.num_in_flight_tokens + scheduler.num_lookahead_tokens
-            )
-        for req_id in connector.pending:
-            self.last_allocated.setdefault(req_id, 0)
-        step = Step(
-            output,
-            {
-                req_id: len(output.scheduled_spec_decode_tokens.get(req_id, ()))
-                for req_id in output.num_scheduled_tokens
-                if scheduler.requests[req_id].num_computed_tokens
-                >= scheduler.requests[req_id].num_tokens
-            },
-            dict(connector.sync_loads),
-            {},
-            {},
-            set(),
-            accept,
-            eos_pick,
-            fail_sync,
-        )
+        step = self._new_step(output, accept, eos_pick, fail_sync)
         self._read_and_write(step)
         self.check_valid_hits()
         self.check_recached(output)
@@ -732,6 +719,40 @@ class Harness:
         self.check_progress(
             bool(output.total_num_scheduled_tokens)
             or scheduler.get_num_unfinished_requests() < num_unfinished
+        )
+
+    def _new_step(
+        self,
+        output: SchedulerOutput,
+        accept: int,
+        eos_pick: int | None,
+        fail_sync: int | None,
+    ) -> Step:
+        """The step `schedule` returned `output` for, and the tokens of each
+        request's allocation in it (WindowBound)."""
+        scheduler = self.scheduler
+        for req_id in output.num_scheduled_tokens:
+            request = scheduler.requests[req_id]
+            self.last_allocated[req_id] = (
+                request.num_in_flight_tokens + scheduler.num_lookahead_tokens
+            )
+        for req_id in self.connector.pending:
+            self.last_allocated.setdefault(req_id, 0)
+        return Step(
+            output,
+            {
+                req_id: len(output.scheduled_spec_decode_tokens.get(req_id, ()))
+                for req_id in output.num_scheduled_tokens
+                if scheduler.requests[req_id].num_computed_tokens
+                >= scheduler.requests[req_id].num_tokens
+            },
+            dict(self.connector.sync_loads),
+            {},
+            {},
+            set(),
+            accept,
+            eos_pick,
+            fail_sync,
         )
 
     def drain(self) -> None:
@@ -777,8 +798,8 @@ class Harness:
                     ].block_hash
         for req_id, start in starts.items():
             read = step.reads.setdefault(req_id, set())
-            for group, window in enumerate(self.windows):
-                first = 0 if window is None else max(0, start - window + 1)
+            for group in range(len(self.kinds)):
+                first = self._first_read(group, start)
                 for block_id, offset in self._positions(req_id, group, first, start):
                     read.add(block_id)
                     if offset in self.invalid_slots.get(block_id, ()):
@@ -787,6 +808,12 @@ class Harness:
                             f"{offset} of block {block_id} (group {group}) whose "
                             "load failed and that no step computed since"
                         )
+
+    def _first_read(self, group: int, start: int) -> int:
+        """The first token whose KV the layers of `group` read for a token
+        at `start` (its window)."""
+        window = self.windows[group]
+        return 0 if window is None else max(0, start - window + 1)
 
     def _write(self, block_id: int, offset: int) -> None:
         offsets = self.invalid_slots.get(block_id)
@@ -842,13 +869,7 @@ class Harness:
                 own = {b.block_id for g in tables.get(req_id, []) for b in g}
                 if load.all_block_ids() & invalid & own:
                     connector.load_failed.add(req_id)
-            for block_id in invalid:
-                self.invalid_slots[block_id] = set(range(BLOCK_SIZE))
-            # Steps scheduled later ran later: what they wrote stays.
-            for later in self.in_flight:
-                for block_id, offset in later.written:
-                    if block_id in invalid:
-                        self._write(block_id, offset)
+            self._invalidate(invalid)
             # This step and the later ones in flight computed on that KV.
             for s in (step, *self.in_flight):
                 for req_id, blocks in s.reads.items():
@@ -858,40 +879,11 @@ class Harness:
                             _note("load failure reported after a later step")
         # Async loads reported now wrote their blocks (except failed ones).
         for req_id in self.finished_recving:
-            load = connector.pending[req_id]
-            for group in range(len(self.kinds)):
-                for block_id, offset in self._positions(
-                    req_id, group, load.start, load.end
-                ):
-                    if block_id not in invalid:
-                        self._write(block_id, offset)
+            self._write_load(req_id, connector.pending[req_id], invalid)
 
-        req_ids = list(step.output.num_scheduled_tokens)
-        sampled: list[list[int]] = []
-        for i, req_id in enumerate(req_ids):
-            if req_id not in step.samples:
-                sampled.append([])  # a chunk of the prompt
-                continue
-            n = 1 + min(step.accept, step.samples[req_id])
-            tokens = [500 + (i + j) % 50 for j in range(n)]
-            if step.eos_pick is not None and step.eos_pick % len(req_ids) == i:
-                tokens[-1] = EOS
-            sampled.append(tokens)
-        has_kv_output = bool(self.finished_recving or self.finished_sending or invalid)
-        model_runner_output = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            logprobs=None,
-            prompt_logprobs_dict={},
-            pooler_output=[],
-            kv_connector_output=KVConnectorOutput(
-                finished_sending=set(self.finished_sending) or None,
-                finished_recving=set(self.finished_recving) or None,
-                invalid_block_ids=invalid,
-            )
-            if has_kv_output
-            else None,
+        req_ids, sampled = self._sample(step)
+        model_runner_output = self._model_runner_output(
+            req_ids, sampled, self.finished_sending, self.finished_recving, invalid
         )
         for req_id in self.finished_recving:
             connector.pending.pop(req_id, None)
@@ -962,8 +954,79 @@ class Harness:
             for r in req_ids
         ):
             _note("request finished")
-        # The drafter proposes for every request that sampled (with async
-        # scheduling the worker fills the scheduler's placeholders).
+        self._propose_drafts(req_ids, sampled)
+
+    def _invalidate(self, invalid: set[int]) -> None:
+        """A load failed to write the blocks `invalid`: none of their KV is
+        valid, but what the steps in flight write (scheduled later, they run
+        later) stays."""
+        for block_id in invalid:
+            self.invalid_slots[block_id] = set(range(BLOCK_SIZE))
+        for later in self.in_flight:
+            for block_id, offset in later.written:
+                if block_id in invalid:
+                    self._write(block_id, offset)
+
+    def _write_load(self, req_id: str, load: Load, invalid: set[int]) -> None:
+        """A load of `req_id` reported done wrote its blocks, except the
+        blocks `invalid`."""
+        for group in range(len(self.kinds)):
+            for block_id, offset in self._positions(
+                req_id, group, load.start, load.end
+            ):
+                if block_id not in invalid:
+                    self._write(block_id, offset)
+
+    def _sample(self, step: Step) -> tuple[list[str], list[list[int]]]:
+        """The requests of `step` and the tokens the fake model runner samples
+        for each: none for a chunk of the prompt, else one token and the
+        draft tokens it accepts (`accept`), EOS last for the request
+        `eos_pick` picks."""
+        req_ids = list(step.output.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        for i, req_id in enumerate(req_ids):
+            if req_id not in step.samples:
+                sampled.append([])  # a chunk of the prompt
+                continue
+            n = 1 + min(step.accept, step.samples[req_id])
+            tokens = [500 + (i + j) % 50 for j in range(n)]
+            if step.eos_pick is not None and step.eos_pick % len(req_ids) == i:
+                tokens[-1] = EOS
+            sampled.append(tokens)
+        return req_ids, sampled
+
+    @staticmethod
+    def _model_runner_output(
+        req_ids: list[str],
+        sampled: list[list[int]],
+        sending: set[str],
+        recving: set[str],
+        invalid: set[int],
+    ) -> ModelRunnerOutput:
+        """The model runner's output: the tokens sampled and what the worker
+        side of the connector reports (stores and loads done, the blocks of
+        failed loads)."""
+        has_kv_output = bool(sending or recving or invalid)
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=[],
+            kv_connector_output=KVConnectorOutput(
+                finished_sending=set(sending) or None,
+                finished_recving=set(recving) or None,
+                invalid_block_ids=set(invalid),
+            )
+            if has_kv_output
+            else None,
+        )
+
+    def _propose_drafts(self, req_ids: list[str], sampled: list[list[int]]) -> None:
+        """The drafter proposes for every request that sampled (with async
+        scheduling the worker fills the scheduler's placeholders)."""
+        scheduler = self.scheduler
         if scheduler.num_spec_tokens and not self.setup.async_scheduling:
             draft_req_ids = [
                 r
@@ -1126,10 +1189,23 @@ class Harness:
     def check_all(self) -> None:
         """Every safety property; a failure names the property (as in
         spec/HybridKVAlloc.tla, or the table of the module docstring)."""
+        if len(self.eviction_order.last_released) > 1:
+            _note("held blocks released together")
+        for name, check in self.safety_checks():
+            try:
+                check()
+            except AssertionError as exc:
+                raise AssertionError(f"{name} violated: {exc}") from exc
+        if self.violations:
+            raise AssertionError(self.violations[0])
+
+    def safety_checks(self) -> list[tuple[str, Callable[[], None]]]:
+        """The safety properties on the scheduler's state as it is now: each
+        one's name and its check, which raises an AssertionError."""
         tables = self.tables()
         held = self.held()
         free = self.free_block_ids()
-        checks = [
+        return [
             ("Conservation", lambda: self.check_conservation(tables, held, free)),
             ("ExclusiveOwnership", lambda: self.check_exclusive_ownership(tables)),
             ("NoTransferRace", lambda: self.check_no_transfer_race(tables, free)),
@@ -1147,17 +1223,8 @@ class Harness:
             ("NoReload", self.check_no_reload),
             ("FinishedTables", self.check_finished_tables),
             ("LiveRecords", self.check_live_records),
-            ("EvictionOrder", self.eviction_order.check),
+            ("EvictionOrder", lambda: self.eviction_order.check()),
         ]
-        if len(self.eviction_order.last_released) > 1:
-            _note("held blocks released together")
-        for name, check in checks:
-            try:
-                check()
-            except AssertionError as exc:
-                raise AssertionError(f"{name} violated: {exc}") from exc
-        if self.violations:
-            raise AssertionError(self.violations[0])
 
     def check_live_records(self) -> None:
         """The connector side of a request lives no longer than the request:
@@ -1567,152 +1634,6 @@ def check_mamba_rejected(setup: Setup) -> None:
         raise AssertionError(
             "MambaRejected violated: the connector was created with a Mamba group"
         )
-
-
-# -- the state machine --------------------------------------------------------
-
-setups = st.builds(
-    Setup,
-    # Layouts with HMA on twice as often as the two with HMA off: most of the
-    # series' rules (null prefix, window bound, per-group loads) are theirs.
-    layout=st.sampled_from(["gemma3_like", "gpt_oss_like"] * 2 + sorted(PLAIN_LAYOUTS)),
-    window=st.sampled_from([32, 64]),
-    num_blocks=st.integers(16, 72),
-    num_spec_tokens=st.sampled_from([0, 0, 2, 3]),
-    eagle=st.booleans(),
-    max_num_batched_tokens=st.sampled_from([64, 128, 512]),
-    fail_policy=st.sampled_from(["recompute", "recompute", "fail"]),
-    async_scheduling=st.booleans(),
-    batch_queue=st.booleans(),
-).map(
-    lambda setup: dataclasses.replace(
-        setup,
-        batch_queue=setup.batch_queue
-        and not setup.async_scheduling
-        and not setup.num_spec_tokens,
-    )
-)
-
-request_args = st.fixed_dictionaries(
-    dict(
-        prefix=st.integers(0, len(PREFIX_BLOCKS) - 1),
-        num_own=st.integers(1, 120),
-        num_external=st.sampled_from([0, 0, 16, 40, 64, 100, 160, 240]),
-        load_async=st.booleans(),
-        max_tokens=st.integers(1, 12),
-        save=st.booleans(),
-    )
-)
-
-# A request whose external tokens load synchronously (`fail_sync_load`):
-# prompts that end at a block boundary or run past the token budget need a
-# block in the step after the load's (a decode with a step in flight, or the
-# next chunk of the prompt), so that a pool short of blocks preempts them.
-sync_load_args = st.fixed_dictionaries(
-    dict(
-        prefix=st.integers(0, len(PREFIX_BLOCKS) - 1),
-        num_own=st.sampled_from([16, 32, 48, 96, 112]) | st.integers(1, 120),
-        num_external=st.sampled_from([16, 40, 64, 100, 160]),
-        load_async=st.just(False),
-        max_tokens=st.integers(1, 12),
-        save=st.booleans(),
-    )
-)
-
-
-class SchedulerMachine(RuleBasedStateMachine):
-    """Rules without preconditions (a rule with nothing to act on does
-    nothing): hypothesis gives up an example when several draws in a row hit
-    disabled rules."""
-
-    harness: Harness
-
-    @initialize(setup=setups, first=st.lists(request_args, min_size=1, max_size=4))
-    def start(self, setup, first):
-        check_mamba_rejected(setup)
-        self.harness = Harness(setup)
-        if setup.async_scheduling:
-            _note("async scheduling")
-        if setup.batch_queue:
-            _note("batch queue")
-        for args in first:
-            self.harness.add_request(**args)
-
-    @rule(args=request_args)
-    def add_request(self, args):
-        if len(self.harness.scheduler.requests) < 8:
-            self.harness.add_request(**args)
-
-    @rule(
-        num_steps=st.integers(1, 4),
-        accept=st.integers(0, 3),
-        eos_pick=st.none() | st.integers(0, 7),
-        fail_sync=st.none() | st.integers(0, 63),
-        fail_left=st.none() | st.integers(0, 63),
-    )
-    def steps(self, num_steps, accept, eos_pick, fail_sync, fail_left):
-        """Engine steps; the first may fail the sync loads it starts, each may
-        fail the sync load of a request preempted or aborted while that load
-        is in flight."""
-        for i in range(num_steps):
-            self.harness.step(
-                accept, eos_pick, fail_sync if i == 0 else None, fail_left
-            )
-            self.harness.check_all()
-
-    @rule()
-    def drain(self):
-        """The model runner returns every step in flight (async scheduling)."""
-        self.harness.drain()
-
-    @rule(pick=st.integers(0, 7))
-    def finish_load(self, pick):
-        if self.harness.loads_to_report():
-            self.harness.finish_load(pick)
-
-    @rule(pick=st.integers(0, 7), group=st.integers(0, 5), first=st.integers(0, 15))
-    def fail_load(self, pick, group, first):
-        if self.harness.loads_to_report():
-            self.harness.fail_load(pick, group, first)
-
-    @rule(pick=st.integers(0, 7))
-    def abort(self, pick):
-        if any(not r.is_finished() for r in self.harness.scheduler.requests.values()):
-            self.harness.abort(pick)
-
-    @rule(pick=st.integers(0, 7))
-    def abort_load_in_flight(self, pick):
-        """An abort while a step that loads the request's external tokens
-        synchronously is in flight (async scheduling); the next `steps` may
-        fail that load."""
-        if self.harness.loads_in_flight():
-            self.harness.abort_load_in_flight(pick)
-
-    @rule(
-        args=sync_load_args,
-        # Mostly a failing load.
-        fail=st.integers(0, 63) | st.integers(0, 63) | st.none(),
-        leaves=st.sampled_from([None, "memory", "memory", "abort"]),
-        again=st.booleans(),
-        num_steps=st.integers(2, 4),
-    )
-    def fail_sync_load(self, args, fail, leaves, again, num_steps):
-        """A request loads its external tokens synchronously and the load may
-        fail when its step returns; with steps in flight, the request may be
-        preempted for memory or aborted while that step is in flight; its
-        prompt may be sent again once that step returned (ValidHit,
-        InvalidHit, InvalidOutput, Recached)."""
-        if len(self.harness.scheduler.requests) < 8:
-            self.harness.fail_sync_load(args, fail, leaves, again, num_steps)
-
-    @rule(pick=st.integers(0, 7))
-    def finish_save(self, pick):
-        if self.harness.stores_to_report():
-            self.harness.finish_save(pick)
-
-    @invariant()
-    def safety(self):
-        self.harness.check_all()
 
 
 # -- the explicit tests' requests -----------------------------------------------
