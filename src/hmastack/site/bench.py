@@ -27,6 +27,7 @@ KNOWN = (
     "scheduler_cost",
     "throughput",
     "throughput_nixl",
+    "layout_memory",
 )
 PLOT_CAPTIONS = {
     "peak_blocks": "Peak blocks per sliding-window group against the external hit "
@@ -48,6 +49,9 @@ PLOT_CAPTIONS = {
     "budgets: completed requests per second, the ratio to the base with the "
     "ratio of admitted requests the block counts predict (dashed), and the most "
     "requests running at once, per layout and budget.",
+    "layout_memory": "Peak blocks per KV cache group and admission under one "
+    "KV budget for the layouts the stages declare (e.g. full attention + "
+    "Mamba), each figure over its physical limit (dashed), per tree.",
     "eagle_hits": "Tokens a repeated prompt's prefix cache hit loses to eagle, per "
     "case and tree, against the rule (dashed).",
 }
