@@ -21,6 +21,7 @@ from hmastack.bench import trees as bench_trees
 from hmastack.core import config as config_mod
 from hmastack.core.errors import HmastackError
 from hmastack.core.reports import write as write_report
+from hmastack.site import bench as site_bench
 from hmastack.site import docs
 from hmastack.stack import env as env_mod
 from hmastack.stack import series
@@ -1097,7 +1098,13 @@ def test_layout_memory_checks_the_declaring_stage_at_the_physical_limit(
     assert report["checked"] == "exact", report["mismatches"]
     assert "full+mamba (full + mamba) from stage 02" in report["method"]
     scenario = next(s for s in bench.SCENARIOS if s.name == "layout_memory")
-    assert isinstance(bench.encode(scenario, report), figures.LayoutReport)
+    encoded = bench.encode(scenario, report)
+    assert isinstance(encoded, figures.LayoutReport)
+    # The site's headline: the base against the last stage, with the limit.
+    headline = site_bench.layouts_headline(encoded)
+    assert "(base → stage 02, budget 4096 blocks)" in headline
+    assert "peak, group 1 (mamba) (L 1,024): 65 → 2 (limit 2)" in headline
+    assert "requests admitted together (L 8,192): 3 → 7 (limit 7)" in headline
     by = {(r["tree"], r["figure"]): r for r in report["rows"]}
     mamba = by[("stage 02", "peak, group 1 (mamba)")]
     assert (mamba["value"], mamba["physical"], mamba["/base"]) == (2, 2, 0.031)
