@@ -21,6 +21,7 @@ from hmastack.bench import trees as bench_trees
 from hmastack.core import config as config_mod
 from hmastack.core.errors import HmastackError
 from hmastack.core.reports import write as write_report
+from hmastack.site import bench as site_bench
 from hmastack.site import docs
 from hmastack.stack import env as env_mod
 from hmastack.stack import series
@@ -269,7 +270,23 @@ def _reports() -> dict[str, dict]:
         for t in ("stage 0", "stage 5", "v0.14.0")
         for case, hit in (("fully cached", 4080), ("connector async", 0))
     ]
+    layout = [
+        {
+            "tree": t,
+            "layout": "full+mamba",
+            "figure": "peak, group 1 (mamba)",
+            "L": L,
+            "value": L // B + 1 if t == "stage 0" else 2,
+            "physical": 2,
+            "/physical": (L // B + 1) / 2 if t == "stage 0" else 1.0,
+            "/base": "-" if t == "v0.14.0" else (1.0 if t == "stage 0" else 0.03),
+            "checked": "-" if t == "v0.14.0" else "physical",
+        }
+        for t in trees
+        for L in (1024, 8192)
+    ]
     return {
+        "layout_memory": _checked("layouts", layout, budget_blocks=4096),
         "eagle_hits": _checked("eagle", eagle),
         "peak_blocks": _checked("peak", peak, block_size=B),
         "admission": _checked("admission", admission, budget_blocks=4096),
@@ -324,9 +341,11 @@ def _cells(text: str) -> str:
 
 def test_summary_has_the_tables_one_column_per_tree():
     text = bench_tables.summary_markdown(_reports())
-    # peak, longest hit, concurrency, instructions, CPU time, eagle
-    assert text.count("### ") == 6
-    peak, hit, conc, counts, cpu, eagle = (_cells(t) for t in text.split("### ")[1:])
+    # peak, longest hit, concurrency, instructions, CPU time, eagle, layouts
+    assert text.count("### ") == 7
+    peak, hit, conc, counts, cpu, eagle, layouts = (
+        _cells(t) for t in text.split("### ")[1:]
+    )
     assert "|gemma3|512|8192|513|33|513|33|33|" in peak
     assert "|gemma3|512|10895|10911|62879|62879|62879|" in hit
     assert "|gptoss|512|1|1|6|6|6|" in conc
@@ -337,6 +356,8 @@ def test_summary_has_the_tables_one_column_per_tree():
     assert "|gemma3|connector|prefill|256|1.900 ms|10.5263%|" in cpu
     # One column per tree, then the rule and the hit without eagle of stage 5.
     assert "|gptoss|128|connector async|4101|4064|0|4064|0|4096|" in eagle
+    # The physical limit, then each tree's figure with its ratio to the base.
+    assert "|peak, group 1 (mamba)|8192|2|513|2 (x0.03)|2|" in layouts
     assert bench_tables.summary_markdown({}) == ""
 
 
@@ -1006,3 +1027,100 @@ def test_a_report_no_scenario_writes_is_an_error_not_a_guessed_table(project):
     (out / "renamed_scenario.json").write_text('{"rows": [{"a": 1}]}')
     with pytest.raises(HmastackError, match=r"renamed_scenario\.json: no scenario"):
         docs.generate(project)
+
+
+MAMBA_LAYOUT = """
+[[bench.layouts]]
+name = "full+mamba"
+groups = ["full", "mamba"]
+lengths = [1024]
+"""
+
+
+def _layout_output(mamba_blocks: int, longest: int, concurrent: int) -> dict:
+    """One tree's output of bench/scenarios/layout_memory.py for the layout
+    of :data:`MAMBA_LAYOUT` (full attention + Mamba, B=16, one new token)."""
+    rows = [
+        {"layout": "full+mamba", "figure": "peak", "external": 1024}
+        | {"loaded": 1024, "blocks": [65, mamba_blocks]},
+        {"layout": "full+mamba", "figure": "longest_hit", "value": longest},
+        {"layout": "full+mamba", "figure": "concurrent", "external": 8192}
+        | {"value": concurrent},
+    ]
+    return {"block_size": B, "new_tokens": 1, "num_blocks": 4096} | {
+        "shared_prefix": 8192,
+        "rows": rows,
+    }
+
+
+def test_layout_figures_of_a_mamba_hybrid():
+    """A Mamba group at the physical limit holds the state block of the last
+    external token and the block of the new one, 2 for any hit; with a block
+    per token (0.13.0) the budget of 4096 blocks admits half the hit and 3
+    instead of 7 requests with an 8k hit."""
+    for L in (1024, 8192, 32768):
+        assert figures.layout_group_blocks("mamba", L, 1, B, True) == 2
+        assert figures.layout_group_blocks("mamba", L, 1, B, False) == L // B + 1
+        assert figures.layout_group_blocks("full", L, 1, B, True) == L // B + 1
+    kinds = ["full", "mamba"]
+    assert figures.layout_admission(kinds, B, 1, 4096, 8192, True) == (65472, 7)
+    assert figures.layout_admission(kinds, B, 1, 4096, 8192, False) == (32736, 3)
+
+
+def test_layout_memory_checks_the_declaring_stage_at_the_physical_limit(
+    monkeypatch, project
+):
+    """A layout of ``[[bench.layouts]]`` is checked at the physical limit from
+    the stage that declares it on and at a block per token at the base; the
+    stage before it is reported. Each figure carries its ratio to the base's,
+    and the report decodes as its schema. A tree of the declaring stage whose
+    Mamba group holds a block per token fails the check (the witness)."""
+    (project.patches / "02-second" / "stage.toml").write_text(TAG + MAMBA_LAYOUT)
+    outputs = {
+        "base": _layout_output(65, 32736, 3),
+        "stage 01": _layout_output(65, 32736, 3),
+        "stage 02": _layout_output(2, 65472, 7),
+    }
+    monkeypatch.setattr(
+        figures,
+        "_run_each",
+        lambda cfg, pyenv, trees, name, args: (
+            {t.label: [outputs[t.label]] for t in trees},
+            {},
+        ),
+    )
+    trees = [
+        bench_trees.BenchTree("base", None, stage=0),
+        bench_trees.BenchTree("stage 01", None, stage=1),
+        bench_trees.BenchTree("stage 02", None, stage=2),
+    ]
+    report = figures.bench_layouts(project, None, trees, bench.QUICK)
+    assert report["checked"] == "exact", report["mismatches"]
+    assert "full+mamba (full + mamba) from stage 02" in report["method"]
+    scenario = next(s for s in bench.SCENARIOS if s.name == "layout_memory")
+    encoded = bench.encode(scenario, report)
+    assert isinstance(encoded, figures.LayoutReport)
+    # The site's headline: the base against the last stage, with the limit.
+    headline = site_bench.layouts_headline(encoded)
+    assert "(base → stage 02, budget 4096 blocks)" in headline
+    assert "peak, group 1 (mamba) (L 1,024): 65 → 2 (limit 2)" in headline
+    assert "requests admitted together (L 8,192): 3 → 7 (limit 7)" in headline
+    by = {(r["tree"], r["figure"]): r for r in report["rows"]}
+    mamba = by[("stage 02", "peak, group 1 (mamba)")]
+    assert (mamba["value"], mamba["physical"], mamba["/base"]) == (2, 2, 0.031)
+    assert by[("stage 02", "longest hit")]["/base"] == 2.0
+    assert by[("stage 02", "requests admitted together")]["/base"] == 2.333
+    assert by[("base", "peak, group 1 (mamba)")]["checked"] == "every block"
+    assert by[("stage 01", "peak, group 1 (mamba)")]["checked"] == "-"
+    assert "|peak, group 1 (mamba)|1024|2|65|65 (x1.0)|2 (x0.031)|" in _cells(
+        bench_tables.summary_markdown({"layout_memory": report})
+    )
+
+    outputs["stage 02"] = _layout_output(65, 32736, 3)
+    report = figures.bench_layouts(project, None, trees, bench.QUICK)
+    assert report["checked"] == "MISMATCH"
+    assert report["mismatches"] == [
+        "stage 02: full+mamba peak, group 1 (mamba) L=1024: 65 (want 2, physical)",
+        "stage 02: full+mamba longest hit: 32736 (want 65472, physical)",
+        "stage 02: full+mamba requests admitted together L=8192: 3 (want 7, physical)",
+    ]

@@ -6,7 +6,7 @@ are checked against, and when a report fails the command.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -111,6 +111,31 @@ class AdmissionReport(CheckedReport, kw_only=True):
     """``admission.json``."""
 
     rows: list[AdmissionRow]
+    budget_blocks: int
+
+
+class LayoutRow(msgspec.Struct, kw_only=True):
+    """One tree, layout and figure of ``layout_memory``: the peak blocks of
+    one KV cache group for an external hit of L tokens, the longest admitted
+    hit (L 0) or the requests with an L-token hit admitted together."""
+
+    tree: str
+    layout: str
+    figure: str
+    L: int
+    value: int
+    physical: int
+    over_physical: float = column("/physical")
+    over_base: float | str = column("/base")  # "-": the base has no figure
+    # What the figure is checked against: "physical", "every block" (external
+    # tokens through num_new_tokens) or "-" (reported).
+    checked: str
+
+
+class LayoutReport(CheckedReport, kw_only=True):
+    """``layout_memory.json``."""
+
+    rows: list[LayoutRow]
     budget_blocks: int
 
 
@@ -361,6 +386,169 @@ def bench_peak(
         "method": "one new request of L+1 tokens, L external; blocks held right "
         "after allocate_slots (before remove_skipped_blocks); B=16",
         "block_size": 16,
+        "checked": "exact" if not mismatches else "MISMATCH",
+        "mismatches": mismatches,
+        "errors": errors,
+        "rows": rows,
+    }
+
+
+def layout_group_blocks(kind: str, L: int, n: int, B: int, physical: bool) -> int:
+    """Blocks a group of ``kind`` holds after admitting a request of L + n
+    tokens whose first L (a multiple of B) a connector loads. Full attention:
+    a block per token. Mamba at the physical limit: the block of the state
+    after token L - 1 and the blocks of the tokens it computes; else (external
+    tokens through ``num_new_tokens``, as 0.13.0 takes them) a block per
+    token."""
+    total = math.ceil((L + n) / B)
+    if kind == "mamba" and physical and L > 0:
+        return total - (L - 1) // B
+    return total
+
+
+def layout_request_blocks(
+    kinds: Sequence[str], L: int, n: int, B: int, physical: bool
+) -> int:
+    return sum(layout_group_blocks(k, L, n, B, physical) for k in kinds)
+
+
+def layout_admission(
+    kinds: Sequence[str], B: int, n: int, N: int, prefix: int, physical: bool
+) -> tuple[int, int]:
+    """The longest admitted hit (a multiple of B) and the requests with a
+    ``prefix``-token hit admitted together under N blocks (one null block)."""
+    usable = N - 1
+    lo, hi = 0, N
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if layout_request_blocks(kinds, mid * B, n, B, physical) <= usable:
+            lo = mid
+        else:
+            hi = mid
+    return lo * B, usable // layout_request_blocks(kinds, prefix, n, B, physical)
+
+
+def declared_layouts(cfg: Config) -> list[tuple[int, series.BenchLayout]]:
+    """Each ``[[bench.layouts]]`` of the series with the number of the stage
+    that declares it."""
+    return [
+        (stage.number, layout)
+        for stage in series.discover(cfg)
+        for layout in stage.info.bench.layouts
+    ]
+
+
+def check_layouts(
+    report: dict, layouts: list[tuple[int, series.BenchLayout]], stage: int | None
+) -> tuple[list[dict], list[str]]:
+    """A tree's ``layout_memory`` figures with what each is checked against:
+    the physical limit from the stage that declares the layout on, a block
+    per token at the base; other trees (earlier stages, the peer) are
+    reported. Returns the rows (without the ratio to the base) and the
+    mismatches."""
+    B, n = report["block_size"], report["new_tokens"]
+    N, prefix = report["num_blocks"], report["shared_prefix"]
+    declared = {layout.name: (number, layout) for number, layout in layouts}
+    rows, bad = [], []
+    for r in report["rows"]:
+        number, layout = declared[r["layout"]]
+        kinds = list(layout.groups)
+        if stage is not None and stage >= number:
+            checked = "physical"
+        elif stage == 0:
+            checked = "every block"
+        else:
+            checked = "-"
+        want = None
+        if r["figure"] == "peak":
+            L = r["external"]
+            if r["loaded"] != L:
+                bad.append(f"{r['layout']} L={L}: loads {r['loaded']} tokens")
+            figures = [
+                (
+                    f"peak, group {i} ({kind})",
+                    value,
+                    layout_group_blocks(kind, L, n, B, True),
+                    layout_group_blocks(kind, L, n, B, checked == "physical"),
+                )
+                for i, (kind, value) in enumerate(zip(kinds, r["blocks"], strict=True))
+            ]
+        else:
+            L = r.get("external", 0)
+            index = 0 if r["figure"] == "longest_hit" else 1
+            title = "longest hit" if index == 0 else "requests admitted together"
+            phys = layout_admission(kinds, B, n, N, prefix, True)[index]
+            want = layout_admission(kinds, B, n, N, prefix, checked == "physical")
+            figures = [(title, r["value"], phys, want[index])]
+        for figure, value, physical, expected in figures:
+            if checked != "-" and value != expected:
+                at = f" L={L}" if L else ""
+                bad.append(
+                    f"{r['layout']} {figure}{at}: {value} (want {expected}, {checked})"
+                )
+            rows.append(
+                {
+                    "layout": r["layout"],
+                    "figure": figure,
+                    "L": L,
+                    "value": value,
+                    "physical": physical,
+                    "/physical": round(value / physical, 2) if physical else 0.0,
+                    "/base": "-",
+                    "checked": checked,
+                }
+            )
+    return rows, bad
+
+
+def bench_layouts(
+    cfg: Config, pyenv: env_mod.Env, trees: list[BenchTree], plan: dict
+) -> dict:
+    layouts = declared_layouts(cfg)
+    N, prefix = 4096, 8192
+    args = {
+        "layouts": [
+            {"name": lay.name, "groups": list(lay.groups), "lengths": lay.lengths}
+            for _, lay in layouts
+        ],
+        "block_size": 16,
+        "new_tokens": 1,
+        "num_blocks": N,
+        "shared_prefix": prefix,
+    }
+    results, errors = _run_each(cfg, pyenv, trees, "layout_memory", args)
+    stage_of = {t.label: t.stage for t in trees}
+    rows, mismatches = [], []
+    base: dict[tuple, int] = {}
+    for label, runs in results.items():
+        if not runs:
+            continue
+        mine, bad = check_layouts(runs[0], layouts, stage_of.get(label))
+        mismatches += [f"{label}: {m}" for m in bad]
+        for r in mine:
+            key = (r["layout"], r["figure"], r["L"])
+            if stage_of.get(label) == 0:
+                base[key] = r["value"]
+            rows.append({"tree": label, **r})
+    for r in rows:
+        b = base.get((r["layout"], r["figure"], r["L"]))
+        r["/base"] = round(r["value"] / b, 3) if b else "-"
+    declared = ", ".join(
+        f"{lay.name} ({' + '.join(lay.groups)}) from stage "
+        f"{series.key_of(series.discover(cfg), number)}"
+        for number, lay in layouts
+    )
+    return {
+        "title": "Peak blocks and admission of the declared layouts",
+        "method": "one single-layer KV cache group per kind; one new request of "
+        "L+1 tokens, L external (asked of get_num_external_computed_tokens where "
+        "the tree has it), blocks held right after allocate_slots; the longest "
+        f"admitted hit (multiples of B) and requests with an {prefix}-token "
+        f"external hit admitted together under {N} blocks; B=16; checked "
+        "exactly against the physical limit from the stage that declares the "
+        "layout on, against a block per token at the base: "
+        + (declared or "no stage declares a layout"),
+        "budget_blocks": N,
         "checked": "exact" if not mismatches else "MISMATCH",
         "mismatches": mismatches,
         "errors": errors,

@@ -369,3 +369,39 @@ def plot_throughput(report: dict, plt: Any) -> Figure | None:
         f"{report['batch']['prefix']}-token prefixes from a connector"
     )
     return fig
+
+
+def plot_layouts(report: dict, plt: Any) -> Figure | None:
+    """Each declared layout's figures over their physical limit (1 is the
+    limit; above it for a peak, below it for admission), one bar per tree,
+    one panel per layout, log scale."""
+    rows = report["rows"]
+    layouts = list(dict.fromkeys(r["layout"] for r in rows))
+    trees = list(dict.fromkeys(r["tree"] for r in rows))
+    width = 0.8 / len(trees)
+    fig, axes = plt.subplots(
+        len(layouts), 1, figsize=(11, 3.4 * len(layouts)), squeeze=False
+    )
+    for ax, layout in zip(axes.flat, layouts, strict=True):
+        mine = [r for r in rows if r["layout"] == layout]
+        figures = categories(mine, "figure", "L")
+        for j, tree in enumerate(trees):
+            by = {
+                (r["figure"], r["L"]): r["/physical"] for r in mine if r["tree"] == tree
+            }
+            xs = [i - 0.4 + width * (j + 0.5) for i in range(len(figures))]
+            ax.bar(
+                xs,
+                [by.get(f, 0) for f in figures],
+                width,
+                label=tree,
+                color=tree_color(tree),
+            )
+        ax.axhline(1, color="k", linestyle="--", label="physical limit")
+        ax.set_yscale("log", base=2)
+        ax.set_xticks(range(len(figures)))
+        ax.set_xticklabels([f"{f}\nL={L}" if L else f for f, L in figures], fontsize=7)
+        ax.set_ylabel("figure / physical limit")
+        ax.set_title(layout)
+        ax.legend(fontsize=7)
+    return fig

@@ -26,6 +26,11 @@ selected stage and on the vLLM 0.14.0 peer, alternating trees:
    and off. Checked exactly from the stage whose ``[bench] checks`` names
    "eagle-rule" on, against the rule
    (:func:`expected_eagle_hit`); earlier trees and the peer are reported.
+6. ``layout_memory``: peak blocks per KV cache group and admission under a
+   fixed budget for the KV cache layouts stages declare (``[[bench.layouts]]``
+   of ``stage.toml``, e.g. full attention + Mamba), with each figure's ratio
+   to the base's; checked exactly against the physical limit from the stage
+   that declares a layout on, against a block per token at the base.
 
 Results: ``build/reports/bench/<scenario>.json``, ``summary.md`` (tables), one
 ``<scenario>.png`` plot each and the tables on the terminal; the site's
@@ -62,10 +67,12 @@ from hmastack.bench.figures import (
     AdmissionReport,
     Context,
     EagleReport,
+    LayoutReport,
     PeakReport,
     Scenario,
     bench_admission,
     bench_eagle,
+    bench_layouts,
     bench_peak,
     count_failed,
     memory_failed,
@@ -75,6 +82,7 @@ from hmastack.bench.figures import (
 from hmastack.bench.plots import (
     plot_admission,
     plot_eagle,
+    plot_layouts,
     plot_peak,
     plot_ratios,
     plot_throughput,
@@ -188,6 +196,13 @@ SCENARIOS: list[Scenario] = [
         lambda ctx: bench_eagle(ctx.cfg, ctx.pyenv, ctx.trees, ctx.plan),
         EagleReport,
         plot_eagle,
+        memory_failed,
+    ),
+    Scenario(
+        "layout_memory",
+        lambda ctx: bench_layouts(ctx.cfg, ctx.pyenv, ctx.trees, ctx.plan),
+        LayoutReport,
+        plot_layouts,
         memory_failed,
     ),
     # The real engine (build/e2e-env): only with --throughput (minutes of engine

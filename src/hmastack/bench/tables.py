@@ -126,6 +126,38 @@ def summary_markdown(reports: dict[str, dict]) -> str:
     eagle = reports["eagle_hits"]["rows"] if "eagle_hits" in reports else []
     if eagle:
         out.append(eagle_markdown(eagle))
+    layouts = reports["layout_memory"]["rows"] if "layout_memory" in reports else []
+    if layouts:
+        out.append(layouts_markdown(layouts, reports["layout_memory"]["budget_blocks"]))
+    return "\n".join(out)
+
+
+def layouts_markdown(rows: list[dict], budget: int) -> str:
+    """One table per declared layout: each figure's physical limit and, per
+    tree, its value with the ratio to the base's."""
+    trees = list(dict.fromkeys(r["tree"] for r in rows))
+    by = {(r["tree"], r["layout"], r["figure"], r["L"]): r for r in rows}
+    out = []
+    for layout in dict.fromkeys(r["layout"] for r in rows):
+        mine = [r for r in rows if r["layout"] == layout]
+        table = []
+        for figure, L in categories(mine, "figure", "L"):
+            first = next(r for r in mine if (r["figure"], r["L"]) == (figure, L))
+            cells = []
+            for t in trees:
+                r = by.get((t, layout, figure, L))
+                if r is None:
+                    cells.append("-")
+                elif r["/base"] == "-" or t == trees[0]:
+                    cells.append(f"{r['value']:,}")
+                else:
+                    cells.append(f"{r['value']:,} (x{r['/base']})")
+            table.append([figure, L or "-", f"{first['physical']:,}", *cells])
+        out.append(
+            f"### Layout {layout}: peak blocks per group and admission, budget "
+            f"{budget} blocks (x: ratio to {trees[0]})\n"
+        )
+        out.append(md_table(["figure", "L", "physical limit", *trees], table))
     return "\n".join(out)
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from hmastack.bench.cost import CostReport, Profile
 from hmastack.bench.counts import CountReport
-from hmastack.bench.figures import AdmissionReport, PeakReport
+from hmastack.bench.figures import AdmissionReport, LayoutReport, PeakReport
 from hmastack.bench.report import BenchRun, ScenarioReport, read_run
 from hmastack.bench.throughput import ThroughputReport
 from hmastack.bench.throughput_nixl import NixlReport, Prediction
@@ -27,6 +27,7 @@ KNOWN = (
     "scheduler_cost",
     "throughput",
     "throughput_nixl",
+    "layout_memory",
 )
 PLOT_CAPTIONS = {
     "peak_blocks": "Peak blocks per sliding-window group against the external hit "
@@ -48,6 +49,9 @@ PLOT_CAPTIONS = {
     "budgets: completed requests per second, the ratio to the base with the "
     "ratio of admitted requests the block counts predict (dashed), and the most "
     "requests running at once, per layout and budget.",
+    "layout_memory": "Peak blocks per KV cache group and admission under one "
+    "KV budget for the layouts the stages declare (e.g. full attention + "
+    "Mamba), each figure over its physical limit (dashed), per tree.",
     "eagle_hits": "Tokens a repeated prompt's prefix cache hit loses to eagle, per "
     "case and tree, against the rule (dashed).",
 }
@@ -109,6 +113,9 @@ def headline(reports: dict[str, ScenarioReport], run: BenchRun | None) -> list[s
             "**Admission** (requests with an 8k external prefix admitted together, "
             f"HMA off on 0.13.0 → {last}): " + "; ".join(cells) + "."
         )
+    layouts = reports.get("layout_memory")
+    if isinstance(layouts, LayoutReport) and layouts.rows:
+        out.append(layouts_headline(layouts))
     counts = reports.get("scheduler_instructions")
     if isinstance(counts, CountReport) and counts.rows:
         rows = counts.rows
@@ -184,6 +191,36 @@ def headline(reports: dict[str, ScenarioReport], run: BenchRun | None) -> list[s
             + "."
         )
     return out
+
+
+def layouts_headline(report: LayoutReport) -> str:
+    """Per declared layout, the base's figures against the last stage's, each
+    with its physical limit."""
+    trees = list(dict.fromkeys(r.tree for r in report.rows))
+    shown = _shown(trees)
+    last = shown[1] if len(shown) > 1 else trees[-1]
+    cells = []
+    for layout in dict.fromkeys(r.layout for r in report.rows):
+        mine = [r for r in report.rows if r.layout == layout]
+        parts = []
+        for figure in dict.fromkeys(r.figure for r in mine):
+            rows = [r for r in mine if r.figure == figure]
+            base = [r.value for r in rows if r.tree == trees[0]]
+            ours = [r for r in rows if r.tree == last]
+            if not base or not ours:
+                continue
+            lengths = ", ".join(f"{r.L:,}" for r in ours if r.L)
+            parts.append(
+                f"{figure}{f' (L {lengths})' if lengths else ''}: "
+                f"{', '.join(f'{b:,}' for b in base)} → "
+                f"{', '.join(f'{r.value:,}' for r in ours)} (limit "
+                f"{', '.join(f'{r.physical:,}' for r in ours)})"
+            )
+        cells.append(f"{layout}: " + "; ".join(parts))
+    return (
+        f"**Declared layouts** ({trees[0]} → {last}, budget "
+        f"{report.budget_blocks} blocks): " + " | ".join(cells) + "."
+    )
 
 
 def _scenario_seconds(reports: dict[str, ScenarioReport]) -> str:

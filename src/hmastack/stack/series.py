@@ -132,6 +132,25 @@ class BenchExpected(msgspec.Struct, forbid_unknown_fields=True):
     why: str
 
 
+# The group kinds of a declared benchmark layout whose physical minimum the
+# tool knows: full attention (a block per token) and Mamba (the state block of
+# the last external token, then the blocks of the tokens computed).
+LayoutKind = Literal["full", "mamba"]
+
+
+class BenchLayout(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``[[bench.layouts]]``: a KV cache layout (one single-layer group per
+    entry of ``groups``) whose peak blocks per group and admission under a
+    fixed block budget the ``layout_memory`` benchmark measures on every tree;
+    from this stage on they are checked exactly against the physical limit."""
+
+    name: str
+    groups: list[LayoutKind]
+    # The external hits (tokens, multiples of the block size) of the peak.
+    lengths: list[int]
+    why: str = ""
+
+
 class BenchTable(msgspec.Struct, forbid_unknown_fields=True):
     # The benchmark checks that hold exactly from this stage on.
     checks: list[BenchCheck] = []
@@ -139,6 +158,8 @@ class BenchTable(msgspec.Struct, forbid_unknown_fields=True):
     throughput: list[Literal["quick", "full"]] = []
     # The settings whose instruction counts this stage raises, and why.
     expected: list[BenchExpected] = []
+    # The layouts whose memory figures reach the physical limit from here on.
+    layouts: list[BenchLayout] = []
 
 
 class Counterexample(msgspec.Struct, forbid_unknown_fields=True):
