@@ -684,9 +684,14 @@ class ConnectorView:
         still runs, and the store records OffloadingConnector's scheduler
         side keeps (what its `request_blocks_freed` holds); and on a P/D
         producer the blocks NixlConnector holds for the consumer's read
-        (its `_window_holds`, what its `request_blocks_freed` holds)."""
+        (its `_window_holds`, what its `request_blocks_freed` holds); and the
+        held blocks the scheduler asks about again with its next output
+        (`KVCacheManager.held_to_ask_again`)."""
         out: dict[str, set[int]] = {}
         h = self.harness
+        manager = h.scheduler.kv_cache_manager
+        for req_id in manager.held_to_ask_again:
+            out[req_id] = {b.block_id for b in manager.held_blocks.get(req_id, ())}
         if h.nixl is not None:
             for req_id, hold in h.nixl.connector_scheduler._window_holds.items():
                 out.setdefault(req_id, set()).update(hold.held.values())
