@@ -638,10 +638,11 @@ class Router:
         resident = tier_group.holds() if tier_group is not None else set()
         first = start
         if group.kind != "full_attention":
-            # The tokens whose skipped blocks the group's table starts with.
-            end = hit * BLOCK_SIZE
+            # The tokens whose skipped blocks the group's table starts with:
+            # the scheduler computes the last token of a whole prompt again.
+            end = min(hit * BLOCK_SIZE, num_tokens - 1)
             if eagle:
-                end = (min(end, num_tokens - 1) - 1) // BLOCK_SIZE * BLOCK_SIZE
+                end = (end - 1) // BLOCK_SIZE * BLOCK_SIZE
             if group.kind == "sliding_window":
                 skipped = max(0, end - group.window + 1)
             else:
