@@ -11,6 +11,7 @@ from hmastack_testkit.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    Group,
     Index,
     KVEventBatch,
     decode_batch,
@@ -177,6 +178,24 @@ def test_with_eagle_the_block_after_the_hit_must_be_held():
 
     assert index_of([full_blocks(4)]).predict(tokens) == 16
     assert index_of([full_blocks(6)]).predict(tokens) == 24
+
+
+def test_a_group_known_before_its_events_learns_eagle_from_them():
+    """A router that knows the engine's KV cache groups from its
+    configuration before their first event (kind, window, block size; the
+    configuration does not say eagle) takes use_eagle from the events: the
+    README's layout with eagle predicts 16, as an index built from the
+    events alone; the same groups that keep use_eagle False claim 20."""
+    events = [eagle(stored(FULL, 0, 4, "full_attention")), eagle(sliding(2, 4))]
+    payload = msgspec.msgpack.encode(KVEventBatch(ts=0.0, events=events))
+    for eagle_aware, expected in ((True, 16), (False, 20)):
+        index = Index(eagle_aware=eagle_aware)
+        index.groups[FULL] = Group("full_attention", B)
+        index.groups[SLIDING] = Group("sliding_window", B, window=8)
+        for event in DECODER.decode(payload).events:
+            index.apply(event)
+        assert [g.use_eagle for g in index.groups.values()] == [eagle_aware] * 2
+        assert index.predict(TOKENS) == expected
 
 
 def test_needed_blocks_of_each_kind():

@@ -112,7 +112,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
 import itertools
 import math
 import os
@@ -187,17 +186,7 @@ SCHEDULINGS = ("sync", "async", "batch_queue")
 # the series fails today. A violation attributed to one of them is recorded,
 # not raised; a kind whose fix is in the series moves to FIXED_KINDS, where
 # the machine is strict on it.
-EXPECTED_FAILURES: dict[int, str] = {
-    4: "the router's rule ignores EAGLE",
-    # Found by this machine (the test_kind_* schedules of
-    # test_cross_stage_machine.py).
-    11: (
-        "a P/D producer's NixlConnector stops holding, at the finish, a block "
-        "it held at a position where the table has a real block again (a "
-        "resumed request): the scheduler keeps it held, read by nobody, until "
-        "the request is reported (the consumer's read or the expiry)"
-    ),
-}
+EXPECTED_FAILURES: dict[int, str] = {}
 
 # The kinds the series fixes: a violation of one of them fails the example
 # (their schedules are the plain test_kind_* tests).
@@ -214,6 +203,11 @@ FIXED_KINDS: dict[int, str] = {
     3: (
         "KV events of a connector's medium do not name their block and "
         "group (OffloadingConnector's CPU tier publishes its internal keys)"
+    ),
+    4: (
+        "the router's rule ignores EAGLE (a KV cache group the router knows "
+        "from the engine's configuration before its first event never learns "
+        "the events' use_eagle)"
     ),
     5: "a deferred free releases held blocks in table order, not tail first",
     7: (
@@ -236,6 +230,12 @@ FIXED_KINDS: dict[int, str] = {
         "OffloadingConnector's lookup needs the last block of a hit in every "
         "KV cache group: a chunked local attention group at a chunk boundary "
         "holds the null block there, and a hit the tier serves is not claimed"
+    ),
+    11: (
+        "a P/D producer's NixlConnector stops holding, at the finish, a block "
+        "it held (a resumed request whose table has a real block at its "
+        "position again, or a preempted request aborted): the scheduler keeps "
+        "it held, read by nobody, until the worker side reports the request"
     ),
 }
 
@@ -455,15 +455,6 @@ def sub_connectors(connector) -> list:
 ENCODER = msgspec.msgpack.Encoder()
 
 
-def _rule_predict(index: router_events.Index, tokens: list[int], eagle: bool) -> int:
-    """The router's rule for the engine's prefix cache hit
-    (`hmastack_testkit.kv_events.Index.predict`), told about EAGLE when the
-    rule takes it."""
-    if "eagle" in inspect.signature(index.predict).parameters:
-        return index.predict(tokens, eagle=eagle)
-    return index.predict(tokens)
-
-
 def _eagle_predict(index: router_events.Index, tokens: list[int]) -> int:
     """The classification's EAGLE rule (stage 05): the longest hit L, below
     the last token with the block after it, that every group serves together
@@ -573,32 +564,38 @@ class Router:
         """The engine's KV cache groups, as its events describe them."""
         return {k: g for k, g in self.gpu.groups.items() if g.block_size}
 
-    def predict_local(self, tokens: list[int], eagle: bool, rule_eagle=None) -> int:
+    def predict_local(self, tokens: list[int], rule_eagle: bool = False) -> int:
+        """The engine's prefix cache hit: the router's rule
+        (`hmastack_testkit.kv_events.Index.predict`, EAGLE as the events
+        say), or `rule_eagle`: the classification's EAGLE rule."""
         if rule_eagle:
             return _eagle_predict(self.gpu, tokens)
-        return _rule_predict(self.gpu, tokens, eagle)
+        return self.gpu.predict(tokens)
 
     def predict_tier(
         self,
         tier: router_events.Index | None,
         tokens: list[int],
         num_computed: int,
-        loadable_with_eagle: bool = False,
+        loadable_with_eagle: bool | None = None,
         last_block_everywhere: bool = False,
     ) -> int:
         """The tokens a connector tier adds after `num_computed` locally
         computed ones: the longest prefix of full blocks whose blocks from
         the local hit on every group needs are in the tier (full attention:
         all; sliding window, chunked local attention: those its layers read
-        after the hit), at least one block. `loadable_with_eagle`: the
-        blocks the scheduler allocates for them with EAGLE (the window of the
-        hit a later request takes, one block earlier).
+        after the hit), at least one block: the blocks the scheduler
+        allocates for them, with EAGLE (`loadable_with_eagle`; None: as the
+        events say, `use_eagle`) the window of the hit a later request
+        takes, one block earlier.
         `last_block_everywhere`: every group needs the last block of the hit
         (kind 10's rule: also a chunked local attention group at a chunk
         boundary, whose table holds the null block there)."""
         groups = self.groups()
         if tier is None or not groups:
             return 0
+        if loadable_with_eagle is None:
+            loadable_with_eagle = any(g.use_eagle for g in groups.values())
         num_blocks = len(tokens) // BLOCK_SIZE
         if num_blocks * BLOCK_SIZE - num_computed < BLOCK_SIZE:
             return 0
@@ -627,10 +624,11 @@ class Router:
         resident = tier_group.holds() if tier_group is not None else set()
         first = start
         if group.kind != "full_attention":
-            # The tokens whose skipped blocks the group's table starts with.
-            end = hit * BLOCK_SIZE
+            # The tokens whose skipped blocks the group's table starts with:
+            # the scheduler computes the last token of a whole prompt again.
+            end = min(hit * BLOCK_SIZE, num_tokens - 1)
             if eagle:
-                end = (min(end, num_tokens - 1) - 1) // BLOCK_SIZE * BLOCK_SIZE
+                end = (end - 1) // BLOCK_SIZE * BLOCK_SIZE
             if group.kind == "sliding_window":
                 skipped = max(0, end - group.window + 1)
             else:
@@ -673,9 +671,14 @@ class ConnectorView:
         still runs, and the store records OffloadingConnector's scheduler
         side keeps (what its `request_blocks_freed` holds); and on a P/D
         producer the blocks NixlConnector holds for the consumer's read
-        (its `_window_holds`, what its `request_blocks_freed` holds)."""
+        (its `_window_holds`, what its `request_blocks_freed` holds); and the
+        held blocks the scheduler asks about again with its next output
+        (`KVCacheManager.held_to_ask_again`)."""
         out: dict[str, set[int]] = {}
         h = self.harness
+        manager = h.scheduler.kv_cache_manager
+        for req_id in manager.held_to_ask_again:
+            out[req_id] = {b.block_id for b in manager.held_blocks.get(req_id, ())}
         if h.nixl is not None:
             for req_id, hold in h.nixl.connector_scheduler._window_holds.items():
                 out.setdefault(req_id, set()).update(hold.held.values())
@@ -1021,12 +1024,12 @@ class CrossHarness(s03.Harness):
         if num_hit_tokens:
             _note("local prefix cache hit")
         tokens = self._tokens(request)
-        predicted = self.router.predict_local(tokens, self.setup.eagle)
+        predicted = self.router.predict_local(tokens)
         self.lookup_local = (request.request_id, num_hit_tokens)
         if predicted == num_hit_tokens:
             return
         kinds: tuple[int, ...] = ()
-        if self.setup.eagle and self.router.predict_local(tokens, True, True) == (
+        if self.setup.eagle and self.router.predict_local(tokens, rule_eagle=True) == (
             num_hit_tokens
         ):
             kinds = (4,)

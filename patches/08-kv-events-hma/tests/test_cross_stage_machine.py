@@ -342,13 +342,15 @@ def test_kind_3_cpu_tier_events_name_no_group():
     expect_kind(3, schedule)
 
 
-@xfail_kind(4)
 def test_kind_4_router_rule_ignores_eagle():
     """EAGLE, full attention + sliding window: a 17-token prompt sent twice
-    at once. The first caches block 0 as the second is looked up: the rule
-    stage 08 publishes predicts a hit of 16 tokens; with EAGLE the engine
-    hits 0 (the block after a hit is computed again and must end before the
-    last token) (RouterPredictsHit)."""
+    at once. The first caches block 0 as the second is looked up; with
+    EAGLE the engine hits 0 (the block after a hit is computed again and
+    must end before the last token), and so does the rule stage 08
+    publishes, told by the events that the engine runs EAGLE (`use_eagle`).
+    A router that knows the KV cache groups from the engine's configuration
+    before their first event, and takes `use_eagle` only from the event
+    that names a group first, predicts 16 tokens (RouterPredictsHit)."""
 
     def schedule():
         state = start(
@@ -487,3 +489,46 @@ def test_kind_10_offloading_needs_the_last_block_of_a_chunk_boundary_hit():
         state.safety()
 
     expect_kind(10, schedule)
+
+
+def test_kind_11_producer_stops_holding_blocks_no_consumer_reads():
+    """P/D (NixlConnector), full attention + sliding window 64, batch queue,
+    32 blocks: a 97-token prompt with do_remote_decode waits for its
+    consumer; a 145-token one is preempted in its prefill (93 tokens
+    computed) when the pool runs short, and the producer holds the two
+    blocks of its sliding window table that a consumer reads (positions 4
+    and 5). The first request expires; the second resumes with a prefix
+    cache hit of 144 tokens, whose window puts real blocks in its table at
+    positions 4 and 5 again (block 29 itself, and another one), and
+    finishes: the producer offers its table's blocks there and no longer
+    reads the two it held. Aborted while preempted instead, no consumer
+    reads them either. Either way the scheduler kept them held, read by
+    nobody, until the worker side reported the request (the consumer's read
+    or the expiry; LiveRecords)."""
+
+    def first_steps():
+        state = start(
+            CrossSetup("nixl", "lru", "full_sw", False, "batch_queue"),
+            size(window=64, num_blocks=32),
+            [req(), req(), req(prefix=1, num_own=65, pd=True)],
+        )
+        state.pd_round_trip(
+            chunks=0, max_tokens=1, num_steps=1, prefix=3, read="finish", tail=1
+        )
+        state.safety()
+        return state
+
+    def resumed():
+        state = first_steps()
+        state.expire(pick=0)
+        state.safety()
+        state.steps(accept=0, engine=0, eos_pick=None, num_steps=5)
+        state.safety()
+
+    def aborted():
+        state = first_steps()
+        state.abort(pick=0)
+        state.safety()
+
+    expect_kind(11, resumed)
+    expect_kind(11, aborted)

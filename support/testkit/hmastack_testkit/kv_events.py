@@ -233,6 +233,10 @@ class Index:
             self.groups[key] = group
         elif block_size and not group.block_size:
             group.block_size = block_size
+        if self.eagle_aware and event.use_eagle:
+            # A group known before its first event (from the engine's KV
+            # cache configuration) learns eagle from the events.
+            group.use_eagle = True
         return group
 
     def apply(self, event) -> None:
