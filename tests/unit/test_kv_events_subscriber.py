@@ -212,6 +212,27 @@ def test_needed_blocks_of_each_kind():
         "chunked_local_attention", 4, 16, chunk=16, use_eagle=True
     ) == range(4, 5)
     assert needed_blocks("chunked_local_attention", 4, 20, chunk=16) == range(4, 5)
+    # Mamba: the block of token 15, the state after it; eagle adds nothing
+    assert needed_blocks("mamba", 4, 16) == range(3, 4)
+    assert needed_blocks("mamba", 4, 16, use_eagle=True) == range(3, 4)
+    assert needed_blocks("mamba", 4, 0) == range(0, 0)
+
+
+def test_a_mamba_group_needs_only_the_state_at_the_end_of_the_hit():
+    """Full attention holds blocks 0~4 of the 22-token prompt, the Mamba group
+    (vLLM caches one state block a hit) only block 3: the hit is 16 tokens,
+    the state after token 15; with the Mamba group read as full attention the
+    subscriber predicts none."""
+    events = [
+        stored(FULL, 0, 4, "full_attention"),
+        msgspec.structs.replace(stored(SLIDING, 3, 3, "mamba"), parent_block_hash=None),
+    ]
+    assert index_of(events).predict(TOKENS) == 16
+    as_full = [
+        events[0],
+        msgspec.structs.replace(events[1], kv_cache_spec_kind="full_attention"),
+    ]
+    assert index_of(as_full).predict(TOKENS) == 0
 
 
 # --- media: the engine's GPU blocks and a KV connector's CPU tier --------------

@@ -26,7 +26,9 @@ call:
 - :func:`needed_blocks`: the blocks a prefix cache hit of L tokens needs in one
   group (full attention: every block before L; sliding window W: the
   cdiv(W - 1, B) blocks before L; chunked local attention C: the blocks of
-  [L // C * C, L); with eagle also block L / B, the block after the hit);
+  [L // C * C, L); Mamba: the block of token L - 1, the state after it; with
+  eagle also block L / B, the block after the hit, in every group but a Mamba
+  group);
 - :func:`longest_hit`: the engine's prefix cache hit of a prompt, the longest L
   every group serves, below its last token (with eagle, the block after the hit
   ends at or before it), a multiple of every group's block size;
@@ -119,12 +121,17 @@ def needed_blocks(
     """The blocks (indices in blocks of ``block_size``) that a prefix cache hit
     of ``num_tokens`` tokens needs in a KV cache group of ``kind``
     (``full_attention``, ``sliding_window`` with ``window``,
-    ``chunked_local_attention`` with ``chunk``): the blocks before it that the
-    next token reads (sliding window: tokens from ``num_tokens - window + 1``
-    on, the cdiv(W - 1, B) blocks before a block-aligned hit; chunked local
-    attention: from ``num_tokens // chunk * chunk`` on) and, with eagle, block
-    ``num_tokens // block_size``, which eagle computes again."""
+    ``chunked_local_attention`` with ``chunk``, ``mamba``): the blocks before
+    it that the next token reads (sliding window: tokens from
+    ``num_tokens - window + 1`` on, the cdiv(W - 1, B) blocks before a
+    block-aligned hit; chunked local attention: from
+    ``num_tokens // chunk * chunk`` on; Mamba: the block of token
+    ``num_tokens - 1``, which holds the state after it) and, with eagle, block
+    ``num_tokens // block_size``, which eagle computes again (not in a Mamba
+    group, which reads only the state)."""
     num_blocks = num_tokens // block_size
+    if kind == "mamba":
+        return range(max(0, num_blocks - 1), num_blocks)
     first = 0
     if kind == "sliding_window":
         first = max(0, num_tokens - window + 1) // block_size
