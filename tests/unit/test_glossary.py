@@ -54,7 +54,7 @@ def corpora() -> dict[str, str]:
         vllm += text_of(tree.rglob("*.py"))
     ours = text_of(
         p
-        for d in ("tests", "bench", "src", "patches")
+        for d in ("tests", "bench", "src", "patches", "support")
         for p in (ROOT / d).rglob("*")
         if p.suffix in {".py", ".toml", ".json"} and "fixtures" not in p.parts
     )
