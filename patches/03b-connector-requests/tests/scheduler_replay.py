@@ -94,6 +94,7 @@ from hmastack_testkit.kvtest import (
     make_cpu_vllm_config,
     make_scheduler,
     model_hit_blocks,
+    model_runner_output,
     steer_free_queue,
     steer_hits,
 )
@@ -390,13 +391,9 @@ class Replay:
                 finished_sending=finished_sending,
                 invalid_block_ids=invalid_block_ids or set(),
             )
-        return ModelRunnerOutput(
-            req_ids=ids,
-            req_id_to_index={r: i for i, r in enumerate(ids)},
-            sampled_token_ids=[tokens[r] for r in ids],
-            logprobs=None,
-            prompt_logprobs_dict={},
-            pooler_output=[],
+        return model_runner_output(
+            ids,
+            [tokens[r] for r in ids],
             kv_connector_output=kv,
         )
 

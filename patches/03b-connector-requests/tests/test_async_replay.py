@@ -58,6 +58,7 @@ from hmastack_testkit.kvtest import (
     make_cpu_vllm_config,
     make_kv_cache_groups,
     make_scheduler,
+    model_runner_output,
 )
 from hmastack_testkit.scripted_connector import Offer
 from vllm.config import KVTransferConfig
@@ -67,7 +68,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import KVCacheConfig
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
 
 FIXTURES = Path(__file__).parent / "fixtures" / "async-replay"
@@ -232,13 +233,9 @@ class AsyncReplay:
             kv = KVConnectorOutput(
                 invalid_block_ids=self.invalid_at(block_ids, failed_at)
             )
-        runner = ModelRunnerOutput(
-            req_ids=[REQ],
-            req_id_to_index={REQ: 0},
-            sampled_token_ids=[tokens],
-            logprobs=None,
-            prompt_logprobs_dict={},
-            pooler_output=[],
+        runner = model_runner_output(
+            [REQ],
+            [tokens],
             kv_connector_output=kv,
         )
         self.sched.update_from_output(out, runner)
@@ -253,13 +250,9 @@ class AsyncReplay:
         )
         self.sched.update_from_output(
             SchedulerOutput.make_empty(),
-            ModelRunnerOutput(
-                req_ids=[],
-                req_id_to_index={},
-                sampled_token_ids=[],
-                logprobs=None,
-                prompt_logprobs_dict={},
-                pooler_output=[],
+            model_runner_output(
+                [],
+                [],
                 kv_connector_output=KVConnectorOutput(
                     finished_recving={REQ}, invalid_block_ids=invalid
                 ),

@@ -20,31 +20,14 @@ sequence (and a reproduction blob); record it as an explicit test in the
 
 from __future__ import annotations
 
-import os
-
 import pytest
-from hmastack_testkit.kvtest import hypothesis_settings
+from hmastack_testkit.kvtest import example_settings
 from hmastack_testkit.scheduler_machine import COVERAGE
-from hypothesis import Phase, settings
 from machine_rules import SchedulerMachine
 
 # The examples of the fixed set.
 FIXED_EXAMPLES = 100
-_RANDOM_EXAMPLES = int(os.environ.get("HMASTACK_RANDOM_EXAMPLES", "0"))
-_STEPS = int(os.environ.get("HMASTACK_RANDOM_STEPS", "50"))
-if _RANDOM_EXAMPLES:
-    SETTINGS = settings(
-        hypothesis_settings(_RANDOM_EXAMPLES),
-        derandomize=False,
-        stateful_step_count=_STEPS,
-        print_blob=True,
-    )
-else:
-    SETTINGS = settings(hypothesis_settings(FIXED_EXAMPLES), stateful_step_count=_STEPS)
-if os.environ.get("HMASTACK_RANDOM_NO_SHRINK"):
-    # `hmastack conform` on a broken tree: the time to the first falsifying
-    # schedule, without the minutes hypothesis may spend shrinking it.
-    SETTINGS = settings(SETTINGS, phases=[Phase.explicit, Phase.generate])
+SETTINGS = example_settings(FIXED_EXAMPLES, steps=50)
 
 # The paths that the fixed set must exercise: without one of them, the
 # properties of that path are not checked in CI (see test_coverage). A load
@@ -93,7 +76,7 @@ def test_coverage():
     the counts). A fresh-seed run prints them only: its examples differ from
     run to run, see --hypothesis-show-statistics."""
     print(dict(COVERAGE))
-    if _RANDOM_EXAMPLES or COVERAGE["example"] < FIXED_EXAMPLES:
+    if not SETTINGS.derandomize or COVERAGE["example"] < FIXED_EXAMPLES:
         pytest.skip(
             f"the fixed set did not run in this process ({COVERAGE['example']} "
             "examples of the state machine ran)"

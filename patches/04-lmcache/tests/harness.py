@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 from hmastack_testkit import lmcache_cuda_boundary as cuda_boundary
-from hmastack_testkit.kvtest import make_request, make_scheduler
+from hmastack_testkit.kvtest import make_request, make_scheduler, model_runner_output
 from layouts import (
     BLOCK_SIZE,
     Layout,
@@ -47,7 +47,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheSpec,
     SlidingWindowSpec,
 )
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
 _HASH_MOD = 1 << 19
@@ -251,13 +251,9 @@ class Engine:
             )
         self.scheduler.update_from_output(
             so,
-            ModelRunnerOutput(
-                req_ids=ids,
-                req_id_to_index={r: i for i, r in enumerate(ids)},
-                sampled_token_ids=[sampled[r] for r in ids],
-                logprobs=None,
-                prompt_logprobs_dict={},
-                pooler_output=None,
+            model_runner_output(
+                ids,
+                [sampled[r] for r in ids],
                 kv_connector_output=kv_output,
             ),
         )

@@ -35,18 +35,17 @@ schedule, as `hmastack conform` does on broken trees).
 from __future__ import annotations
 
 import itertools
-import os
 from dataclasses import dataclass, field
 
 from hmastack_testkit import scripted_connector as scripted
 from hmastack_testkit.kvtest import (
-    hypothesis_settings,
+    example_settings,
     make_cpu_vllm_config,
     make_kv_cache_groups,
     make_request,
     make_scheduler,
+    model_runner_output,
 )
-from hypothesis import Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from vllm.config import KVTransferConfig
@@ -59,7 +58,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
     MultiConnector,
 )
 from vllm.v1.kv_cache_interface import KVCacheConfig
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
 BLOCK_SIZE = 16
@@ -67,18 +66,7 @@ WINDOW = 32
 NUM_BLOCKS = 20  # the null block included
 EOS = 2
 
-_RANDOM_EXAMPLES = int(os.environ.get("HMASTACK_RANDOM_EXAMPLES", "0"))
-if _RANDOM_EXAMPLES:
-    SETTINGS = settings(
-        hypothesis_settings(_RANDOM_EXAMPLES),
-        derandomize=False,
-        stateful_step_count=50,
-        print_blob=True,
-    )
-else:
-    SETTINGS = settings(hypothesis_settings(60), stateful_step_count=50)
-if os.environ.get("HMASTACK_RANDOM_NO_SHRINK"):
-    SETTINGS = settings(SETTINGS, phases=[Phase.explicit, Phase.generate])
+SETTINGS = example_settings(60, steps=50)
 
 
 @dataclass
@@ -250,13 +238,9 @@ class MultiHoldMachine(RuleBasedStateMachine):
                 sampled.append([EOS if i in eos else 7])
         self.scheduler.update_from_output(
             output,
-            ModelRunnerOutput(
-                req_ids=req_ids,
-                req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                sampled_token_ids=sampled,
-                logprobs=None,
-                prompt_logprobs_dict={},
-                pooler_output=None,
+            model_runner_output(
+                req_ids,
+                sampled,
                 kv_connector_output=KVConnectorOutput(
                     finished_sending=finished_sending
                 ),

@@ -22,23 +22,22 @@ random examples instead.
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 
 from hmastack_testkit.kvtest import (
-    hypothesis_settings,
+    example_settings,
     make_cpu_vllm_config,
     make_kv_cache_config,
     make_scheduler,
+    model_runner_output,
 )
-from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from vllm.config import SpeculativeConfig
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
-from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+from vllm.v1.outputs import DraftTokenIds
 from vllm.v1.request import Request, RequestStatus
 
 BLOCK_SIZE = 16
@@ -52,13 +51,7 @@ LAYOUTS = {
 # own tokens (none: the same prompt as an earlier request).
 PREFIXES = [[1000 + 7 * i + p for i in range(n)] for p, n in enumerate((70, 165, 300))]
 
-_RANDOM_EXAMPLES = int(os.environ.get("HMASTACK_RANDOM_EXAMPLES", "0"))
-if _RANDOM_EXAMPLES:
-    SETTINGS = settings(
-        hypothesis_settings(_RANDOM_EXAMPLES), derandomize=False, stateful_step_count=40
-    )
-else:
-    SETTINGS = settings(hypothesis_settings(60), stateful_step_count=40)
+SETTINGS = example_settings(60, steps=40)
 
 # What the examples exercised, over the whole run.
 COUNTS: Counter[str] = Counter()
@@ -153,13 +146,9 @@ class Harness:
             sampled.append([500 + (request.num_tokens + j) % 50 for j in range(n)])
         scheduler.update_from_output(
             output,
-            ModelRunnerOutput(
-                req_ids=req_ids,
-                req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                sampled_token_ids=sampled,
-                logprobs=None,
-                prompt_logprobs_dict={},
-                pooler_output=[],
+            model_runner_output(
+                req_ids,
+                sampled,
             ),
         )
         drafted = [

@@ -36,18 +36,18 @@ examples; `HMASTACK_RANDOM_NO_SHRINK=1` stops at the first failure, as
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
 from hmastack_testkit.kvtest import (
-    hypothesis_settings,
+    example_settings,
     make_cpu_vllm_config,
     make_kv_cache_config,
     make_request,
     make_scheduler,
+    model_runner_output,
 )
-from hypothesis import Phase, event, example, given, settings
+from hypothesis import event, example, given
 from hypothesis import strategies as st
 from vllm.config import KVTransferConfig, SpeculativeConfig
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -64,13 +64,7 @@ LAYOUTS = {
 }
 WINDOWS = {"sliding_window": (32, 40, 48, 64), "chunked_local": (32, 64)}
 
-_RANDOM_EXAMPLES = int(os.environ.get("HMASTACK_RANDOM_EXAMPLES", "0"))
-if _RANDOM_EXAMPLES:
-    SETTINGS = settings(hypothesis_settings(_RANDOM_EXAMPLES), derandomize=False)
-else:
-    SETTINGS = hypothesis_settings(60)
-if os.environ.get("HMASTACK_RANDOM_NO_SHRINK"):
-    SETTINGS = settings(SETTINGS, phases=[Phase.explicit, Phase.generate])
+SETTINGS = example_settings(60)
 
 
 @dataclass(frozen=True)
@@ -152,13 +146,9 @@ def _scheduler(trip: RoundTrip, eagle: bool, budget: int):
 
 def _output(requests, finished_sending=None, sample=True) -> ModelRunnerOutput:
     req_ids = [r.request_id for r in requests]
-    return ModelRunnerOutput(
-        req_ids=req_ids,
-        req_id_to_index={r: i for i, r in enumerate(req_ids)},
-        sampled_token_ids=[[7] if sample else [] for _ in req_ids],
-        logprobs=None,
-        prompt_logprobs_dict={},
-        pooler_output=None,
+    return model_runner_output(
+        req_ids,
+        [[7] if sample else [] for _ in req_ids],
         kv_connector_output=KVConnectorOutput(finished_sending=finished_sending)
         if finished_sending
         else None,

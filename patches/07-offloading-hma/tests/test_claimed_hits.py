@@ -28,18 +28,17 @@ schedule, as ``hmastack conform`` does on broken trees).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import torch
 from hmastack_testkit.kvtest import (
-    hypothesis_settings,
+    example_settings,
     make_cpu_vllm_config,
     make_kv_cache_groups,
     make_request,
     make_scheduler,
+    model_runner_output,
 )
-from hypothesis import Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 from vllm.attention.backends.abstract import AttentionBackend
@@ -69,7 +68,7 @@ from vllm.v1.kv_offload.worker.worker import (
     TransferResult,
     TransferSpec,
 )
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
 BLOCK_SIZE = 16
@@ -84,18 +83,7 @@ LAYOUTS = {
 
 init_none_hash(sha256)
 
-_RANDOM_EXAMPLES = int(os.environ.get("HMASTACK_RANDOM_EXAMPLES", "0"))
-if _RANDOM_EXAMPLES:
-    SETTINGS = settings(
-        hypothesis_settings(_RANDOM_EXAMPLES),
-        derandomize=False,
-        stateful_step_count=40,
-        print_blob=True,
-    )
-else:
-    SETTINGS = settings(hypothesis_settings(40), stateful_step_count=40)
-if os.environ.get("HMASTACK_RANDOM_NO_SHRINK"):
-    SETTINGS = settings(SETTINGS, phases=[Phase.explicit, Phase.generate])
+SETTINGS = example_settings(40, steps=40)
 
 
 class MachineHandler(OffloadingHandler):
@@ -319,13 +307,9 @@ class ClaimedHitMachine(RuleBasedStateMachine):
                 sampled.append([EOS if i in eos else 7])
         self.scheduler.update_from_output(
             output,
-            ModelRunnerOutput(
-                req_ids=req_ids,
-                req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                sampled_token_ids=sampled,
-                logprobs=None,
-                prompt_logprobs_dict={},
-                pooler_output=None,
+            model_runner_output(
+                req_ids,
+                sampled,
                 kv_connector_output=KVConnectorOutput(
                     finished_sending=finished_sending,
                     finished_recving=finished_recving,

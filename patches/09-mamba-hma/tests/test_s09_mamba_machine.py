@@ -28,22 +28,23 @@ a state no block holds, and ``ValidState`` fails.
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from dataclasses import dataclass
 
 from hmastack_testkit import kvtest
 from hmastack_testkit import scripted_connector as scripted
 from hmastack_testkit.kv_layouts import make_cpu_vllm_config, make_kv_cache_groups
-from hmastack_testkit.kvtest import hypothesis_settings
-from hypothesis import settings
+from hmastack_testkit.kvtest import (
+    example_settings,
+    model_runner_output,
+)
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import KVCacheConfig
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
 BLOCK_SIZE = 16
@@ -233,13 +234,9 @@ class Harness:
         self.finished_recving.clear()
         scheduler.update_from_output(
             output,
-            ModelRunnerOutput(
-                req_ids=req_ids,
-                req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                sampled_token_ids=sampled,
-                logprobs=None,
-                prompt_logprobs_dict={},
-                pooler_output=None,
+            model_runner_output(
+                req_ids,
+                sampled,
                 kv_connector_output=kv_output,
             ),
         )
@@ -405,17 +402,7 @@ class MambaSchedulerMachine(RuleBasedStateMachine):
 # each time: HMASTACK_RANDOM_EXAMPLES=N (and HMASTACK_RANDOM_STEPS=N, the
 # rules per example), as the machine of the connector requests' stage.
 FIXED_EXAMPLES = 30
-_RANDOM_EXAMPLES = int(os.environ.get("HMASTACK_RANDOM_EXAMPLES", "0"))
-_STEPS = int(os.environ.get("HMASTACK_RANDOM_STEPS", "30"))
-if _RANDOM_EXAMPLES:
-    SETTINGS = settings(
-        hypothesis_settings(_RANDOM_EXAMPLES),
-        derandomize=False,
-        stateful_step_count=_STEPS,
-        print_blob=True,
-    )
-else:
-    SETTINGS = settings(hypothesis_settings(FIXED_EXAMPLES), stateful_step_count=_STEPS)
+SETTINGS = example_settings(FIXED_EXAMPLES, steps=30)
 
 MambaSchedulerMachine.TestCase.settings = SETTINGS
 test_mamba_scheduler_state_machine = MambaSchedulerMachine.TestCase

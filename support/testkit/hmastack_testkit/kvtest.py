@@ -10,9 +10,12 @@ scenarios), under the names the stage tests import from here.
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, settings
+import os
+
+from hypothesis import HealthCheck, Phase, settings
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import init_none_hash
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
 from hmastack_testkit.kv_layouts import (  # noqa: F401 - the stage tests' names
     make_cpu_vllm_config,
@@ -44,6 +47,25 @@ GROUP_KINDS = [
     ["full", "chunked_local"],
     ["full", "mamba"],
 ]
+
+
+def model_runner_output(
+    req_ids: list[str],
+    sampled_token_ids: list[list[int]],
+    kv_connector_output: KVConnectorOutput | None = None,
+) -> ModelRunnerOutput:
+    """The model runner's output of one step as the scheduler reads it: the
+    tokens sampled for each scheduled request (in `req_ids` order), no
+    logprobs or pooling, and the KV connector's reports."""
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=sampled_token_ids,
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=[],
+        kv_connector_output=kv_connector_output,
+    )
 
 
 def init_one_process_world() -> None:
@@ -79,6 +101,33 @@ def hypothesis_settings(max_examples: int) -> settings:
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow],
     )
+
+
+def example_settings(fixed_examples: int, steps: int | None = None) -> settings:
+    """The settings of a property or state machine test: a fixed, derandomized
+    set of `fixed_examples` examples (what CI runs), or with
+    ``HMASTACK_RANDOM_EXAMPLES=N`` N examples from a fresh random seed (the
+    blob of a failure printed to reproduce it). A state machine runs `steps`
+    rules per example (``HMASTACK_RANDOM_STEPS=N`` sets another count).
+    ``HMASTACK_RANDOM_NO_SHRINK`` (what ``hmastack conform`` sets on a broken
+    tree) reports the first falsifying example without shrinking it."""
+    per_example = {}
+    if steps is not None:
+        steps = int(os.environ.get("HMASTACK_RANDOM_STEPS", str(steps)))
+        per_example["stateful_step_count"] = steps
+    num_random = int(os.environ.get("HMASTACK_RANDOM_EXAMPLES", "0"))
+    if num_random:
+        chosen = settings(
+            hypothesis_settings(num_random),
+            derandomize=False,
+            print_blob=True,
+            **per_example,
+        )
+    else:
+        chosen = settings(hypothesis_settings(fixed_examples), **per_example)
+    if os.environ.get("HMASTACK_RANDOM_NO_SHRINK"):
+        chosen = settings(chosen, phases=[Phase.explicit, Phase.generate])
+    return chosen
 
 
 def steer_free_queue(block_pool, m2r: dict, r2m: dict, model_blocks: list) -> None:

@@ -143,7 +143,11 @@ from vllm.v1.request import Request, RequestStatus
 from hmastack_testkit import kvtest
 from hmastack_testkit import scripted_connector as scripted
 from hmastack_testkit.eviction_order import EvictionOrder
-from hmastack_testkit.kvtest import make_cpu_vllm_config, make_kv_cache_groups
+from hmastack_testkit.kvtest import (
+    make_cpu_vllm_config,
+    make_kv_cache_groups,
+    model_runner_output,
+)
 from hmastack_testkit.scripted_connector import Load, Offer
 
 BLOCK_SIZE = 16
@@ -1007,13 +1011,9 @@ class Harness:
         side of the connector reports (stores and loads done, the blocks of
         failed loads)."""
         has_kv_output = bool(sending or recving or invalid)
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            logprobs=None,
-            prompt_logprobs_dict={},
-            pooler_output=[],
+        return model_runner_output(
+            req_ids,
+            sampled,
             kv_connector_output=KVConnectorOutput(
                 finished_sending=set(sending) or None,
                 finished_recving=set(recving) or None,
