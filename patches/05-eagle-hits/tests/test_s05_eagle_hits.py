@@ -29,7 +29,6 @@ from hmastack_testkit.kvtest import (
     make_cpu_vllm_config,
     make_kv_cache_config,
     make_scheduler,
-    model_runner_output,
 )
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -37,7 +36,7 @@ from vllm.config import SpeculativeConfig
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
-from vllm.v1.outputs import DraftTokenIds
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
 BLOCK_SIZE = 16
@@ -146,9 +145,13 @@ class Harness:
             sampled.append([500 + (request.num_tokens + j) % 50 for j in range(n)])
         scheduler.update_from_output(
             output,
-            model_runner_output(
-                req_ids,
-                sampled,
+            ModelRunnerOutput(
+                req_ids=req_ids,
+                req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                sampled_token_ids=sampled,
+                logprobs=None,
+                prompt_logprobs_dict={},
+                pooler_output=[],
             ),
         )
         drafted = [

@@ -37,7 +37,6 @@ from hmastack_testkit.kvtest import (
     make_kv_cache_groups,
     make_request,
     make_scheduler,
-    model_runner_output,
 )
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
@@ -68,7 +67,7 @@ from vllm.v1.kv_offload.worker.worker import (
     TransferResult,
     TransferSpec,
 )
-from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 
 BLOCK_SIZE = 16
@@ -307,9 +306,13 @@ class ClaimedHitMachine(RuleBasedStateMachine):
                 sampled.append([EOS if i in eos else 7])
         self.scheduler.update_from_output(
             output,
-            model_runner_output(
-                req_ids,
-                sampled,
+            ModelRunnerOutput(
+                req_ids=req_ids,
+                req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                sampled_token_ids=sampled,
+                logprobs=None,
+                prompt_logprobs_dict={},
+                pooler_output=None,
                 kv_connector_output=KVConnectorOutput(
                     finished_sending=finished_sending,
                     finished_recving=finished_recving,

@@ -45,7 +45,6 @@ from hmastack_testkit.kvtest import (
     make_kv_cache_config,
     make_request,
     make_scheduler,
-    model_runner_output,
 )
 from vllm.config import KVEventsConfig, KVTransferConfig, SpeculativeConfig
 from vllm.distributed.kv_events import KVEventBatch
@@ -53,7 +52,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
-from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput
+from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
 
 BLOCK_SIZE = 16
 WINDOW = 32
@@ -191,9 +190,13 @@ class Router:
             sampled[-1].append(600 + request.num_tokens % 50)
         scheduler.update_from_output(
             output,
-            model_runner_output(
-                req_ids,
-                sampled,
+            ModelRunnerOutput(
+                req_ids=req_ids,
+                req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                sampled_token_ids=sampled,
+                logprobs=None,
+                prompt_logprobs_dict={},
+                pooler_output=[],
                 kv_connector_output=connector_output,
             ),
         )
