@@ -54,12 +54,13 @@ def test_e2e_ci_set(capfd):
         assert report is not None, f"stage {stage}: hmastack e2e wrote no report"
         assert report.quick and report.stages == [stage]
         verdicts += report.verdicts
+        # the end of a detail is the error and the end of the engine's log
         failed = [
-            (v.scenario, v.outcome, v.detail[:300])
+            f"{v.scenario} ({v.outcome}): {v.detail[-2000:]}"
             for v in report.verdicts
             if not v.passed
         ]
-        assert not failed, f"stage {stage}: {failed}"
+        assert not failed, f"stage {stage}:\n" + "\n\n".join(failed)
         assert proc.returncode == 0
     compared = [v for v in verdicts if v.outcome == "equal"]
     assert len(compared) >= 10, "too few scenarios compared their outputs"

@@ -10,6 +10,7 @@ group killed on the way out, also on errors and time-outs).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -17,9 +18,21 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 START_TIMEOUT = 240.0
+# ``_free_port`` closes the port it found; ``vllm serve`` binds it seconds
+# later, after its imports. Another process (the other engine of ``--jobs 2``)
+# may take it in between: the server then exits with this error, and starts
+# again on a new port.
+PORT_TAKEN = "Address already in use"
+ATTEMPTS = 3
+LOG_TAIL_LINES = 40
+
+
+class ServerExited(RuntimeError):
+    """``vllm serve`` ended before it answered ``/health``."""
 
 
 def _free_port() -> int:
@@ -66,7 +79,6 @@ def run(plan, prompt: list[int], log: Path) -> list[dict]:
     ``RequestRecord``-shaped dicts (``first``, ``second``)."""
     import openai
 
-    port = _free_port()
     config = {
         "kv_connector": "CPUTestHMAConnector"
         if plan.connector == "hma"
@@ -75,68 +87,66 @@ def run(plan, prompt: list[int], log: Path) -> list[dict]:
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"store_dir": str(plan.store_dir)},
     }
-    cmd = _serve_cmd(plan, port, config, prefix_caching=False)
-    # subprocess directly: the engine environment has no hmastack (whose
-    # core.process runs every command of the tool itself)
-    with log.open("w") as out:
-        server = subprocess.Popen(
-            cmd,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            env=os.environ.copy(),
-        )
-        try:
-            _wait_up(server, port, time.monotonic() + START_TIMEOUT)
-            client = openai.OpenAI(
-                base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120
+
+    def start() -> tuple[subprocess.Popen, int]:
+        port = _free_port()
+        # subprocess directly: the engine environment has no hmastack (whose
+        # core.process runs every command of the tool itself)
+        with log.open("w") as out:
+            server = subprocess.Popen(
+                _serve_cmd(plan, port, config, prefix_caching=False),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env=os.environ.copy(),
             )
-            records = []
-            for key, expected in (("first", 0), ("second", len(prompt) // 16 * 16)):
-                resp = client.completions.create(
-                    model="tiny",
-                    prompt=prompt,
-                    max_tokens=8,
-                    temperature=0.0,
-                    extra_body={"return_token_ids": True, "min_tokens": 8},
-                )
-                choice = resp.choices[0]
-                details = resp.usage.prompt_tokens_details
-                records.append(
-                    {
-                        "key": key,
-                        "prompt_len": len(prompt),
-                        "tokens": list(choice.token_ids or []),
-                        "logprobs": [],
-                        # vLLM leaves prompt_tokens_details out when nothing
-                        # was cached
-                        "num_cached_tokens": (details.cached_tokens or 0)
-                        if details
-                        else 0,
-                        "expected_cached": expected,
-                        "kv_transfer_params": None,
-                        # the server returns logprobs as token strings, and
-                        # runs without a tokenizer here: tokens only
-                        "tokens_only": True,
-                    }
-                )
-            return records
-        finally:
-            os.killpg(server.pid, signal.SIGTERM)
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-                server.wait()
+        return server, port
+
+    ((server, port),) = _start_up([(start, log)], time.monotonic() + START_TIMEOUT)
+    try:
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120
+        )
+        records = []
+        for key, expected in (("first", 0), ("second", len(prompt) // 16 * 16)):
+            resp = client.completions.create(
+                model="tiny",
+                prompt=prompt,
+                max_tokens=8,
+                temperature=0.0,
+                extra_body={"return_token_ids": True, "min_tokens": 8},
+            )
+            choice = resp.choices[0]
+            details = resp.usage.prompt_tokens_details
+            records.append(
+                {
+                    "key": key,
+                    "prompt_len": len(prompt),
+                    "tokens": list(choice.token_ids or []),
+                    "logprobs": [],
+                    # vLLM leaves prompt_tokens_details out when nothing
+                    # was cached
+                    "num_cached_tokens": (details.cached_tokens or 0) if details else 0,
+                    "expected_cached": expected,
+                    "kv_transfer_params": None,
+                    # the server returns logprobs as token strings, and
+                    # runs without a tokenizer here: tokens only
+                    "tokens_only": True,
+                }
+            )
+        return records
+    finally:
+        _stop(server)
 
 
 # --- P/D with NixlConnector: two servers and a proxy --------------------------------
 
 
-def _nixl_server(plan, port: int, side_channel_port: int, log: Path):
-    """``vllm serve`` with NixlConnector (kv_both) on 127.0.0.1; its NIXL side
-    channel and UCX on the loopback interface too."""
+def _nixl_server(plan, log: Path) -> tuple[subprocess.Popen, int]:
+    """``vllm serve`` with NixlConnector (kv_both) on 127.0.0.1 (a free port);
+    its NIXL side channel and UCX on the loopback interface too."""
+    port, side_channel_port = _free_port(), _free_port()
     config = {
         "kv_connector": "NixlConnector",
         "kv_role": "kv_both",
@@ -149,35 +159,90 @@ def _nixl_server(plan, port: int, side_channel_port: int, log: Path):
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
         "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"),
     }
-    out = log.open("w")
-    return subprocess.Popen(
-        cmd,
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-        env=env,
-    )
+    with log.open("w") as out:
+        server = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=env,
+        )
+    return server, port
 
 
-def _wait_up(server, port: int, deadline: float) -> None:
+def _log_tail(log: Path) -> str:
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError as exc:
+        return f"(no log: {exc})"
+    return "\n".join(lines[-LOG_TAIL_LINES:])
+
+
+def _start_up(
+    starts: list[tuple[Callable[[], tuple[subprocess.Popen, int]], Path]],
+    deadline: float,
+) -> list[tuple[subprocess.Popen, int]]:
+    """Start every server (``start`` picks its ports and writes ``log``) at
+    once and wait until each answers ``/health``. A server that exits because
+    its port was taken before it bound it starts again on new ports, up to
+    ``ATTEMPTS`` times; any other exit stops them all and raises
+    ``ServerExited`` with the end of its log."""
+    running = [start() for start, _ in starts]
+    try:
+        for i, (start, log) in enumerate(starts):
+            for attempt in range(1, ATTEMPTS + 1):
+                server, port = running[i]
+                try:
+                    _wait_up(server, port, deadline, log)
+                    break
+                except ServerExited:
+                    taken = PORT_TAKEN in _log_tail(log)
+                    if not taken or attempt == ATTEMPTS:
+                        raise
+                    print(
+                        f"vllm serve: a port was taken before it bound it "
+                        f"({log.name}); starting it again on new ports",
+                        file=sys.stderr,
+                    )
+                    _stop(server)
+                    running[i] = start()
+    except BaseException:
+        for server, _ in running:
+            _stop(server)
+        raise
+    return running
+
+
+def _wait_up(server, port: int, deadline: float, log: Path) -> None:
     import requests
 
     while True:
         if server.poll() is not None:
-            raise RuntimeError(f"vllm serve exited with {server.returncode}")
+            raise ServerExited(
+                f"vllm serve exited with {server.returncode} before it was up; "
+                f"the end of {log}:\n{_log_tail(log)}"
+            )
         try:
             if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).ok:
                 return
         except requests.RequestException:
             pass
         if time.monotonic() > deadline:
-            raise TimeoutError(f"vllm serve not up after {START_TIMEOUT} s")
+            raise TimeoutError(
+                f"vllm serve not up after {START_TIMEOUT} s; the end of {log}:\n"
+                + _log_tail(log)
+            )
         time.sleep(1)
 
 
 def _stop(server) -> None:
-    os.killpg(server.pid, signal.SIGTERM)
+    """Stop the server's process group (its engine core too)."""
+    try:
+        os.killpg(server.pid, signal.SIGTERM)
+    except ProcessLookupError:  # the group has ended already
+        server.wait()
+        return
     try:
         server.wait(timeout=30)
     except subprocess.TimeoutExpired:
@@ -236,18 +301,15 @@ def run_pd(plan, prompt: list[int], log: Path) -> list[dict]:
     the decode server received from the prefill server."""
     import openai
 
-    ports = [_free_port() for _ in range(4)]
     servers = []
     httpd = None
     try:
-        for i in range(2):
-            servers.append(
-                _nixl_server(plan, ports[i], ports[2 + i], log.with_suffix(f".{i}.log"))
-            )
-        deadline = time.monotonic() + START_TIMEOUT
-        for server, port in zip(servers, ports[:2], strict=True):
-            _wait_up(server, port, deadline)
-        httpd = _proxy(ports[0], ports[1])
+        logs = [log.with_suffix(f".{i}.log") for i in range(2)]
+        servers = _start_up(
+            [(functools.partial(_nixl_server, plan, side), side) for side in logs],
+            time.monotonic() + START_TIMEOUT,
+        )
+        httpd = _proxy(servers[0][1], servers[1][1])
         client = openai.OpenAI(
             base_url=f"http://127.0.0.1:{httpd.server_address[1]}/v1",
             api_key="none",
@@ -278,5 +340,5 @@ def run_pd(plan, prompt: list[int], log: Path) -> list[dict]:
     finally:
         if httpd is not None:
             httpd.shutdown()
-        for server in servers:
+        for server, _ in servers:
             _stop(server)
