@@ -726,3 +726,21 @@ def test_a_pd_handoff_has_one_shape(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
     with pytest.raises(TimeoutError, match="kv_transfer_params"):
         scenarios.read_handoff(tmp_path / "none", seconds=0.1)
+
+
+def test_a_nixl_pair_whose_port_was_taken_is_named(tmp_path):
+    """The pair runs again only when a log of its own says a port it was to
+    bind was taken (ZeroMQ's side channel, Gloo, Python all print errno 98
+    so); any other failure stands."""
+    pair = tuple(
+        runner.Process(name, "06", "gemma-5to1", True, "nixl", cat.Engine("pd"), [])
+        for name in ("produce", "consume")
+    )
+    assert runner.port_taken(tmp_path, pair) is None  # no log yet
+    (tmp_path / "produce.log").write_text("INFO engine up\n")
+    (tmp_path / "consume.log").write_text(
+        "zmq.error.ZMQError: Address already in use (addr='tcp://127.0.0.1:5')\n"
+    )
+    assert runner.port_taken(tmp_path, pair) == "consume"
+    (tmp_path / "consume.log").write_text("RuntimeError: NIXL handshake refused\n")
+    assert runner.port_taken(tmp_path, pair) is None

@@ -38,6 +38,11 @@ from hmastack.e2e.environment import place_kernels
 REPORT = "e2e.json"
 PROCESS_TIMEOUT = 240.0  # seconds for one engine process, plus per scenario:
 SCENARIO_TIMEOUT = 60.0
+# The error of a bind to a port another process took (Linux's EADDRINUSE, as
+# Python, ZeroMQ and Gloo print it); a NixlConnector pair runs again on new
+# ports, up to PORT_ATTEMPTS times.
+PORT_TAKEN = "Address already in use"
+PORT_ATTEMPTS = 3
 
 
 @dataclass
@@ -274,15 +279,25 @@ def run_stage(
                 f.result()
     # NixlConnector pairs: producer and consumer at once, one pair after another.
     for pair in nixl_pairs(procs):
-        for p in pair:
-            p.side_channel_port = free_port()
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            futures = [
-                pool.submit(run_process, cfg, p, trees, support, models, workdir)
-                for p in pair
-            ]
-            for f in futures:
-                f.result()
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            for p in pair:
+                p.side_channel_port = free_port()
+            with ThreadPoolExecutor(max_workers=2) as pool:
+                futures = [
+                    pool.submit(run_process, cfg, p, trees, support, models, workdir)
+                    for p in pair
+                ]
+                for f in futures:
+                    f.result()
+            taken = port_taken(workdir, pair)
+            if taken is None or attempt == PORT_ATTEMPTS:
+                break
+            print(
+                f"  {taken}: a port was taken before it was bound (the side "
+                "channel's is chosen before the engine starts); the pair runs "
+                "again on a new port",
+                flush=True,
+            )
     verdicts = judge_stage(at, scenarios, procs)
     run = StageRun(
         at.key,
@@ -312,6 +327,20 @@ def nixl_pairs(procs: list[Process]) -> list[tuple[Process, ...]]:
     return [
         tuple(sorted(pair, key=lambda p: not p.producer)) for pair in pairs.values()
     ]
+
+
+def port_taken(workdir: Path, procs: tuple[Process, ...]) -> str | None:
+    """The name of the first of ``procs`` whose log says that a port it was
+    to bind was taken (``free_port`` finds a port that nothing listens on
+    *now*; another process may bind it before the engine does)."""
+    for p in procs:
+        try:
+            text = (workdir / f"{p.name}.log").read_text(errors="replace")
+        except OSError:
+            continue
+        if PORT_TAKEN in text:
+            return p.name
+    return None
 
 
 def free_port() -> int:
