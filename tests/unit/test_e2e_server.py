@@ -52,6 +52,17 @@ def _starter(log: Path, ports: list[int]):
     return start, started
 
 
+def _exiting(log: Path, code: str) -> subprocess.Popen:
+    """A stand-in that ends at once with ``raise SystemExit(code)``."""
+    with log.open("w") as out:
+        return subprocess.Popen(
+            [sys.executable, "-c", f"raise SystemExit({code})"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
 def _stop_all(running):
     for proc, _ in running:
         server._stop(proc)
@@ -90,15 +101,8 @@ def test_a_server_that_exits_for_another_reason_is_not_started_again(tmp_path):
     started = []
 
     def start():
-        with log.open("w") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-c", "raise SystemExit('no model here')"],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        started.append(proc)
-        return proc, server._free_port()
+        started.append(_exiting(log, "'no model here'"))
+        return started[-1], server._free_port()
 
     with pytest.raises(server.ServerExited) as caught:
         server._start_up([(start, log)], time.monotonic() + 60)
@@ -118,14 +122,7 @@ def test_when_one_server_fails_the_others_are_stopped(tmp_path):
         return proc, port
 
     def start_bad():
-        with bad_log.open("w") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-c", "raise SystemExit(3)"],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        return proc, server._free_port()
+        return _exiting(bad_log, "3"), server._free_port()
 
     with pytest.raises(server.ServerExited, match="exited with 3"):
         server._start_up(

@@ -74,6 +74,33 @@ def _serve_cmd(plan, port: int, config: dict, *, prefix_caching: bool) -> list[s
     ]
 
 
+def _complete(client, prompt: list[int], key: str, expected_cached: int) -> dict:
+    """One completion of ``prompt`` (8 tokens, greedy) through the ``openai``
+    client; a ``RequestRecord``-shaped dict."""
+    resp = client.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=8,
+        temperature=0.0,
+        extra_body={"return_token_ids": True, "min_tokens": 8},
+    )
+    choice = resp.choices[0]
+    details = resp.usage.prompt_tokens_details
+    return {
+        "key": key,
+        "prompt_len": len(prompt),
+        "tokens": list(choice.token_ids or []),
+        "logprobs": [],
+        # vLLM leaves prompt_tokens_details out when nothing was cached
+        "num_cached_tokens": (details.cached_tokens or 0) if details else 0,
+        "expected_cached": expected_cached,
+        "kv_transfer_params": None,
+        # the server returns logprobs as token strings, and runs without a
+        # tokenizer here: tokens only
+        "tokens_only": True,
+    }
+
+
 def run(plan, prompt: list[int], log: Path) -> list[dict]:
     """Two completions of ``prompt`` through the server; returns two
     ``RequestRecord``-shaped dicts (``first``, ``second``)."""
@@ -108,33 +135,10 @@ def run(plan, prompt: list[int], log: Path) -> list[dict]:
         client = openai.OpenAI(
             base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120
         )
-        records = []
-        for key, expected in (("first", 0), ("second", len(prompt) // 16 * 16)):
-            resp = client.completions.create(
-                model="tiny",
-                prompt=prompt,
-                max_tokens=8,
-                temperature=0.0,
-                extra_body={"return_token_ids": True, "min_tokens": 8},
-            )
-            choice = resp.choices[0]
-            details = resp.usage.prompt_tokens_details
-            records.append(
-                {
-                    "key": key,
-                    "prompt_len": len(prompt),
-                    "tokens": list(choice.token_ids or []),
-                    "logprobs": [],
-                    # vLLM leaves prompt_tokens_details out when nothing
-                    # was cached
-                    "num_cached_tokens": (details.cached_tokens or 0) if details else 0,
-                    "expected_cached": expected,
-                    "kv_transfer_params": None,
-                    # the server returns logprobs as token strings, and
-                    # runs without a tokenizer here: tokens only
-                    "tokens_only": True,
-                }
-            )
+        records = [
+            _complete(client, prompt, key, expected)
+            for key, expected in (("first", 0), ("second", len(prompt) // 16 * 16))
+        ]
         return records
     finally:
         _stop(server)
@@ -315,28 +319,8 @@ def run_pd(plan, prompt: list[int], log: Path) -> list[dict]:
             api_key="none",
             timeout=240,
         )
-        resp = client.completions.create(
-            model="tiny",
-            prompt=prompt,
-            max_tokens=8,
-            temperature=0.0,
-            extra_body={"return_token_ids": True, "min_tokens": 8},
-        )
-        choice = resp.choices[0]
-        details = resp.usage.prompt_tokens_details
-        return [
-            {
-                "key": "pd",
-                "prompt_len": len(prompt),
-                "tokens": list(choice.token_ids or []),
-                "logprobs": [],
-                "num_cached_tokens": (details.cached_tokens or 0) if details else 0,
-                # NixlConnector offers every prompt token but the last
-                "expected_cached": len(prompt) - 1,
-                "kv_transfer_params": None,
-                "tokens_only": True,
-            }
-        ]
+        # NixlConnector offers every prompt token but the last
+        return [_complete(client, prompt, "pd", len(prompt) - 1)]
     finally:
         if httpd is not None:
             httpd.shutdown()
