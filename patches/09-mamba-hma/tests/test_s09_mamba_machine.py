@@ -6,7 +6,9 @@ machine adds requests whose first tokens the connector holds (loaded
 synchronously or asynchronously, a whole prompt as a P/D consumer's, or
 part of one), schedules steps whose output a fake model runner returns,
 finishes and fails loads (of the Mamba state block or of an attention
-block) and aborts requests. After every step:
+block) and aborts requests. Every example starts with a P/D consumer's
+request whose prompt ends on a block boundary, and finishes its load. After
+every step:
 
 * ``MambaTable``: a Mamba group's block table is null blocks, then real
   blocks: the state block(s) and the blocks of the tokens since.
@@ -16,14 +18,22 @@ block) and aborts requests. After every step:
   the tokens it computes in the step; ``ExternalAligned``: the external
   computed tokens end on a Mamba block boundary.
 * ``ValidState``: a request that has computed tokens holds, in its Mamba
-  group, a real block of the state after its last computed token that no
-  failed load left invalid: a failed state load makes it compute again from
-  a valid state (here: from the start, the Mamba group holding no earlier
-  state).
+  group, a real block that holds the state after its last computed token:
+  a failed state load makes it compute again from a valid state (here: from
+  the start, the Mamba group holding no earlier state). The machine follows
+  what each Mamba block holds: a step that computes tokens writes, into the
+  block of each token, the state after the last of them in the block; a
+  load writes the state after the block's last token (what a connector
+  stores); a failed load and a new allocation leave a block without a state.
+  ``ValidStateRead``: each step also reads, for every request it computes
+  from a token ``s > 0``, the state after token ``s - 1`` from its block.
 
-The witness: with ``can_recompute_from`` asking the full attention group
-only, a failed load of the Mamba state block leaves a request resuming from
-a state no block holds, and ``ValidState`` fails.
+The witnesses: with ``can_recompute_from`` asking the full attention group
+only, a failed load leaves a request resuming from a state no block holds;
+with external computed tokens that end between Mamba block boundaries, or
+at the request's last token (which it then computes again from the state
+before it), the request reads a state block that holds the state after
+another token; ``ValidState`` or ``ValidStateRead`` fails.
 """
 
 from __future__ import annotations
@@ -121,9 +131,9 @@ class Harness:
         self.prompts: dict[str, list[int]] = {}
         self.finished_recving: set[str] = set()
         self.invalid_block_ids: set[int] = set()
-        # Blocks a failed load left invalid, until a step or a new allocation
-        # writes them again.
-        self.invalid: set[int] = set()
+        # Mamba block id -> the token after which it holds the state (none:
+        # a new block, or one a failed load left invalid).
+        self.states: dict[int, int] = {}
         self.violations: list[str] = []
         self._wrap()
 
@@ -133,7 +143,8 @@ class Harness:
 
         def allocating(num_blocks):
             blocks = get_new_blocks(num_blocks)
-            self.invalid.difference_update(b.block_id for b in blocks)
+            for b in blocks:
+                self.states.pop(b.block_id, None)
             return blocks
 
         def measured(request, num_new_tokens, num_new_computed_tokens=0, *args, **kw):
@@ -166,7 +177,7 @@ class Harness:
         load_async: bool,
         max_tokens: int,
         after: int | None = None,
-    ) -> None:
+    ) -> str:
         """A request whose first `num_external` tokens the connector holds;
         with `after`, its prompt starts with that of a finished request
         (picked by `after`), whose blocks may be prefix cache hits."""
@@ -192,6 +203,7 @@ class Harness:
         self.scheduler.add_request(
             kvtest.make_request(req_id, prompt, BLOCK_SIZE, max_tokens, EOS)
         )
+        return req_id
 
     def step(self, fail_sync: int | None) -> None:
         scheduler, connector = self.scheduler, self.connector
@@ -209,16 +221,28 @@ class Harness:
                 group = groups[fail_sync % len(groups)]
                 invalid.add(group[fail_sync % len(group)])
                 COVERAGE["sync load failed"] += 1
-        self.invalid |= invalid
-        # The step writes the blocks of the tokens it computes (not those a
-        # failed load of this step left invalid).
+        # The synchronous loads write their blocks ahead of the step, the
+        # asynchronous loads it reports before the next one.
+        for req_id, load in connector.sync_loads.items():
+            self.write_loaded(req_id, load, invalid)
+        for req_id in self.finished_recving:
+            if req_id in connector.pending:
+                self.write_loaded(req_id, connector.pending[req_id], invalid)
+        for block_id in invalid:
+            self.states.pop(block_id, None)
+        # The step reads the state after the token before the first it
+        # computes, and writes the state after the last token it computes in
+        # each block into that block (not into one a failed load of this step
+        # left invalid).
         for req_id, n in output.num_scheduled_tokens.items():
             request = scheduler.requests[req_id]
             end = request.num_computed_tokens
-            for group in self.manager.get_block_ids(req_id):
-                for b in group[(end - n) // BLOCK_SIZE : cdiv(end, BLOCK_SIZE)]:
-                    if b not in invalid:
-                        self.invalid.discard(b)
+            table = self.mamba_table(req_id)
+            self.check_read(req_id, table, end - n, invalid)
+            for i in range((end - n) // BLOCK_SIZE, cdiv(end, BLOCK_SIZE)):
+                b = table[i]
+                if not b.is_null and b.block_id not in invalid:
+                    self.states[b.block_id] = min(end, (i + 1) * BLOCK_SIZE) - 1
         req_ids = list(output.num_scheduled_tokens)
         sampled = []
         for req_id in req_ids:
@@ -241,6 +265,18 @@ class Harness:
             ),
         )
 
+    def write_loaded(self, req_id: str, load: scripted.Load, invalid: set[int]) -> None:
+        """A load writes into each Mamba block the state after the block's
+        last token (a failed load: none)."""
+        table = {b.block_id: i for i, b in enumerate(self.mamba_table(req_id))}
+        for block_id in load.block_ids[MAMBA]:
+            if block_id not in invalid and block_id in table:
+                self.states[block_id] = (table[block_id] + 1) * BLOCK_SIZE - 1
+
+    def mamba_table(self, req_id: str) -> list:
+        mamba = self.manager.coordinator.single_type_managers[MAMBA]
+        return mamba.req_to_blocks.get(req_id, [])
+
     def loads_to_report(self) -> list[str]:
         return sorted(set(self.connector.pending) - self.finished_recving)
 
@@ -248,6 +284,16 @@ class Harness:
         loads = self.loads_to_report()
         req_id = loads[pick % len(loads)]
         COVERAGE["async load finished"] += 1
+        request = self.scheduler.requests.get(req_id)
+        offer = self.connector.offers[req_id]
+        if (
+            fail_group is None
+            and request is not None
+            and offer.whole_prompt
+            and offer.tokens >= request.num_prompt_tokens
+            and request.num_prompt_tokens % BLOCK_SIZE == 0
+        ):
+            COVERAGE["async load of a whole prompt ending on a boundary finished"] += 1
         if fail_group is not None:
             groups = [g for g in self.connector.pending[req_id].block_ids if g]
             if groups:
@@ -308,10 +354,34 @@ class Harness:
                 f"(the minimum is {want})"
             )
 
+    def check_read(self, req_id: str, table: list, start: int, invalid: set[int]):
+        """ValidStateRead: a step that computes a request's tokens from
+        `start` on reads the state after token `start - 1` (unless a failed
+        load of the step left that block invalid: the scheduler then discards
+        the step's tokens, and ValidState checks where the request goes
+        on)."""
+        if start == 0:
+            return
+        pos = (start - 1) // BLOCK_SIZE
+        state = table[pos] if pos < len(table) else None
+        if state is None or state.is_null:
+            self.violations.append(
+                f"ValidStateRead violated: {req_id} computes from token {start} "
+                f"and holds no block of the state after token {start - 1}"
+            )
+        elif state.block_id not in invalid and (
+            self.states.get(state.block_id) != start - 1
+        ):
+            self.violations.append(
+                f"ValidStateRead violated: {req_id} computes from token {start} "
+                f"on the state block {state.block_id}, which holds the state "
+                f"after token {self.states.get(state.block_id)} (none: no "
+                f"state), not after token {start - 1}"
+            )
+
     def check_all(self) -> None:
-        mamba = self.manager.coordinator.single_type_managers[MAMBA]
         for req_id, request in self.scheduler.requests.items():
-            table = mamba.req_to_blocks.get(req_id, [])
+            table = self.mamba_table(req_id)
             nulls = [b.is_null for b in table]
             first_real = nulls.index(False) if False in nulls else len(nulls)
             assert not any(nulls[first_real:]), (
@@ -330,9 +400,11 @@ class Harness:
                 f"ValidState violated: {req_id} has computed {c} tokens and "
                 f"holds no block of the state after token {c - 1}"
             )
-            assert state.block_id not in self.invalid, (
+            assert self.states.get(state.block_id) == c - 1, (
                 f"ValidState violated: {req_id} has computed {c} tokens on the "
-                f"state block {state.block_id}, which a failed load left invalid"
+                f"state block {state.block_id}, which holds the state after token "
+                f"{self.states.get(state.block_id)} (none: no state, e.g. a "
+                f"failed load left it invalid)"
             )
         assert not self.violations, self.violations
 
@@ -358,11 +430,33 @@ request_args = st.fixed_dictionaries(
 class MambaSchedulerMachine(RuleBasedStateMachine):
     harness: Harness
 
-    @initialize(setup=setups, first=st.lists(request_args, min_size=1, max_size=3))
-    def start(self, setup, first):
+    @initialize(
+        setup=setups,
+        consumer_blocks=st.integers(2, 12),
+        first=st.lists(request_args, max_size=3),
+    )
+    def start(self, setup, consumer_blocks, first):
+        """Every example starts with a P/D consumer's request whose prompt
+        ends on a block boundary and whose load finishes in its first two
+        steps: the connector has the whole prompt, and the request computes
+        its last token again from the state before it, which the block of
+        that token does not hold (it holds the state after it)."""
         self.harness = Harness(setup)
+        consumer = self.harness.add_request(
+            num_prompt=consumer_blocks * BLOCK_SIZE,
+            num_external=consumer_blocks * BLOCK_SIZE,
+            load_async=True,
+            max_tokens=4,
+        )
         for args in first:
             self.harness.add_request(**args)
+        self.harness.step(None)
+        self.harness.check_all()
+        loads = self.harness.loads_to_report()
+        if consumer in loads:
+            self.harness.finish_load(loads.index(consumer), None, 0)
+        self.harness.step(None)
+        self.harness.check_all()
 
     @rule(args=request_args)
     def add_request(self, args):
@@ -400,8 +494,10 @@ class MambaSchedulerMachine(RuleBasedStateMachine):
 
 # A fixed, derandomized set of examples; a larger run with a fresh random seed
 # each time: HMASTACK_RANDOM_EXAMPLES=N (and HMASTACK_RANDOM_STEPS=N, the
-# rules per example), as the machine of the connector requests' stage.
-FIXED_EXAMPLES = 30
+# rules per example), as the machine of the connector requests' stage. An
+# example takes a few tens of milliseconds: 100 of them cover every path of
+# REQUIRED_COVERAGE several times.
+FIXED_EXAMPLES = 100
 SETTINGS = example_settings(FIXED_EXAMPLES, steps=30)
 
 MambaSchedulerMachine.TestCase.settings = SETTINGS
@@ -415,6 +511,7 @@ REQUIRED_COVERAGE = (
     "sync load",
     "sync load failed",
     "async load finished",
+    "async load of a whole prompt ending on a boundary finished",
     "async load of a Mamba state block failed",
     "async load of attention blocks failed",
 )
