@@ -512,7 +512,10 @@ def test_fixtures_present_and_replayed():
     process leaving its loop, which moves no block (the others: the rest of a
     trace stopped at an event the replay does not map or at the model's other
     eviction choice)."""
-    assert len(TRACES) >= 20
+    # the committed fixtures are 20 or more; `hmastack conform --traces N`
+    # simulates N fresh ones
+    fresh = os.environ.get("HMASTACK_REPLAY_TRACES") is not None
+    assert len(TRACES) >= (1 if fresh else 20), FIXTURES
     index = traces.read_index(FIXTURES)
     assert len(index.traces) == len(TRACES)
     if STATS["traces"] == len(TRACES):
