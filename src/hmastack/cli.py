@@ -398,7 +398,7 @@ def add_traces_parser(sub: Subparsers) -> None:
     p.add_argument("model", help="a model of spec/manifest.toml, or a .cfg path")
     p.add_argument(
         "-n",
-        type=int,
+        type=count,
         default=traces.DEFAULT_NUM,
         help=f"behaviours (default {traces.DEFAULT_NUM})",
     )

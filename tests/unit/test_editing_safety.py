@@ -794,6 +794,10 @@ def _bad(project: config.Config, tmp: Path, case: str) -> tuple[list[str], dict]
         return ["export", "--empty-stage", "9"], {}
     if case == "--jobs 0":
         return ["test", "--jobs", "0"], {}
+    if case == "spec traces -n x":
+        return ["spec", "traces", "series-saves", "-n", "x"], {}
+    if case == "spec traces --depth 1":
+        return ["spec", "traces", "series-saves", "--depth", "1"], {}
     if case == "a stage without README.md":
         (root / "patches" / "02-second" / "README.md").unlink()
         return ["apply"], {}
@@ -821,6 +825,8 @@ BAD = {
     "an unknown stage": "unknown stage '9'",
     "export --empty-stage of an unknown stage": "unknown stage '9'",
     "--jobs 0": "argument --jobs: 0 is too small: 1 or more",
+    "spec traces -n x": "argument -n: 'x' is not a number",
+    "spec traces --depth 1": "--depth 1 is too small",
     "a stage without README.md": "stage 02-second has no README.md",
     "patches/ missing": "patches does not exist",
     "export before any workspace": "no workspace at",

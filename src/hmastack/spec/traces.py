@@ -265,6 +265,12 @@ def cmd_traces(
     from hmastack.spec import manifest as spec_manifest
     from hmastack.spec import models as spec
 
+    if depth < 2:
+        raise HmastackError(
+            f"--depth {depth} is too small",
+            "--depth takes 2 or more (states per behaviour); see hmastack spec "
+            "traces --help",
+        )
     root, _, reports = spec.paths()
     settings = spec_manifest.load_settings(root)
     if counterexample_only:
