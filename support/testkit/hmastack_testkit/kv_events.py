@@ -333,7 +333,10 @@ class Index:
         ``min(L, len - 1)``; with eagle, of the last block boundary before
         them), and offers at least one block. The scheduler computes the
         last token again when L is the whole prompt: it reports
-        ``min(L, len - 1)``, or L0 with no tier hit.
+        ``min(L, len - 1)``, or L0 with no tier hit. With a Mamba group, L
+        ends before the last token (the scheduler loads the state after
+        token L - 1 and computes the last token from the state before it):
+        a prompt of whole blocks gets one block less.
 
         ``engine_rule=True`` is the negative control with eagle: the rule of
         the engine's own hit (:func:`needed_blocks` with the block after the
@@ -367,7 +370,9 @@ class Index:
                     return False
             return True
 
-        last = len(tokens) // step * step
+        # With a Mamba group the loaded tokens end before the last token.
+        mamba = any(g.kind == "mamba" for g in groups)
+        last = (len(tokens) - mamba) // step * step
         if control:
             # the block after the hit ends at or before the last token
             last = (len(tokens) - 1) // step * step - step
