@@ -1,0 +1,71 @@
+"""LMCache retrieves fewer chunks than it claimed: a failed load.
+
+Between LMCache's lookup (scheduler) and its retrieve (worker) a chunk can go
+(evicted, a backend that cannot read it). The retrieve then returns a mask of
+the tokens it wrote; the adapter reports the blocks of every token it did not
+write (``get_block_ids_with_load_errors``) and vLLM's recovery (stage
+``00c``, ``03``) computes them again. Every token the mask says was
+retrieved must have been written: a token reported neither as loaded nor
+as failed is read as KV that is not there.
+"""
+
+from __future__ import annotations
+
+import layouts
+import pytest
+from harness import Engine
+from layouts import CHUNK
+
+PROMPT = list(range(5000, 6100))  # 1100 tokens; LMCache stores [0, 1024)
+
+
+def fail_chunks_before_the_load(engine: Engine, token_ids, chunks) -> None:
+    """LMCache loses ``chunks`` of ``token_ids`` after the scheduler's lookup
+    and before the worker's retrieve (the next ``start_load_kv``)."""
+    start_load_kv = engine.worker.start_load_kv
+
+    def evict_then_load(forward_context, **kwargs):
+        engine.evict_lmcache_chunks(token_ids, chunks)
+        engine.worker.start_load_kv = start_load_kv
+        return start_load_kv(forward_context, **kwargs)
+
+    engine.worker.start_load_kv = evict_then_load
+
+
+@pytest.mark.parametrize("failed_chunk", [1, 2, 3])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        layouts.full_attention_only(),
+        layouts.gpt_oss_like(),
+        layouts.gemma3_like(),
+        layouts.llama4_like(),
+    ],
+    ids=lambda lay: lay.name,
+)
+def test_failed_chunk_is_a_failed_load(make_engine, layout, failed_chunk):
+    """LMCache claims 1024 tokens (chunks 0..3) and loses chunk
+    ``failed_chunk`` before the retrieve: the chunks before it are loaded,
+    the blocks of the tokens from it on are reported, and the request
+    computes them again. Every token each later step reads holds its KV
+    (``Engine.step``), the chunk before the failed one included."""
+    engine: Engine = make_engine(layout, hma=True)
+    engine.add(PROMPT)
+    engine.run()
+    assert engine.scheduler.reset_prefix_cache()
+    b = engine.add(PROMPT[:1024] + [1, 2, 3])
+    fail_chunks_before_the_load(engine, PROMPT[:1024], [failed_chunk])
+    # The step that loads runs its forward pass with what the load wrote; the
+    # failure, reported with its output, makes vLLM drop what it computed
+    # (stage 00c). The steps after it read only what the recovery kept.
+    check_reads = engine.check_reads
+    engine.check_reads = lambda so: None
+    engine.step()
+    engine.check_reads = check_reads
+    load = engine.loads[b.request_id]
+    assert (load.num_local_tokens, load.num_external_tokens) == (0, 1024)
+    request = engine.requests[b.request_id]
+    # The recovery keeps what was loaded before the failed chunk, at most.
+    assert request.num_computed_tokens <= failed_chunk * CHUNK
+    engine.run()  # checks every token the later steps read
+    assert engine.requests[b.request_id].is_finished()
