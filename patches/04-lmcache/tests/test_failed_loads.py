@@ -69,3 +69,33 @@ def test_failed_chunk_is_a_failed_load(make_engine, layout, failed_chunk):
     assert request.num_computed_tokens <= failed_chunk * CHUNK
     engine.run()  # checks every token the later steps read
     assert engine.requests[b.request_id].is_finished()
+
+
+def test_failed_partial_chunk_after_a_local_hit(make_engine, monkeypatch):
+    """With ``save_unfull_chunk``, LMCache also stores a prompt's last,
+    partial chunk. The request has a prefix-cache hit of 320 tokens, so
+    LMCache's load starts at 256 and moves 64 tokens of the hit; LMCache
+    loses the partial chunk (1024..1071) before the retrieve. The tokens of
+    the hit that the load moves are no reason to count the partial chunk
+    as loaded: its blocks are a failed load and computed again."""
+    from lmcache.integration.vllm.utils import lmcache_get_or_create_config
+
+    monkeypatch.setattr(lmcache_get_or_create_config(), "save_unfull_chunk", True)
+    engine: Engine = make_engine(layouts.full_attention_only(), hma=True)
+    prompt = PROMPT[:1072]
+    engine.add(prompt)
+    engine.run()
+    assert engine.scheduler.reset_prefix_cache()
+    engine.add(prompt[:330])
+    engine.run()  # vLLM's prefix cache holds tokens 0..319
+    b = engine.add(prompt)
+    fail_chunks_before_the_load(engine, prompt, [4])
+    check_reads = engine.check_reads
+    engine.check_reads = lambda so: None
+    engine.step()
+    engine.check_reads = check_reads
+    load = engine.loads[b.request_id]
+    assert (load.num_local_tokens, load.num_external_tokens) == (320, 751)
+    assert engine.requests[b.request_id].num_computed_tokens <= 1024
+    engine.run()
+    assert engine.requests[b.request_id].is_finished()
