@@ -49,7 +49,24 @@ def test_failed_chunk_is_a_failed_load(make_engine, layout, failed_chunk):
     the blocks of the tokens from it on are reported, and the request
     computes them again. Every token each later step reads holds its KV
     (``Engine.step``), the chunk before the failed one included."""
-    engine: Engine = make_engine(layout, hma=True)
+    check_failed_chunk(make_engine(layout, hma=True), failed_chunk)
+
+
+@pytest.mark.parametrize("failed_chunk", [1, 3])
+@pytest.mark.parametrize(
+    "layout",
+    [layouts.gpt_oss_like(48), layouts.gemma3_like(64)],
+    ids=lambda lay: lay.name,
+)
+def test_failed_chunk_with_eagle(make_engine, layout, failed_chunk):
+    """The same with eagle: the sliding-window tables start one block
+    earlier (the window of the hit a later request takes)."""
+    check_failed_chunk(make_engine(layout, hma=True, use_eagle=True), failed_chunk)
+
+
+def check_failed_chunk(engine: Engine, failed_chunk: int) -> None:
+    """A stores PROMPT; B's load of its first 1024 tokens loses chunk
+    ``failed_chunk``, and B finishes reading only correct KV."""
     engine.add(PROMPT)
     engine.run()
     assert engine.scheduler.reset_prefix_cache()
