@@ -66,7 +66,8 @@ def test_failed_chunk_with_eagle(make_engine, layout, failed_chunk):
 
 def check_failed_chunk(engine: Engine, failed_chunk: int) -> None:
     """A stores PROMPT; B's load of its first 1024 tokens loses chunk
-    ``failed_chunk``, and B finishes reading only correct KV."""
+    ``failed_chunk``; B finishes reading only correct KV and stores the
+    chunks it computed again."""
     engine.add(PROMPT)
     engine.run()
     assert engine.scheduler.reset_prefix_cache()
@@ -86,6 +87,9 @@ def check_failed_chunk(engine: Engine, failed_chunk: int) -> None:
     assert request.num_computed_tokens <= failed_chunk * CHUNK
     engine.run()  # checks every token the later steps read
     assert engine.requests[b.request_id].is_finished()
+    # B computed the lost chunk again and stored it: LMCache holds every
+    # chunk of the prefix, each with its tokens' KV.
+    engine.check_stored_prefix(PROMPT[:1024])
 
 
 def test_failed_partial_chunk_after_a_local_hit(make_engine, monkeypatch):
