@@ -1,5 +1,5 @@
 """Scheduler-side cost of LMCache's vLLM v1 adapter per step
-([lmcache 04.4 vLLM v1 adapter: per-group]).
+([lmcache 04.5 vLLM v1 adapter: per-group]).
 
 One running request of 8192 tokens, 6 KV cache groups (5 sliding W=512, 1
 full), blocks of 16, chunks of 256: drop_skipped_blocks + from_request_tracker
