@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
-from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput
 
 from hmastack_testkit.kv_events import Index, Subscriber
 from hmastack_testkit.kvtest import (
@@ -32,6 +32,7 @@ from hmastack_testkit.kvtest import (
     make_kv_cache_config,
     make_request,
     make_scheduler,
+    model_runner_output,
 )
 
 BLOCK_SIZE = 16
@@ -163,16 +164,7 @@ class Router:
             sampled.append([500 + (request.num_tokens + j) % 50 for j in drafts[:1]])
             sampled[-1].append(600 + request.num_tokens % 50)
         scheduler.update_from_output(
-            output,
-            ModelRunnerOutput(
-                req_ids=req_ids,
-                req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                sampled_token_ids=sampled,
-                logprobs=None,
-                prompt_logprobs_dict={},
-                pooler_output=[],
-                kv_connector_output=connector_output,
-            ),
+            output, model_runner_output(req_ids, sampled, connector_output)
         )
         if scheduler.use_eagle:
             drafted = [
