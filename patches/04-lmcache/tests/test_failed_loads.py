@@ -32,6 +32,19 @@ def fail_chunks_before_the_load(engine: Engine, token_ids, chunks) -> None:
     engine.worker.start_load_kv = evict_then_load
 
 
+def step_that_fails(engine: Engine) -> None:
+    """The step that loads, without checking what it reads: it runs its
+    forward pass with what the load wrote, and the failure, reported with its
+    output, makes vLLM drop what it computed (stage 00c). The steps after it
+    read only what the recovery kept, and are checked."""
+    check_reads = engine.check_reads
+    engine.check_reads = lambda so: None
+    try:
+        engine.step()
+    finally:
+        engine.check_reads = check_reads
+
+
 @pytest.mark.parametrize("failed_chunk", [1, 2, 3])
 @pytest.mark.parametrize(
     "layout",
@@ -73,13 +86,7 @@ def check_failed_chunk(engine: Engine, failed_chunk: int) -> None:
     assert engine.scheduler.reset_prefix_cache()
     b = engine.add(PROMPT[:1024] + [1, 2, 3])
     fail_chunks_before_the_load(engine, PROMPT[:1024], [failed_chunk])
-    # The step that loads runs its forward pass with what the load wrote; the
-    # failure, reported with its output, makes vLLM drop what it computed
-    # (stage 00c). The steps after it read only what the recovery kept.
-    check_reads = engine.check_reads
-    engine.check_reads = lambda so: None
-    engine.step()
-    engine.check_reads = check_reads
+    step_that_fails(engine)
     load = engine.loads[b.request_id]
     assert (load.num_local_tokens, load.num_external_tokens) == (0, 1024)
     request = engine.requests[b.request_id]
@@ -111,10 +118,7 @@ def test_failed_partial_chunk_after_a_local_hit(make_engine, monkeypatch):
     engine.run()  # vLLM's prefix cache holds tokens 0..319
     b = engine.add(prompt)
     fail_chunks_before_the_load(engine, prompt, [4])
-    check_reads = engine.check_reads
-    engine.check_reads = lambda so: None
-    engine.step()
-    engine.check_reads = check_reads
+    step_that_fails(engine)
     load = engine.loads[b.request_id]
     assert (load.num_local_tokens, load.num_external_tokens) == (320, 751)
     assert engine.requests[b.request_id].num_computed_tokens <= 1024
